@@ -1,0 +1,5 @@
+import sys
+
+from p2p_spes.cli import main
+
+sys.exit(main())

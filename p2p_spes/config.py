@@ -1,0 +1,368 @@
+"""Typed run configuration: YAML files and ``--set`` overrides become validated dataclasses.
+
+Every key is checked against the dataclass fields, so a typo is an error naming the key and
+the keys that exist, never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from p2p_spes.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class ModelConfig:
+    """Shapes of the OLMoE-family decoder (see SPEC.md)."""
+
+    vocab_size: int = 8192
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    max_seq_len: int = 256
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-6
+    # "full": one RMSNorm over the whole q (and k) projection, as OLMoE; "per_head": Qwen3-MoE style.
+    qk_norm: Literal["full", "per_head", "none"] = "full"
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+@dataclass
+class MoEConfig:
+    """The mixture-of-experts feed-forward layer and its auxiliary losses."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    ffn_dim: int = 512
+    normalize_top_k: bool = False
+    impl: Literal["auto", "torch", "megablocks"] = "auto"
+    # Kernel of the torch backend: grouped_mm is fast on CUDA, a per-expert loop is faster on CPU.
+    torch_kernel: Literal["auto", "grouped_mm", "loop"] = "auto"
+    lb_loss_weight: float = 0.01
+    router_z_loss_weight: float = 0.001
+
+
+@dataclass
+class ExpertsConfig:
+    """Which experts this peer trains (the rest stay frozen: no gradient, no optimizer state)."""
+
+    # "spes": peer p of P owns [p*n, (p+1)*n) with n = E / P; "explicit": the list in `local`.
+    placement: Literal["spes", "explicit"] = "spes"
+    local: Optional[list[int]] = None
+    # SPES option: scale local experts' load-balance counts from decayed_lb_start to 1 over
+    # the first decayed_lb_fraction of training, letting routing lean toward local experts early.
+    decayed_lb: bool = False
+    decayed_lb_start: float = 0.7
+    decayed_lb_fraction: float = 0.2
+
+
+@dataclass
+class PeerConfig:
+    """This peer's position among ``count`` peers: drives SPES placement and data partitioning."""
+
+    index: int = 0
+    count: int = 1
+
+
+@dataclass
+class DataConfig:
+    """Token shards made by ``p2p-spes data tokenize``; null paths mean the embedded corpus."""
+
+    train: Optional[str] = None
+    validation: Optional[str] = None
+    tokenizer: Optional[str] = None
+    seed: int = 0
+    verify: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, schedule, logging and checkpointing of one peer."""
+
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 300
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    z_loss_weight: float = 1e-5
+    seed: int = 0
+    device: str = "auto"
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 8
+    checkpoint_interval: int = 100
+    keep_checkpoints: int = 2
+    run_dir: str = "runs/default"
+    threads: int = 0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+    def model_fingerprint(self) -> str:
+        """Hash of everything that defines the model's function and weight shapes."""
+        moe = self.moe
+        defining = {
+            "model": dataclasses.asdict(self.model),
+            "moe": {
+                "num_experts": moe.num_experts,
+                "top_k": moe.top_k,
+                "ffn_dim": moe.ffn_dim,
+                "normalize_top_k": moe.normalize_top_k,
+            },
+        }
+        blob = json.dumps(_to_plain(defining), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def local_experts(self) -> list[int]:
+        """The experts this peer trains, by the configured placement rule."""
+        num_experts = self.moe.num_experts
+        if self.experts.placement == "explicit":
+            return sorted(self.experts.local or [])
+        per_peer = num_experts // self.peer.count
+        start = self.peer.index * per_peer
+        return list(range(start, start + per_peer))
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp)) if origin is None else str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{where}: must be one of {', '.join(repr(a) for a in args)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise ConfigError(f"{where}: unsupported type {tp}")
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys to values, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {', '.join(f'{where}.{k}' if where else k for k in unknown)}; "
+            f"valid keys{' of ' + where if where else ''}: {', '.join(names)}"
+        )
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        key = f"{where}.{name}" if where else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name] or {}, key)
+        else:
+            kwargs[name] = _coerce(data[name], tp, key)
+    return cls(**kwargs)
+
+
+def _set_nested(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``section.key=value`` with the value read as YAML (so ``4`` is an int, ``[1,2]`` a list)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example --set model.num_layers=4")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or key.startswith(".") or key.endswith("."):
+        raise ConfigError(f"--set {text!r}: malformed key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc})") from None
+    return key, value
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path as given, or the name of a shipped config (``tiny`` -> configs/tiny.yaml)."""
+    candidate = Path(path)
+    if candidate.exists():
+        return candidate
+    shipped = CONFIG_DIR / f"{path}.yaml"
+    if shipped.exists():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"config file {path} not found; give a YAML path or a shipped config name ({names})")
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    data: dict[str, Any] | None = None,
+) -> Config:
+    """Load a YAML config (or the defaults), apply ``--set`` overrides and validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        file = resolve_config_path(path)
+        try:
+            raw = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{file}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    if data:
+        raw = _merge(raw, data)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_nested(raw, key, value)
+    config = _build(Config, raw, "")
+    validate(config)
+    return config
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def validate(config: Config) -> None:
+    """Reject combinations that cannot train, with the fix in the message."""
+    m, moe, ex, peer, tr = config.model, config.moe, config.experts, config.peer, config.train
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
+        "model.num_heads": m.num_heads, "model.max_seq_len": m.max_seq_len, "moe.num_experts": moe.num_experts,
+        "moe.top_k": moe.top_k, "moe.ffn_dim": moe.ffn_dim, "train.batch_size": tr.batch_size,
+        "train.grad_accum": tr.grad_accum, "train.max_steps": tr.max_steps, "peer.count": peer.count,
+        "train.log_interval": tr.log_interval, "train.eval_interval": tr.eval_interval,
+        "train.checkpoint_interval": tr.checkpoint_interval, "train.keep_checkpoints": tr.keep_checkpoints,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if m.d_model % m.num_heads:
+        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads})")
+    if m.head_dim % 2:
+        raise ConfigError(f"head dim d_model/num_heads = {m.head_dim} must be even for rotary positions")
+    if moe.top_k > moe.num_experts:
+        raise ConfigError(f"moe.top_k ({moe.top_k}) cannot exceed moe.num_experts ({moe.num_experts})")
+    if not 0 <= peer.index < peer.count:
+        raise ConfigError(f"peer.index ({peer.index}) must be in [0, peer.count={peer.count})")
+    if ex.placement == "spes" and moe.num_experts % peer.count:
+        raise ConfigError(
+            f"SPES placement needs peer.count ({peer.count}) to divide moe.num_experts ({moe.num_experts}); "
+            "change peer.count or use experts.placement=explicit with experts.local"
+        )
+    if ex.placement == "explicit":
+        if not ex.local:
+            raise ConfigError("experts.placement=explicit needs a non-empty experts.local list of expert ids")
+        bad = [e for e in ex.local if not 0 <= e < moe.num_experts]
+        if bad:
+            raise ConfigError(f"experts.local has ids {bad} outside [0, {moe.num_experts})")
+        if len(set(ex.local)) != len(ex.local):
+            raise ConfigError(f"experts.local has duplicates: {ex.local}")
+    elif ex.local is not None:
+        raise ConfigError("experts.local is only used with experts.placement=explicit")
+    if not 0 < ex.decayed_lb_start <= 1 or not 0 < ex.decayed_lb_fraction <= 1:
+        raise ConfigError("experts.decayed_lb_start and experts.decayed_lb_fraction must be in (0, 1]")
+    if tr.lr <= 0 or not 0 <= tr.min_lr_ratio <= 1:
+        raise ConfigError("train.lr must be positive and train.min_lr_ratio in [0, 1]")
+    if tr.warmup_steps < 0 or tr.warmup_steps > tr.max_steps:
+        raise ConfigError(f"train.warmup_steps ({tr.warmup_steps}) must be in [0, train.max_steps={tr.max_steps}]")
+    if not all(0 <= b < 1 for b in tr.betas):
+        raise ConfigError(f"train.betas must be in [0, 1), got {list(tr.betas)}")
+    if tr.grad_clip < 0 or tr.weight_decay < 0:
+        raise ConfigError("train.grad_clip and train.weight_decay cannot be negative")

@@ -1,0 +1,17 @@
+"""Errors that tell the user what went wrong and how to fix it."""
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is malformed, mistyped or impossible."""
+
+
+class DataError(ValueError):
+    """A data shard, manifest, corpus or tokenizer cannot be used as given."""
+
+
+class CheckpointError(ValueError):
+    """A directory is not a usable checkpoint for this run."""
+
+
+class BackendError(RuntimeError):
+    """An MoE backend was requested that cannot run here."""

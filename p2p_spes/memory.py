@@ -1,0 +1,64 @@
+"""Per-peer memory accounting: bytes of parameters, gradients and optimizer state.
+
+Split into shared parameters, local experts (trained here) and frozen experts (held for the
+forward pass only), because the point of expert subsets is that the last group costs no
+gradient and no optimizer state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+GROUPS = ("shared", "local_experts", "frozen_experts")
+
+
+@dataclass
+class MemoryReport:
+    parameters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))
+    gradients: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))
+    optimizer: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))
+
+    @property
+    def total(self) -> int:
+        return sum(sum(d.values()) for d in (self.parameters, self.gradients, self.optimizer))
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["total"] = self.total
+        return out
+
+
+def _group_of(name: str) -> str:
+    leaf = name.rsplit(".", 1)[-1]
+    if ".experts." in name and leaf.startswith("frozen_"):
+        return "frozen_experts"
+    if ".experts." in name:
+        return "local_experts"
+    return "shared"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+    """Bytes actually allocated by the model's tensors, their gradients and the optimizer state."""
+    report = MemoryReport()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        report.parameters[_group_of(name)] += _nbytes(p)
+        if p.grad is not None:
+            report.gradients[_group_of(name)] += _nbytes(p.grad)
+    for name, b in model.named_buffers():
+        if ".experts." in name and name.rsplit(".", 1)[-1].startswith("frozen_"):
+            report.parameters["frozen_experts"] += _nbytes(b)
+    if optimizer is not None:
+        for p, state in optimizer.state.items():
+            group = _group_of(names.get(id(p), ""))
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":
+                    report.optimizer[group] += _nbytes(value)
+    return report

@@ -1,0 +1,233 @@
+"""The training loop of one peer: expert-subset AdamW, validation, metrics and checkpoints.
+
+The swarm (DHT, averaging) plugs in through :class:`StepHook` callbacks that run after each
+optimizer step; this module knows nothing about the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from tqdm import tqdm
+
+from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, load_checkpoint, read_state, save_checkpoint
+from p2p_spes.config import Config
+from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
+from p2p_spes.errors import ConfigError
+from p2p_spes.memory import measure_memory
+from p2p_spes.model import MoETransformer
+from p2p_spes.optim import build_optimizer, lr_at, set_lr, trainable_parameters
+
+log = logging.getLogger(__name__)
+
+
+class StepHook(Protocol):
+    def __call__(self, trainer: "Trainer") -> None: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name} but CUDA is not available here; use train.device=auto or cpu")
+    return device
+
+
+def resolve_data(cfg: Config) -> tuple[str, str, str]:
+    """Train and validation shard directories and the tokenizer; the embedded corpus by default."""
+    data = cfg.data
+    if data.train is None:
+        from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
+
+        if data.validation is not None:
+            raise ConfigError("data.validation is set but data.train is not; set both or neither")
+        dirs = prepare_embedded_data()
+        return str(dirs["train"]), str(dirs["validation"]), data.tokenizer or str(embedded_tokenizer_path())
+    if data.validation is None:
+        raise ConfigError("data.train is set but data.validation is not; tokenize a held-out split for validation")
+    return data.train, data.validation, data.tokenizer
+
+
+class Trainer:
+    """One peer's model, optimizer and data, stepping until ``train.max_steps``."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, hooks: list[StepHook] | None = None) -> None:
+        self.cfg = cfg
+        tr = cfg.train
+        self.run_dir = Path(run_dir or tr.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if tr.threads:
+            torch.set_num_threads(tr.threads)
+        self.device = resolve_device(tr.device)
+        use_bf16 = tr.dtype == "bf16" or (tr.dtype == "auto" and self.device.type == "cuda")
+        self.autocast_dtype = torch.bfloat16 if use_bf16 else None
+        self.hooks = list(hooks or [])
+
+        self.model = MoETransformer(cfg.model, cfg.moe, local_experts=cfg.local_experts(), device=self.device)
+        self.model.init_weights(tr.seed)
+        self.optimizer = build_optimizer(self.model, tr)
+
+        train_dir, val_dir, tokenizer = resolve_data(cfg)
+        vocab = cfg.model.vocab_size
+        self.train_data = TokenDataset(train_dir, vocab_size=vocab, tokenizer=tokenizer, verify=cfg.data.verify)
+        self.val_data = TokenDataset(val_dir, vocab_size=vocab, tokenizer=tokenizer, verify=cfg.data.verify)
+        self.loader = BatchLoader(
+            self.train_data, cfg.model.max_seq_len, tr.batch_size,
+            seed=cfg.data.seed, peer_index=cfg.peer.index, num_peers=cfg.peer.count,
+        )
+        self.val_batches = validation_batches(self.val_data, cfg.model.max_seq_len, tr.batch_size, tr.eval_batches)
+
+        self.step = 0
+        self.tokens = 0
+        self.last_metrics: dict[str, Any] = {}
+        self.val_loss: float | None = None
+
+    # State -----------------------------------------------------------------------------------
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "loader": self.loader.state_dict(),
+            "model_fingerprint": self.cfg.model_fingerprint(),
+            "local_experts": self.model.local_experts,
+            "config": self.cfg.to_dict(),
+            "val_loss": self.val_loss,
+        }
+
+    def save(self) -> Path:
+        path = save_checkpoint(
+            self.run_dir, self.step, self.model, self.optimizer, self.trainer_state(), keep=self.cfg.train.keep_checkpoints
+        )
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def resume(self, checkpoint: str | Path | None = None) -> bool:
+        """Continue from ``checkpoint`` (or the run directory's newest); False if there is none."""
+        path = Path(checkpoint) if checkpoint else find_checkpoint(self.run_dir)
+        if path is None:
+            return False
+        state = read_state(path)
+        check_fingerprint(path, state, self.cfg.model_fingerprint())
+        if state["local_experts"] != self.model.local_experts:
+            self.model.set_local_experts(state["local_experts"])
+        self.optimizer = build_optimizer(self.model, self.cfg.train)
+        load_checkpoint(path, self.model, self.optimizer, state=state)
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.loader.load_state_dict(state["loader"])
+        self.val_loss = state.get("val_loss")
+        log.info("resumed from %s at step %d", path, self.step)
+        return True
+
+    # Steps -----------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _update_lb_scale(self) -> None:
+        ex = self.cfg.experts
+        if not ex.decayed_lb:
+            return
+        progress = self.step / max(ex.decayed_lb_fraction * self.cfg.train.max_steps, 1)
+        factor = ex.decayed_lb_start + (1 - ex.decayed_lb_start) * min(progress, 1.0)
+        scale = torch.ones_like(self.model.lb_count_scale)
+        scale[self.model.local_experts] = factor
+        self.model.lb_count_scale.copy_(scale)
+
+    def train_step(self) -> dict[str, Any]:
+        tr = self.cfg.train
+        self.model.train()
+        self._update_lb_scale()
+        lr = lr_at(self.step, tr)
+        set_lr(self.optimizer, lr)
+        t0 = time.perf_counter()
+        parts: dict[str, float] = {}
+        for _ in range(tr.grad_accum):
+            x, y = self.loader.next_batch()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self._autocast():
+                out = self.model.loss(x, y, z_loss_weight=tr.z_loss_weight)
+            (out.loss / tr.grad_accum).backward()
+            for k, v in out.as_floats().items():
+                parts[k] = parts.get(k, 0.0) + v / tr.grad_accum
+        params = [p for _, p in trainable_parameters(self.model)]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tr.grad_clip if tr.grad_clip > 0 else math.inf))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        step_tokens = tr.batch_size * tr.grad_accum * self.cfg.model.max_seq_len
+        self.step += 1
+        self.tokens += step_tokens
+        self.last_metrics = {
+            "step": self.step, **parts, "lr": lr, "grad_norm": grad_norm,
+            "tokens": self.tokens, "tokens_per_s": step_tokens / elapsed, "step_time_s": elapsed,
+        }
+        return self.last_metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = 0.0
+        for x, y in self.val_batches:
+            with self._autocast():
+                out = self.model.loss(x.to(self.device), y.to(self.device), z_loss_weight=0.0)
+            total += float(out.ce)
+        self.val_loss = total / max(len(self.val_batches), 1)
+        return self.val_loss
+
+    # Loop ------------------------------------------------------------------------------------
+    def _log(self, record: dict[str, Any]) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def run(self, progress: bool = True) -> dict[str, Any]:
+        """Train to ``max_steps`` (from wherever the trainer stands) and write ``summary.json``."""
+        tr = self.cfg.train
+        first_loss = None
+        bar = tqdm(total=tr.max_steps, initial=self.step, disable=not progress, desc="train", unit="step")
+        try:
+            while self.step < tr.max_steps:
+                metrics = self.train_step()
+                if first_loss is None:
+                    first_loss = metrics["loss"]
+                for hook in self.hooks:
+                    hook(self)
+                if self.step % tr.eval_interval == 0 or self.step == tr.max_steps:
+                    metrics["val_loss"] = self.evaluate()
+                if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
+                    self._log(metrics)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.update(1)
+                if self.step % tr.checkpoint_interval == 0 or self.step == tr.max_steps:
+                    self.save()
+        except KeyboardInterrupt:
+            log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step)
+            self.save()
+            raise
+        finally:
+            bar.close()
+        return self.write_summary(first_loss)
+
+    def write_summary(self, first_loss: float | None = None) -> dict[str, Any]:
+        summary = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "first_train_loss": first_loss,
+            "final_train_loss": self.last_metrics.get("loss"),
+            "final_val_loss": self.val_loss,
+            "local_experts": self.model.local_experts,
+            "num_experts": self.cfg.moe.num_experts,
+            "device": str(self.device),
+            "memory": measure_memory(self.model, self.optimizer).to_dict(),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary

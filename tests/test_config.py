@@ -1,0 +1,81 @@
+"""Config loading: YAML and --set overrides into typed dataclasses, with errors that name the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_spes.config import Config, load_config, parse_override
+from p2p_spes.errors import ConfigError
+
+
+def test_tiny_yaml_is_the_embedded_default():
+    assert load_config("tiny") == Config()
+    assert load_config(None) == Config()
+
+
+def test_overrides_are_typed():
+    cfg = load_config("tiny", ["model.num_layers=2", "train.lr=1e-3", "train.betas=[0.8, 0.9]", "experts.decayed_lb=true"])
+    assert cfg.model.num_layers == 2 and isinstance(cfg.model.num_layers, int)
+    assert cfg.train.lr == 1e-3 and cfg.train.betas == (0.8, 0.9) and cfg.experts.decayed_lb is True
+    assert parse_override("data.train=/some/where") == ("data.train", "/some/where")
+    assert load_config(None, ["train.lr=1"]).train.lr == 1.0  # ints are accepted where floats are
+
+
+def test_spes_rule_and_explicit_placement():
+    assert load_config(None, ["peer.count=4", "peer.index=2"]).local_experts() == [4, 5]
+    cfg = load_config(None, ["experts.placement=explicit", "experts.local=[7, 1]"])
+    assert cfg.local_experts() == [1, 7]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.num_layer=4"], r"unknown key model.num_layer; valid keys of model: vocab_size, d_model, num_layers"),
+        (["modle.d_model=4"], r"unknown key modle; valid keys: model, moe"),
+        (["model.num_layers=four"], r"model.num_layers: expected int, got 'four'"),
+        (["model.num_layers=2.5"], r"model.num_layers: expected int"),
+        (["train.lr=fast"], r"train.lr: expected float"),
+        (["experts.decayed_lb=1"], r"experts.decayed_lb: expected bool"),
+        (["moe.impl=cuda"], r"moe.impl: must be one of 'auto', 'torch', 'megablocks'"),
+        (["moe.top_k=9"], r"moe.top_k \(9\) cannot exceed moe.num_experts \(8\)"),
+        (["peer.count=3"], r"peer.count \(3\) to divide moe.num_experts \(8\)"),
+        (["peer.count=2", "peer.index=2"], r"peer.index \(2\) must be in \[0, peer.count=2\)"),
+        (["experts.placement=explicit"], r"needs a non-empty experts.local"),
+        (["experts.placement=explicit", "experts.local=[0, 8]"], r"experts.local has ids \[8\] outside \[0, 8\)"),
+        (["experts.local=[1]"], r"only used with experts.placement=explicit"),
+        (["model.num_heads=3"], r"must be divisible by model.num_heads"),
+        (["model.d_model=0"], r"model.d_model must be positive"),
+        (["train.warmup_steps=1000"], r"train.warmup_steps \(1000\) must be in"),
+        (["train.betas=[0.9]"], r"train.betas: expected a list of 2 values"),
+        (["model"], r"expected KEY=VALUE"),
+        (["model.d_model=[1"], r"not valid YAML"),
+    ],
+)
+def test_bad_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_malformed_yaml_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_model: [256\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML"):
+        load_config(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match=r"top level must be a mapping"):
+        load_config(bad)
+    bad.write_text("model: 3\n")
+    with pytest.raises(ConfigError, match=r"model: expected a mapping"):
+        load_config(bad)
+
+
+def test_missing_config_file_names_the_shipped_ones():
+    with pytest.raises(ConfigError, match=r"config file nope.yaml not found.*spes-1b, spes-7b, tiny"):
+        load_config("nope.yaml")
+
+
+def test_model_fingerprint_tracks_model_shape_only():
+    base = load_config(None)
+    assert base.model_fingerprint() == load_config(None, ["train.lr=0.1", "peer.count=2"]).model_fingerprint()
+    assert base.model_fingerprint() != load_config(None, ["moe.num_experts=16"]).model_fingerprint()
+    assert base.model_fingerprint() != load_config(None, ["model.vocab_size=100"]).model_fingerprint()
