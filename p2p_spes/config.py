@@ -30,7 +30,7 @@ class ModelConfig:
     d_model: int = 256
     num_layers: int = 4
     num_heads: int = 4
-    max_seq_len: int = 256
+    max_seq_len: int = 128
     rope_theta: float = 500000.0
     norm_eps: float = 1e-6
     # "full": one RMSNorm over the whole q (and k) projection, as OLMoE; "per_head": Qwen3-MoE style.
@@ -61,8 +61,10 @@ class MoEConfig:
 class ExpertsConfig:
     """Which experts this peer trains (the rest stay frozen: no gradient, no optimizer state)."""
 
-    # "spes": peer p of P owns [p*n, (p+1)*n) with n = E / P; "explicit": the list in `local`.
-    placement: Literal["spes", "explicit"] = "spes"
+    # "spes": peer p of P owns [p*n, (p+1)*n) with n = E / P; "explicit": the list in `local`;
+    # "coverage": in a swarm, take the experts with the fewest live holders; "auto": coverage in a
+    # swarm, the SPES rule otherwise.
+    placement: Literal["auto", "spes", "explicit", "coverage"] = "auto"
     local: Optional[list[int]] = None
     # SPES option: scale local experts' load-balance counts from decayed_lb_start to 1 over
     # the first decayed_lb_fraction of training, letting routing lean toward local experts early.
@@ -118,6 +120,30 @@ class TrainConfig:
 
 
 @dataclass
+class SwarmConfig:
+    """Joining the DHT and syncing with the other peers (unused when training alone)."""
+
+    run_id: str = "p2p-spes"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: Optional[str] = None
+    client_mode: bool = False
+    bootstrap_timeout: float = 15.0
+    sync_steps: int = 100
+    replicas: int = 1
+    experts_per_peer: Optional[int] = None
+    compression: Literal["none", "fp16", "uint8"] = "none"
+    matchmaking_time: float = 3.0
+    averaging_timeout: float = 30.0
+    heartbeat: float = 5.0
+    record_ttl: float = 30.0
+    merge_interval: int = 0
+    merge_alpha_start: float = 0.05
+    merge_decay_steps: int = 10000
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -125,6 +151,7 @@ class Config:
     peer: PeerConfig = field(default_factory=PeerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
@@ -149,6 +176,8 @@ class Config:
         num_experts = self.moe.num_experts
         if self.experts.placement == "explicit":
             return sorted(self.experts.local or [])
+        if self.experts.placement == "coverage":
+            raise ConfigError("experts.placement=coverage is chosen by the swarm at join time; use `p2p-spes train --initial-peers`")
         per_peer = num_experts // self.peer.count
         start = self.peer.index * per_peer
         return list(range(start, start + per_peer))
@@ -341,7 +370,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"moe.top_k ({moe.top_k}) cannot exceed moe.num_experts ({moe.num_experts})")
     if not 0 <= peer.index < peer.count:
         raise ConfigError(f"peer.index ({peer.index}) must be in [0, peer.count={peer.count})")
-    if ex.placement == "spes" and moe.num_experts % peer.count:
+    if ex.placement in ("spes", "auto") and moe.num_experts % peer.count:
         raise ConfigError(
             f"SPES placement needs peer.count ({peer.count}) to divide moe.num_experts ({moe.num_experts}); "
             "change peer.count or use experts.placement=explicit with experts.local"
@@ -364,5 +393,14 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.warmup_steps ({tr.warmup_steps}) must be in [0, train.max_steps={tr.max_steps}]")
     if not all(0 <= b < 1 for b in tr.betas):
         raise ConfigError(f"train.betas must be in [0, 1), got {list(tr.betas)}")
+    sw = config.swarm
+    if sw.sync_steps <= 0 or sw.replicas <= 0 or sw.matchmaking_time <= 0 or sw.averaging_timeout <= 0:
+        raise ConfigError("swarm.sync_steps, swarm.replicas, swarm.matchmaking_time and swarm.averaging_timeout must be positive")
+    if sw.experts_per_peer is not None and not 0 < sw.experts_per_peer <= moe.num_experts:
+        raise ConfigError(f"swarm.experts_per_peer ({sw.experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]")
+    if sw.merge_interval < 0 or not 0 <= sw.merge_alpha_start < 1:
+        raise ConfigError("swarm.merge_interval must be >= 0 and swarm.merge_alpha_start in [0, 1)")
+    if not sw.run_id or any(c in sw.run_id for c in " ./"):
+        raise ConfigError(f"swarm.run_id {sw.run_id!r} must be non-empty, without spaces, dots or slashes")
     if tr.grad_clip < 0 or tr.weight_decay < 0:
         raise ConfigError("train.grad_clip and train.weight_decay cannot be negative")

@@ -53,7 +53,7 @@ def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         if p.grad is not None:
             report.gradients[_group_of(name)] += _nbytes(p.grad)
     for name, b in model.named_buffers():
-        if ".experts." in name and name.rsplit(".", 1)[-1].startswith("frozen_"):
+        if _group_of(name) == "frozen_experts":
             report.parameters["frozen_experts"] += _nbytes(b)
     if optimizer is not None:
         for p, state in optimizer.state.items():
@@ -61,4 +61,22 @@ def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
             for key, value in state.items():
                 if torch.is_tensor(value) and key != "step":
                     report.optimizer[group] += _nbytes(value)
+    return report
+
+
+def expected_memory(model: nn.Module, optimizer_moments: int = 2, grad_bytes_per_element: int | None = None) -> MemoryReport:
+    """Bytes a model *will* use, from shapes alone (works on the ``meta`` device).
+
+    Trainable parameters get a gradient of their own dtype (or ``grad_bytes_per_element``) and
+    ``optimizer_moments`` fp32 moments (2 for Adam); frozen experts get neither.
+    """
+    report = MemoryReport()
+    for name, p in model.named_parameters():
+        group = _group_of(name)
+        report.parameters[group] += _nbytes(p)
+        report.gradients[group] += p.numel() * (grad_bytes_per_element or p.element_size())
+        report.optimizer[group] += optimizer_moments * p.numel() * 4
+    for name, b in model.named_buffers():
+        if _group_of(name) == "frozen_experts":
+            report.parameters["frozen_experts"] += _nbytes(b)
     return report

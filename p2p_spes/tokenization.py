@@ -137,7 +137,7 @@ def iter_documents(path: Path, field: str = "text") -> Iterator[str]:
 def load_tokenizer(tokenizer: str | Path) -> Any:
     """Load a local Hugging Face tokenizer directory, refusing hub names and EOS-less tokenizers."""
     path = Path(tokenizer).expanduser()
-    if not path.is_dir() or not (path / "tokenizer.json").is_file() and not any(path.iterdir()):
+    if not path.is_dir():
         raise DataError(
             f"tokenizer {str(tokenizer)!r} is not a local directory with tokenizer.json; give the "
             "path of a tokenizer directory (for example the embedded one, or one saved with "
@@ -201,7 +201,7 @@ def _encode_in_worker(texts: list[str]) -> np.ndarray:
     return _encode(_worker_tokenizer, texts)
 
 
-def _batches(files: list[Path], field: str, bar: tqdm) -> Iterator[list[str]]:
+def _batches(files: list[Path], field: str) -> Iterator[list[str]]:
     batch: list[str] = []
     chars = 0
     for path in files:
@@ -333,7 +333,7 @@ def tokenize_files(inputs: list[str], tokenizer: str | Path, out_dir: str | Path
     num_tokens = 0
     with tqdm(desc="tokenizing", unit="doc", disable=not progress) as bar:
         try:
-            for count, tokens in _token_arrays(_batches(files, field, bar), loaded,
+            for count, tokens in _token_arrays(_batches(files, field), loaded,
                                                tokenizer_path, num_workers):
                 writer.write(tokens)
                 num_documents += count

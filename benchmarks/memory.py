@@ -1,0 +1,104 @@
+"""Per-peer training memory: centralized (every expert trained) versus a SPES peer (n of E experts).
+
+For each config the model is built on the ``meta`` device and its bytes of weights, gradients and
+AdamW state are computed from the shapes; for the tiny config the same numbers are also measured
+by real allocation on CPU after one optimizer step, and the two must agree.
+
+    python benchmarks/memory.py [--configs tiny spes-1b spes-7b] [--peers 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from p2p_spes.config import load_config  # noqa: E402
+from p2p_spes.memory import expected_memory, measure_memory  # noqa: E402
+from p2p_spes.model import MoETransformer  # noqa: E402
+from p2p_spes.optim import build_optimizer  # noqa: E402
+
+GIB = 1024**3
+
+
+def _row(name: str, setup: str, report, method: str) -> dict:
+    weights = sum(report.parameters.values())
+    grads = sum(report.gradients.values())
+    optim = sum(report.optimizer.values())
+    return {
+        "config": name, "setup": setup, "method": method,
+        "weights_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optim,
+        "total_bytes": weights + grads + optim,
+        "expert_weights_bytes": report.parameters["local_experts"] + report.parameters["frozen_experts"],
+    }
+
+
+def computed(name: str, peers: int) -> list[dict]:
+    cfg = load_config(name)
+    e = cfg.moe.num_experts
+    rows = []
+    for setup, local in (("centralized", list(range(e))), (f"spes {e // peers}/{e}", list(range(e // peers)))):
+        model = MoETransformer(cfg.model, cfg.moe, local_experts=local, device="meta")
+        rows.append(_row(name, setup, expected_memory(model), "computed"))
+    return rows
+
+
+def measured_tiny(peers: int) -> list[dict]:
+    cfg = load_config("tiny")
+    e = cfg.moe.num_experts
+    rows = []
+    for setup, local in (("centralized", list(range(e))), (f"spes {e // peers}/{e}", list(range(e // peers)))):
+        model = MoETransformer(cfg.model, cfg.moe, local_experts=local)
+        model.init_weights(0)
+        opt = build_optimizer(model, cfg.train)
+        idx = torch.randint(0, cfg.model.vocab_size, (2, 32))
+        model.loss(idx, idx).loss.backward()
+        opt.step()
+        report = measure_memory(model, opt)
+        assert report.to_dict() == expected_memory(model).to_dict(), "measured bytes differ from computed bytes"
+        rows.append(_row("tiny", setup, report, "measured"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=["tiny", "spes-1b", "spes-7b"])
+    parser.add_argument("--peers", type=int, default=4, help="SPES peers P: each trains E/P experts (default 4)")
+    parser.add_argument("--json", default="benchmarks/results/memory.json", help="where to write the rows")
+    args = parser.parse_args(argv)
+
+    rows = []
+    for name in args.configs:
+        rows += computed(name, args.peers)
+    if "tiny" in args.configs:
+        rows += measured_tiny(args.peers)
+
+    table = Table(title=f"Per-peer training memory (fp32 weights, fp32 grads, AdamW), {args.peers} SPES peers")
+    for col in ("config", "setup", "method", "weights GiB", "grads GiB", "optimizer GiB", "total GiB", "vs centralized"):
+        table.add_column(col, justify="left" if col in ("config", "setup", "method") else "right")
+    base = {(r["config"], r["method"]): r["total_bytes"] for r in rows if r["setup"] == "centralized"}
+    for r in rows:
+        ratio = r["total_bytes"] / base[(r["config"], r["method"])]
+        r["ratio_to_centralized"] = ratio
+        table.add_row(
+            r["config"], r["setup"], r["method"],
+            *(f"{r[k] / GIB:.3f}" for k in ("weights_bytes", "gradients_bytes", "optimizer_bytes", "total_bytes")),
+            f"{ratio:.2f}x",
+        )
+    Console(width=120).print(table)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"peers": args.peers, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

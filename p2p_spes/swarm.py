@@ -1,0 +1,420 @@
+"""A peer of the swarm: joins the DHT, picks experts, and syncs with the others every ``sync_steps``.
+
+One round of sync (no server anywhere):
+
+1. the shared parameters are all-reduced across every live peer, weighted by tokens since the
+   last sync;
+2. each expert this peer holds is all-reduced among that expert's holders (a lone holder's copy is
+   the truth);
+3. digests of what each peer now holds are published; every peer downloads the experts it does
+   not hold from a holder, once, and checks the digest;
+4. at merge rounds every peer applies the same warm-up merge to the same state.
+
+A group that fails (a peer died, a deadline passed) is discarded whole: the peer keeps its own
+values for that group and tries again next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from typing import Any, Coroutine
+
+import torch
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
+
+from dht.records import PeerRecord, config_key, peers_key, subkey_values, version_key
+from p2p_spes import __version__
+from p2p_spes.allreduce import GroupAllReduce
+from p2p_spes.config import Config
+from p2p_spes.merging import merge_alpha, merge_experts
+from p2p_spes.placement import least_covered
+from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, tensor_digest, unpack
+
+log = logging.getLogger(__name__)
+
+
+class SwarmError(RuntimeError):
+    """The peer cannot join or stay in the run (unreachable bootstrap, different model, ...)."""
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this (forked) process when its parent dies, so no DHT outlives a trainer."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _patch_child_spawns() -> None:
+    """In the DHT process: make the p2pd daemon it spawns die with it, too."""
+    _die_with_parent()
+    import asyncio.subprocess as aio_subprocess
+
+    original = aio_subprocess.create_subprocess_exec
+
+    async def exec_dying_with_parent(*args, **kwargs):
+        kwargs.setdefault("preexec_fn", _die_with_parent)
+        return await original(*args, **kwargs)
+
+    aio_subprocess.create_subprocess_exec = exec_dying_with_parent
+
+
+_FORK_HOOK_INSTALLED = False
+
+
+def model_defining(cfg: Config) -> dict[str, Any]:
+    model = dataclasses.asdict(cfg.model)
+    moe = {k: getattr(cfg.moe, k) for k in ("num_experts", "top_k", "ffn_dim", "normalize_top_k")}
+    return {"model": model, "moe": moe}
+
+
+def describe_difference(ours: dict, theirs: dict) -> str:
+    diffs = []
+    for section in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(section, {}), theirs.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                diffs.append(f"{section}.{key}: ours {a.get(key)!r}, run's {b.get(key)!r}")
+    return "; ".join(diffs) or "fingerprints differ"
+
+
+class Swarm:
+    """Owns the DHT, an event loop thread, the RPC handlers and the sync rounds of one peer."""
+
+    def __init__(self, cfg: Config, *, start_dht: bool = True) -> None:
+        global _FORK_HOOK_INSTALLED
+        self.cfg = cfg
+        sw = cfg.swarm
+        self.run_id = sw.run_id
+        self.fingerprint = cfg.model_fingerprint()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="p2p-spes-swarm", daemon=True)
+        self._thread.start()
+        if not _FORK_HOOK_INSTALLED:
+            os.register_at_fork(after_in_child=_patch_child_spawns)
+            _FORK_HOOK_INSTALLED = True
+        self.dht = self._start_dht() if start_dht else None
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.p2p = self.call(self.dht.replicate_p2p())
+        self.reducer = GroupAllReduce(
+            self.dht, self.p2p, self.peer_id, self.run_id, compression=sw.compression,
+            matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
+        )
+        self.call(self.reducer.start())
+        self.call(self.p2p.add_protobuf_handler(
+            f"{self.run_id}.state", self._rpc_state, runtime_pb2.ExpertUID, stream_output=True
+        ))
+        self.model = None
+        self.status: dict[str, Any] = {}
+        self.stats = Counter()
+        self._snapshot: dict[str, tuple[dict, list[torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+        self._heartbeat: asyncio.Future | None = None
+        self.rounds: list[dict[str, Any]] = []
+
+    # Plumbing ------------------------------------------------------------------------------
+    def call(self, coro: Coroutine, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def _start_dht(self):
+        import hivemind
+
+        sw = self.cfg.swarm
+        try:
+            dht = hivemind.DHT(
+                initial_peers=list(sw.initial_peers) or None, start=True,
+                host_maddrs=list(sw.host_maddrs), announce_maddrs=list(sw.announce_maddrs) or None,
+                identity_path=sw.identity_path, client_mode=sw.client_mode, startup_timeout=sw.bootstrap_timeout,
+            )
+        except Exception as exc:
+            peers = ", ".join(sw.initial_peers) or "(none)"
+            raise SwarmError(
+                f"could not join the DHT through {peers}: {type(exc).__name__}: {exc}. Check that the address is "
+                "complete (/ip4/HOST/tcp/PORT/p2p/PEER_ID), that a peer of the run is listening there, and that no "
+                "firewall blocks the port"
+            ) from None
+        return dht
+
+    async def _get(self, key: str) -> dict[str, Any]:
+        return subkey_values(await self.dht.get(key, latest=True, return_future=True))
+
+    async def _store(self, key: str, value: Any, ttl: float, subkey: str | None = None) -> None:
+        now = get_dht_time()
+        await self.dht.store(key, value, expiration_time=now + ttl, subkey=subkey or self.peer_id, return_future=True)
+
+    # Membership ----------------------------------------------------------------------------
+    def live_peers(self) -> dict[str, PeerRecord]:
+        records = self.call(self._get(peers_key(self.run_id)))
+        out = {}
+        for peer, value in records.items():
+            record = PeerRecord.from_value(peer, value)
+            if record is not None and record.fingerprint == self.fingerprint and not value.get("left"):
+                out[peer] = record
+        return out
+
+    def check_model(self) -> None:
+        """Refuse to join a run that trains a different model (nothing of ours is sent before this)."""
+        records = self.call(self._get(config_key(self.run_id)))
+        ours = model_defining(self.cfg)
+        for peer, value in records.items():
+            if isinstance(value, dict) and value.get("fingerprint") != self.fingerprint:
+                theirs = value.get("model") if isinstance(value.get("model"), dict) else {}
+                raise SwarmError(
+                    f"run {self.run_id!r} trains a different model than this config (peer {peer}): "
+                    f"{describe_difference(ours, theirs)}. Use the run's config, or another swarm.run_id"
+                )
+        self.call(self._store(config_key(self.run_id), {"fingerprint": self.fingerprint, "model": ours},
+                              ttl=self.cfg.swarm.record_ttl))
+
+    def choose_experts(self) -> list[int]:
+        """Least-covered placement from the live peers' records (or the SPES rule / explicit list)."""
+        cfg = self.cfg
+        if cfg.experts.placement in ("spes", "explicit"):
+            return cfg.local_experts()
+        holders = Counter(e for r in self.live_peers().values() for e in r.experts)
+        count = cfg.swarm.experts_per_peer or cfg.moe.num_experts // cfg.peer.count
+        return least_covered(holders, cfg.moe.num_experts, count, self.peer_id, cfg.swarm.replicas)
+
+    def attach(self, model) -> None:
+        self.model = model
+        self._take_snapshot(round_no=-1, step=0)
+        self._heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat_loop(), self.loop)
+
+    def update_status(self, **fields: Any) -> None:
+        with self._lock:
+            self.status.update(fields)
+
+    def _record(self) -> dict[str, Any]:
+        with self._lock:
+            status = dict(self.status)
+        return PeerRecord(
+            self.peer_id, list(self.model.local_experts), int(status.pop("step", 0)), int(status.pop("round", -1)),
+            self.fingerprint, self.maddrs,
+            extra={"version": __version__, **status, **{k: int(v) for k, v in self.stats.items()}},
+        ).to_value()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self._store(peers_key(self.run_id), self._record(), ttl=self.cfg.swarm.record_ttl)
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.cfg.swarm.heartbeat)
+
+    def announce(self) -> None:
+        self.call(self._store(peers_key(self.run_id), self._record(), ttl=self.cfg.swarm.record_ttl))
+
+    # State served to others ----------------------------------------------------------------
+    def _shared_items(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if ".experts." not in n]
+
+    def _expert_tensors(self, expert: int) -> list[torch.Tensor]:
+        """Expert ``expert``'s w1, v1, w2 of every layer (views into the model's storage)."""
+        out = []
+        for store in self.model.expert_modules():
+            if expert in store.local_ids:
+                slot, group = store.local_ids.index(expert), "local"
+            else:
+                slot, group = store.frozen_ids.index(expert), "frozen"
+            out += [getattr(store, f"{group}_{m}")[slot] for m in ("w1", "v1", "w2")]
+        return out
+
+    def _take_snapshot(self, round_no: int, step: int) -> None:
+        """Freeze what this peer serves: the round's shared parameters and held experts."""
+        shared = [p.detach().cpu().clone() for _, p in self._shared_items()]
+        snapshot = {"shared": ({"round": round_no, "step": step, "digest": tensor_digest(shared)}, shared)}
+        for e in self.model.local_experts:
+            tensors = [t.detach().cpu().clone() for t in self._expert_tensors(e)]
+            snapshot[f"expert:{e}"] = ({"round": round_no, "step": step, "digest": tensor_digest(tensors)}, tensors)
+        self._snapshot = snapshot
+
+    async def _rpc_state(self, request: runtime_pb2.ExpertUID, context):
+        entry = self._snapshot.get(request.uid)
+        if entry is None:
+            yield averaging_pb2.DownloadData(metadata=pack({"error": f"not serving {request.uid!r}"}))
+            return
+        meta, tensors = entry
+        first = True
+        for tensor in tensors:
+            for chunk in serialize_parts(tensor, "none"):
+                self.stats["bytes_served"] += chunk.ByteSize()
+                yield averaging_pb2.DownloadData(tensor_part=chunk, metadata=pack(meta) if first else b"")
+                first = False
+
+    async def _download(self, peer: str, uid: str, like: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+        from hivemind import PeerID
+
+        stream = await self.p2p.iterate_protobuf_handler(
+            PeerID.from_base58(peer), f"{self.run_id}.state", runtime_pb2.ExpertUID(uid=uid), averaging_pb2.DownloadData
+        )
+        metadata, parts = await collect_tensors(stream)
+        meta = unpack(metadata) if metadata else {}
+        if not isinstance(meta, dict) or "error" in meta or "digest" not in meta:
+            raise TransportError(f"{peer} did not serve {uid}: {meta.get('error') if isinstance(meta, dict) else meta}")
+        if len(parts) != len(like):
+            raise TransportError(f"{peer} sent {len(parts)} tensors for {uid}, expected {len(like)}")
+        tensors = [parse_tensor(p, tuple(t.shape), t.dtype) for p, t in zip(parts, like)]
+        self.stats["bytes_received"] += sum(c.ByteSize() for p in parts for c in p)
+        if tensor_digest(tensors) != meta["digest"]:
+            raise TransportError(f"{uid} from {peer} does not match the digest it announced")
+        return meta, tensors
+
+    def download(self, peer: str, uid: str, like: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+        return self.call(asyncio.wait_for(self._download(peer, uid, like), self.cfg.swarm.averaging_timeout))
+
+    # Joining mid-run -----------------------------------------------------------------------
+    def catch_up(self) -> dict[str, Any] | None:
+        """Load the swarm's current shared parameters and experts from live peers (not from a file)."""
+        peers = {p: r for p, r in self.live_peers().items() if p != self.peer_id}
+        if not peers:
+            return None
+        source = max(peers, key=lambda p: (peers[p].round, peers[p].step))
+        shared_like = [p.detach() for _, p in self._shared_items()]
+        meta, shared = self.download(source, "shared", shared_like)
+        with torch.no_grad():
+            for (_, p), value in zip(self._shared_items(), shared):
+                p.copy_(value.to(p.device))
+        fetched = self._refresh_experts(peers, range(self.cfg.moe.num_experts), want_round=None)
+        self._take_snapshot(meta["round"], meta["step"])
+        log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"], fetched)
+        return meta
+
+    def _refresh_experts(self, peers: dict[str, PeerRecord], experts, want_round: int | None,
+                         versions: dict[str, dict] | None = None) -> int:
+        """Download each of ``experts`` once from a holder; with ``versions`` only the agreed digest."""
+        fetched = 0
+        for e in experts:
+            holders = [p for p, r in peers.items() if e in r.experts and p != self.peer_id]
+            if versions is not None:
+                digests = Counter(versions[p]["experts"].get(str(e)) for p in holders if p in versions)
+                digests.pop(None, None)
+                if not digests:
+                    self.stats["refresh_missed"] += 1
+                    continue
+                best = max(digests.items(), key=lambda kv: (kv[1], kv[0]))[0]
+                holders = sorted(p for p in holders if versions.get(p, {}).get("experts", {}).get(str(e)) == best)
+            for holder in holders:
+                try:
+                    _, tensors = self.download(holder, f"expert:{e}", [t.detach() for t in self._expert_tensors(e)])
+                except Exception as exc:
+                    log.warning("could not fetch expert %d from %s: %s", e, holder, exc)
+                    continue
+                with torch.no_grad():
+                    for target, value in zip(self._expert_tensors(e), tensors):
+                        target.copy_(value.to(target.device))
+                fetched += 1
+                break
+            else:
+                self.stats["refresh_missed"] += 1
+        return fetched
+
+    # Sync ----------------------------------------------------------------------------------
+    def sync(self, round_no: int, step: int, weight: float) -> dict[str, Any]:
+        """One round: shared group, expert groups, digests, refresh of frozen experts, merge."""
+        t0 = time.monotonic()
+        sw = self.cfg.swarm
+        peers = self.live_peers()
+        peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self._record())
+        report: dict[str, Any] = {"round": round_no, "step": step, "groups": {}}
+        weight = max(float(weight), 1e-6)
+
+        shared_items = self._shared_items()
+        flat = torch.cat([p.detach().float().cpu().reshape(-1) for _, p in shared_items])
+        res = self.call(self.reducer.run(round_no, "shared", flat, weight, set(peers)))
+        report["groups"]["shared"] = self._apply(res, [p for _, p in shared_items])
+
+        for e in self.model.local_experts:
+            holders = {p for p, r in peers.items() if e in r.experts}
+            tensors = self._expert_tensors(e)
+            if len(holders) <= 1:
+                report["groups"][f"expert{e}"] = {"ok": True, "members": 1, "bytes_sent": 0, "bytes_received": 0}
+                continue
+            flat = torch.cat([t.detach().float().cpu().reshape(-1) for t in tensors])
+            res = self.call(self.reducer.run(round_no, f"expert{e}", flat, weight, holders))
+            report["groups"][f"expert{e}"] = self._apply(res, tensors)
+
+        self._take_snapshot(round_no, step)
+        mine = {"shared": self._snapshot["shared"][0]["digest"],
+                "experts": {str(e): self._snapshot[f"expert:{e}"][0]["digest"] for e in self.model.local_experts}}
+        self.call(self._store(version_key(self.run_id, round_no), mine, ttl=sw.record_ttl))
+        versions = self._wait_versions(round_no, peers)
+        frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
+        report["refreshed"] = self._refresh_experts(peers, frozen, round_no, versions)
+
+        if sw.merge_interval and step % sw.merge_interval == 0:
+            alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
+            if alpha > 0:
+                merge_experts(self.model, alpha)
+                self._take_snapshot(round_no, step)
+                report["merge_alpha"] = alpha
+
+        report["seconds"] = time.monotonic() - t0
+        report["bytes_sent"] = sum(g.get("bytes_sent", 0) for g in report["groups"].values())
+        report["bytes_received"] = sum(g.get("bytes_received", 0) for g in report["groups"].values())
+        report["shared_digest"] = tensor_digest(p.detach() for _, p in self._shared_items())
+        report["expert_digests"] = {
+            str(e): tensor_digest(self._expert_tensors(e)) for e in range(self.cfg.moe.num_experts)
+        }
+        self.stats["rounds_joined" if report["groups"]["shared"]["ok"] else "rounds_failed"] += 1
+        self.stats["bytes_sent"] += report["bytes_sent"]
+        self.stats["bytes_received"] += report["bytes_received"]
+        self.update_status(round=round_no, step=step, sync_seconds=round(report["seconds"], 3))
+        self.rounds.append(report)
+        return report
+
+    def _apply(self, res, targets: list[torch.Tensor]) -> dict[str, Any]:
+        info = {"ok": res.ok, "members": len(res.members), "bytes_sent": res.bytes_sent,
+                "bytes_received": res.bytes_received, "seconds": round(res.seconds, 3)}
+        if not res.ok:
+            info["error"] = res.error
+            return info
+        offset = 0
+        with torch.no_grad():
+            for t in targets:
+                n = t.numel()
+                t.copy_(res.tensor[offset:offset + n].view_as(t).to(t.dtype))
+                offset += n
+        return info
+
+    def _wait_versions(self, round_no: int, peers: dict[str, PeerRecord]) -> dict[str, dict]:
+        """Digests published for this round by the live peers (waiting a bounded time for all)."""
+        deadline = time.monotonic() + self.cfg.swarm.matchmaking_time + 2
+        while True:
+            raw = self.call(self._get(version_key(self.run_id, round_no)))
+            versions = {p: v for p, v in raw.items() if isinstance(v, dict) and isinstance(v.get("experts"), dict)}
+            if set(peers) <= set(versions) or time.monotonic() > deadline:
+                return versions
+            time.sleep(0.2)
+
+    # Leaving -------------------------------------------------------------------------------
+    def leave(self) -> None:
+        """Tell the others we are gone (our experts' coverage drops at once) and stop everything."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        try:
+            if self.model is not None:
+                record = self._record()
+                record["left"] = True
+                self.call(self._store(peers_key(self.run_id), record, ttl=5), timeout=5)
+        except Exception as exc:
+            log.warning("could not announce leaving: %s", exc)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        try:
+            if self.dht is not None:
+                self.dht.shutdown()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)

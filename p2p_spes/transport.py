@@ -1,0 +1,101 @@
+"""What travels between peers: tensors in hivemind's serialized form, metadata in msgpack.
+
+Nothing received is unpickled. Every tensor stream is checked on receipt against the shapes and
+dtypes the receiver expects, and refused if it is not finite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import AsyncIterator, Iterable, Sequence
+
+import msgpack
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+COMPRESSION = {
+    "none": runtime_pb2.CompressionType.NONE,
+    "fp16": runtime_pb2.CompressionType.FLOAT16,
+    "uint8": runtime_pb2.CompressionType.UNIFORM_8BIT,
+}
+CHUNK_BYTES = 2**19
+
+
+class TransportError(ValueError):
+    """A peer sent something malformed, of the wrong shape or dtype, or not finite."""
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, max_bytes: int = 1 << 20):
+    if len(data) > max_bytes:
+        raise TransportError(f"metadata of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise TransportError(f"malformed msgpack metadata: {exc}") from None
+
+
+def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 over the raw bytes of the tensors, in order: equal digests mean bit-identical copies."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        digest.update(str((tuple(t.shape), str(t.dtype))).encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def serialize_parts(tensor: torch.Tensor, compression: str = "none") -> list[runtime_pb2.Tensor]:
+    """One tensor as protobuf chunks small enough for a libp2p stream."""
+    serialized = serialize_torch_tensor(tensor.detach().cpu(), COMPRESSION[compression])
+    return list(split_for_streaming(serialized, CHUNK_BYTES))
+
+
+def roundtrip(tensor: torch.Tensor, compression: str) -> torch.Tensor:
+    """What a receiver will hold after ``compression``; the sender keeps the same, so copies agree."""
+    if compression == "none":
+        return tensor
+    return deserialize_torch_tensor(serialize_torch_tensor(tensor.detach().cpu(), COMPRESSION[compression]))
+
+
+def parse_tensor(parts: Sequence[runtime_pb2.Tensor], shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reassemble, check and return a tensor received as chunks."""
+    if not parts:
+        raise TransportError("empty tensor stream")
+    try:
+        tensor = deserialize_torch_tensor(combine_from_streaming(list(parts)))
+    except Exception as exc:
+        raise TransportError(f"could not deserialize a tensor: {exc}") from None
+    if shape is not None and tuple(tensor.shape) != tuple(shape):
+        raise TransportError(f"tensor of shape {tuple(tensor.shape)} where {tuple(shape)} was expected")
+    if dtype is not None:
+        if not tensor.dtype.is_floating_point:
+            raise TransportError(f"tensor of dtype {tensor.dtype} where a floating tensor was expected")
+        tensor = tensor.to(dtype)
+    if tensor.dtype.is_floating_point and not torch.isfinite(tensor).all():
+        raise TransportError("tensor with NaN or infinite values refused")
+    return tensor
+
+
+async def collect_tensors(stream: AsyncIterator, field: str = "tensor_part") -> tuple[bytes, list[list[runtime_pb2.Tensor]]]:
+    """Group a stream of messages carrying ``metadata`` and tensor chunks into per-tensor chunk lists.
+
+    A chunk whose ``dtype`` is set starts a new tensor (hivemind's streaming convention).
+    """
+    metadata = b""
+    tensors: list[list[runtime_pb2.Tensor]] = []
+    async for message in stream:
+        if getattr(message, "metadata", b""):
+            metadata = message.metadata
+        part = getattr(message, field)
+        if not part.buffer and not part.dtype:
+            continue
+        if part.dtype or not tensors:
+            tensors.append([])
+        tensors[-1].append(part)
+    return metadata, tensors

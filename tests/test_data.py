@@ -1,0 +1,402 @@
+"""Tokenization into shards, the checks on opening them, and the peer-disjoint batch loader."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import gzip
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from p2p_spes.corpus import embedded_tokenizer_path
+from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
+from p2p_spes.errors import DataError
+from p2p_spes.tokenization import load_tokenizer, tokenize_files
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def _doc(i: int) -> str:
+    words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(20 + i % 13)]
+    return f"Document {i}: " + " ".join(words) + (" \u00e9t\u00e9 \U0001f600\n\tend" if i % 5 == 0 else ".")
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    """One file of every supported format; files sort as a, b, c, d."""
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": _doc(i), "id": i}) + "\n" for i in range(10))
+                                  + "\n", encoding="utf-8")
+    with gzip.open(root / "b.jsonl.gz", "wt", encoding="utf-8") as stream:
+        for i in range(10, 20):
+            stream.write(json.dumps({"text": _doc(i)}) + "\n")
+    pq.write_table(pa.table({"text": [_doc(i) for i in range(20, 30)], "n": list(range(10))}), root / "c.parquet")
+    (root / "d.txt").write_text(_doc(30), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenized(corpus_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("tokens") / "one_worker"
+    manifest = tokenize_files([str(corpus_dir / "*")], embedded_tokenizer_path(), out,
+                              num_workers=1, shard_tokens=1000, progress=False)
+    return out, manifest
+
+
+def write_token_dir(root: Path, shards: list[np.ndarray], *, max_ids: list[int] | None = None,
+                    vocab_size: int = 1 << 20) -> Path:
+    """A token directory written by hand, so that any field can be made wrong on purpose."""
+    root.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, tokens in enumerate(shards):
+        data = np.asarray(tokens, dtype="<u4").tobytes()
+        (root / f"shard_{i:05d}.bin").write_bytes(data)
+        entries.append({"file": f"shard_{i:05d}.bin", "num_tokens": len(tokens),
+                        "sha256": hashlib.sha256(data).hexdigest(),
+                        "max_token_id": max_ids[i] if max_ids else int(np.max(tokens, initial=0))})
+    manifest = {"format": "p2p-spes-tokens", "version": 1, "dtype": "uint32",
+                "tokenizer": {"name_or_path": "synthetic", "vocab_size": vocab_size, "eos_token_id": 0,
+                              "fingerprint": "0" * 64},
+                "num_documents": 1, "num_tokens": int(sum(len(s) for s in shards)), "shards": entries,
+                "sources": []}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def make_tiny_tokenizer(root: Path, *, eos: bool = True) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([_doc(i) for i in range(50)], trainer=trainer)
+    root.mkdir(parents=True)
+    tokenizer.save(str(root / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if eos:
+        config["eos_token"] = "<|endoftext|>"
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root
+
+
+# Tokenization
+
+
+def test_manifest_and_shards_hold_every_document_in_order(tokenized, corpus_dir):
+    out, manifest = tokenized
+    tokenizer = load_tokenizer(embedded_tokenizer_path())
+    assert manifest == json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "p2p-spes-tokens" and manifest["version"] == 1 and manifest["dtype"] == "uint32"
+    assert manifest["tokenizer"]["vocab_size"] == len(tokenizer) == 8192
+    assert manifest["tokenizer"]["eos_token_id"] == tokenizer.eos_token_id
+    assert len(manifest["tokenizer"]["fingerprint"]) == 64
+    assert manifest["sources"] == [str(corpus_dir / n) for n in ("a.jsonl", "b.jsonl.gz", "c.parquet", "d.txt")]
+    assert manifest["num_documents"] == 31
+    assert len(manifest["shards"]) > 1
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] + [s["file"] for s in manifest["shards"]]
+
+    stream = []
+    for shard in manifest["shards"]:
+        data = (out / shard["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+        tokens = np.frombuffer(data, dtype="<u4")
+        assert 0 < len(tokens) == shard["num_tokens"] <= 1000
+        assert tokens.max() == shard["max_token_id"]
+        stream.extend(tokens.tolist())
+    assert len(stream) == manifest["num_tokens"]
+
+    eos = tokenizer.eos_token_id
+    assert stream[-1] == eos
+    documents, current = [], []
+    for token in stream:
+        if token == eos:
+            documents.append(tokenizer.decode(current))
+            current = []
+        else:
+            current.append(token)
+    assert documents == [_doc(i) for i in range(31)]
+
+
+def test_worker_count_does_not_change_the_output(tokenized, corpus_dir, tmp_path):
+    out, manifest = tokenized
+    manifest_2 = tokenize_files([str(corpus_dir / "*.*")], embedded_tokenizer_path(), tmp_path,
+                                num_workers=2, shard_tokens=1000, progress=False)
+    assert manifest_2["shards"] == manifest["shards"]
+    for shard in manifest["shards"]:
+        assert (tmp_path / shard["file"]).read_bytes() == (out / shard["file"]).read_bytes()
+
+
+def test_retokenizing_into_a_used_directory_removes_stale_shards(corpus_dir, tmp_path):
+    tokenize_files([str(corpus_dir / "a.jsonl")], embedded_tokenizer_path(), tmp_path, num_workers=1,
+                   shard_tokens=50, progress=False)
+    manifest = tokenize_files([str(corpus_dir / "d.txt")], embedded_tokenizer_path(), tmp_path, num_workers=1,
+                              progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard_00000.bin"]
+    assert manifest["num_documents"] == 1
+    TokenDataset(tmp_path, vocab_size=8192, tokenizer=embedded_tokenizer_path())
+
+
+def test_recursive_glob(corpus_dir, tmp_path):
+    nested = tmp_path / "x" / "y"
+    nested.mkdir(parents=True)
+    (nested / "e.txt").write_text("nested document")
+    manifest = tokenize_files([str(tmp_path / "**" / "*.txt")], embedded_tokenizer_path(), tmp_path / "out",
+                              num_workers=1, progress=False)
+    assert manifest["sources"] == [str(nested / "e.txt")]
+
+
+def test_nonexistent_glob_is_named(tmp_path):
+    pattern = str(tmp_path / "nothing" / "*.jsonl")
+    with pytest.raises(DataError, match=f"{re.escape(pattern)}' matches no files"):
+        tokenize_files([pattern], embedded_tokenizer_path(), tmp_path / "out", progress=False)
+
+
+def test_missing_field_names_file_line_and_option(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"content": "no text"}) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl, line 2: record has no field 'text'.*--field"):
+        tokenize_files([str(path)], embedded_tokenizer_path(), tmp_path / "out", num_workers=1, progress=False)
+
+
+def test_missing_parquet_column_names_the_option(tmp_path):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"content": ["a", "b"]}), path)
+    with pytest.raises(DataError, match=r"bad\.parquet.*no column 'text'.*--field"):
+        tokenize_files([str(path)], embedded_tokenizer_path(), tmp_path / "out", num_workers=1, progress=False)
+
+
+def test_other_field_can_be_chosen(tmp_path):
+    path = tmp_path / "other.jsonl"
+    path.write_text(json.dumps({"content": "some text"}) + "\n")
+    manifest = tokenize_files([str(path)], embedded_tokenizer_path(), tmp_path / "out", num_workers=1,
+                              field="content", progress=False)
+    assert manifest["num_documents"] == 1
+
+
+def test_invalid_json_and_unknown_suffix(tmp_path):
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(DataError, match=r"broken\.jsonl, line 2: not valid JSON"):
+        tokenize_files([str(tmp_path / "broken.jsonl")], embedded_tokenizer_path(), tmp_path / "o", progress=False)
+    (tmp_path / "data.csv").write_text("text\nhello\n")
+    with pytest.raises(DataError, match=r"data\.csv: unsupported file type.*\.jsonl\.gz.*\.parquet"):
+        tokenize_files([str(tmp_path / "data.csv")], embedded_tokenizer_path(), tmp_path / "o", progress=False)
+
+
+def test_missing_tokenizer_path_says_it_must_be_local(corpus_dir, tmp_path):
+    with pytest.raises(DataError, match="not a local directory with tokenizer.json.*save_pretrained"):
+        tokenize_files([str(corpus_dir / "d.txt")], tmp_path / "no-such-tokenizer", tmp_path / "out",
+                       progress=False)
+    with pytest.raises(DataError, match="not a local directory"):
+        tokenize_files([str(corpus_dir / "d.txt")], "Qwen/Qwen2.5-0.5B", tmp_path / "out", progress=False)
+
+
+def test_tokenizer_without_eos_is_refused(corpus_dir, tmp_path):
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", eos=False)
+    with pytest.raises(DataError, match="has no eos_token"):
+        tokenize_files([str(corpus_dir / "d.txt")], tokenizer, tmp_path / "out", progress=False)
+
+
+# Opening a token directory
+
+
+def test_dataset_properties(tokenized):
+    out, manifest = tokenized
+    dataset = TokenDataset(out, vocab_size=8192, tokenizer=embedded_tokenizer_path())
+    assert dataset.num_tokens == manifest["num_tokens"]
+    assert dataset.vocab_size == 8192
+    assert dataset.eos_token_id == manifest["tokenizer"]["eos_token_id"]
+    assert all(isinstance(s, np.memmap) and not s.flags.writeable for s in dataset.shards)
+
+
+def test_missing_directory_or_manifest(tmp_path):
+    with pytest.raises(DataError, match="does not exist.*p2p-spes data tokenize"):
+        TokenDataset(tmp_path / "absent")
+    with pytest.raises(DataError, match=r"manifest\.json is missing.*p2p-spes data tokenize"):
+        TokenDataset(tmp_path)
+
+
+def test_unparseable_or_foreign_manifest(tmp_path):
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(DataError, match="not valid JSON"):
+        TokenDataset(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(DataError, match="not a p2p-spes-tokens manifest"):
+        TokenDataset(tmp_path)
+    root = write_token_dir(tmp_path / "v2", [np.arange(10)])
+    manifest = json.loads((root / "manifest.json").read_text())
+    (root / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
+    with pytest.raises(DataError, match="version 2"):
+        TokenDataset(root)
+
+
+def test_missing_shard(tmp_path):
+    root = write_token_dir(tmp_path, [np.arange(10), np.arange(10)])
+    (root / "shard_00001.bin").unlink()
+    with pytest.raises(DataError, match=r"shard_00001\.bin.*is missing"):
+        TokenDataset(root)
+
+
+def test_empty_shard(tmp_path):
+    root = write_token_dir(tmp_path, [np.arange(10), np.arange(0)])
+    with pytest.raises(DataError, match=r"shard_00001\.bin is empty"):
+        TokenDataset(root)
+
+
+def test_truncated_shard(tmp_path):
+    root = write_token_dir(tmp_path, [np.arange(100)])
+    shard = root / "shard_00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-40])
+    with pytest.raises(DataError, match=r"shard_00000\.bin is truncated.*360 bytes.*100 uint32 tokens"):
+        TokenDataset(root)
+
+
+@pytest.mark.parametrize("count", [100, 101])
+def test_shard_of_the_wrong_dtype(tmp_path, count):
+    root = write_token_dir(tmp_path, [np.arange(count)])
+    (root / "shard_00000.bin").write_bytes(np.arange(count, dtype=np.uint16).tobytes())
+    with pytest.raises(DataError, match=r"shard_00000\.bin.*another dtype \(uint16"):
+        TokenDataset(root)
+
+
+def test_checksum_mismatch(tmp_path):
+    root = write_token_dir(tmp_path, [np.arange(100)])
+    shard = root / "shard_00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[8] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"shard_00000\.bin fails its checksum"):
+        TokenDataset(root)
+    TokenDataset(root, verify=False)
+
+
+def test_out_of_vocab_id_from_the_manifest(tmp_path):
+    root = write_token_dir(tmp_path, [np.arange(10), np.array([3, 999, 4])])
+    with pytest.raises(DataError, match=r"shard_00001\.bin: token id 999 .*model vocab of 500"):
+        TokenDataset(root, vocab_size=500, verify=False)
+    TokenDataset(root, vocab_size=1000)
+
+
+def test_out_of_vocab_id_found_in_the_data(tmp_path):
+    root = write_token_dir(tmp_path, [np.array([3, 999, 4])], max_ids=[4])
+    TokenDataset(root, vocab_size=500, verify=False)
+    with pytest.raises(DataError, match=r"token id 999 \(data\).*model vocab of 500"):
+        TokenDataset(root, vocab_size=500)
+
+
+def test_tokenizer_mismatch(tokenized, tmp_path):
+    out, _ = tokenized
+    tiny = make_tiny_tokenizer(tmp_path / "tiny")
+    with pytest.raises(DataError, match="made with tokenizer.*vocab 8192.*vocab 300.*same tokenizer"):
+        TokenDataset(out, tokenizer=tiny)
+
+
+# Windows and batches
+
+
+def stream_dataset(tmp_path: Path, sizes: list[int]) -> TokenDataset:
+    """Shards holding consecutive integers, so a window's first token tells where it starts."""
+    starts = np.cumsum([0] + sizes)[:-1]
+    return TokenDataset(write_token_dir(tmp_path, [np.arange(a, a + n) for a, n in zip(starts, sizes, strict=True)]))
+
+
+def test_windows_stay_inside_shards(tmp_path):
+    dataset = stream_dataset(tmp_path, [33, 17, 8])
+    assert dataset.num_windows(8) == 4 + 2 + 0
+    windows = dataset.windows(np.arange(6), 8)
+    assert windows[:, 0].tolist() == [0, 8, 16, 24, 33, 41]
+    assert (np.diff(windows, axis=1) == 1).all()
+    with pytest.raises(DataError, match="too few for one window of 34 tokens"):
+        dataset.num_windows(33)
+
+
+def test_batches_are_shifted_long_tensors(tmp_path):
+    loader = BatchLoader(stream_dataset(tmp_path, [1000]), seq_len=16, batch_size=4, seed=0)
+    inputs, targets = loader.next_batch()
+    assert inputs.dtype == targets.dtype == torch.long
+    assert inputs.shape == targets.shape == (4, 16)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert torch.equal(targets[:, -1], inputs[:, -1] + 1)
+
+
+def test_loader_is_deterministic_and_seeded(tmp_path):
+    dataset = stream_dataset(tmp_path, [2000])
+    first = [BatchLoader(dataset, 16, 8, seed=3).next_batch()[0] for _ in range(2)]
+    assert torch.equal(first[0], first[1])
+    assert not torch.equal(first[0], BatchLoader(dataset, 16, 8, seed=4).next_batch()[0])
+
+
+def test_peers_are_disjoint_and_cover_every_window_each_epoch(tmp_path):
+    dataset = stream_dataset(tmp_path, [645, 320, 100])
+    total = dataset.num_windows(10)
+    assert total == 64 + 31 + 9
+    loaders = [BatchLoader(dataset, 10, 2, seed=7, peer_index=p, num_peers=4) for p in range(4)]
+    assert all(loader.windows_per_epoch == total // 4 == 26 for loader in loaders)
+    every_window = set(dataset.windows(np.arange(total), 10)[:, 0].tolist())
+    for epoch in range(2):
+        seen = [[] for _ in loaders]
+        for peer, loader in enumerate(loaders):
+            for _ in range(loader.windows_per_epoch // 2):
+                seen[peer].extend(loader.next_batch()[0][:, 0].tolist())
+            assert loader.state_dict()["epoch"] == epoch + 1
+        sets = [set(s) for s in seen]
+        assert all(len(s) == 26 for s in sets)
+        assert sum(len(s) for s in sets) == len(set().union(*sets)) == total
+        assert set().union(*sets) == every_window
+        if epoch == 0:
+            first_epoch = seen
+    assert seen != first_epoch
+
+
+def test_resume_gives_exactly_the_same_batches(tmp_path):
+    dataset = stream_dataset(tmp_path, [500, 300])
+    loader = BatchLoader(dataset, 12, 5, seed=11, peer_index=1, num_peers=3)
+    for _ in range(3):
+        loader.next_batch()
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = [loader.next_batch() for _ in range(6)]
+    assert loader.state_dict()["epoch"] >= 1
+    resumed = BatchLoader(dataset, 12, 5, seed=11, peer_index=1, num_peers=3)
+    resumed.load_state_dict(state)
+    for (x, y), (rx, ry) in zip(expected, (resumed.next_batch() for _ in range(6)), strict=True):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+    assert resumed.state_dict() == loader.state_dict()
+
+
+def test_resume_refuses_another_seed_or_data(tmp_path):
+    dataset = stream_dataset(tmp_path, [500])
+    state = BatchLoader(dataset, 12, 5, seed=11).state_dict()
+    with pytest.raises(DataError, match="seed=11.*seed=12"):
+        BatchLoader(dataset, 12, 5, seed=12).load_state_dict(state)
+    with pytest.raises(DataError, match="seq_len=12.*seq_len=10"):
+        BatchLoader(dataset, 10, 5, seed=11).load_state_dict(state)
+    with pytest.raises(DataError, match="lacks position"):
+        BatchLoader(dataset, 12, 5, seed=11).load_state_dict({k: v for k, v in state.items() if k != "position"})
+
+
+def test_loader_argument_checks(tmp_path):
+    dataset = stream_dataset(tmp_path, [50])
+    with pytest.raises(DataError, match="peer_index must be in"):
+        BatchLoader(dataset, 8, 2, seed=0, peer_index=2, num_peers=2)
+    with pytest.raises(DataError, match="fewer than the 8 peers"):
+        BatchLoader(dataset, 8, 2, seed=0, num_peers=8)
+
+
+def test_validation_batches_are_the_first_windows(tmp_path):
+    dataset = stream_dataset(tmp_path, [1000])
+    batches = validation_batches(dataset, 16, 4, max_batches=3)
+    assert len(batches) == 3
+    starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
+    assert starts == [16 * i for i in range(12)]
+    assert len(validation_batches(dataset, 16, 4, max_batches=100)) == 62 // 4
+    small = validation_batches(dataset, 16, 100, max_batches=5)
+    assert len(small) == 1 and small[0][0].shape == (62, 16)
