@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
@@ -78,6 +79,7 @@ class GroupAllReduce:
         self.aggregate = aggregate or weighted_mean
         self._parts: dict[bytes, _Part] = {}
         self._registered: dict[bytes, asyncio.Event] = {}
+        self._decided: dict[tuple[int, str], str] = {}  # (round, group) -> our group id, once known
 
     @property
     def _contribute_name(self) -> str:
@@ -97,6 +99,14 @@ class GroupAllReduce:
 
     # Server side ---------------------------------------------------------------------------
     async def _wait_part(self, key: bytes) -> _Part | None:
+        """Our part for ``key``, waiting while we have not reached that round yet."""
+        try:
+            round_no, group, gid, _ = unpack(key)
+        except (TransportError, ValueError):
+            return None
+        decided = self._decided.get((round_no, group))
+        if decided is not None and decided != gid:
+            return None  # we formed this group with other members: refuse at once
         if key not in self._parts:
             event = self._registered.setdefault(key, asyncio.Event())
             try:
@@ -107,27 +117,29 @@ class GroupAllReduce:
 
     async def _rpc_contribute(self, stream, context) -> averaging_pb2.AveragingData:
         sender = context.remote_id.to_base58()
-        first = None
         try:
-            async def tagged():
-                nonlocal first
-                async for message in stream:
-                    if first is None:
-                        first = message
-                    yield message
+            messages = [m async for m in stream]
+            if not messages:
+                return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            first = messages[0]
 
-            _, tensors = await collect_tensors(tagged())
-            if first is None or len(tensors) != 1:
+            async def replay():
+                for m in messages:
+                    yield m
+
+            _, tensors = await collect_tensors(replay())
+            if len(tensors) != 1 or not first.weight > 0:
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             part = await self._wait_part(first.group_id)
             if part is None or sender not in part.members or sender in part.contributions or part.done.is_set():
                 return averaging_pb2.AveragingData(code=BAD)
-            if not first.weight > 0:
-                return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             tensor = parse_tensor(tensors[0], part.shape, torch.float32)
         except TransportError as exc:
             log.warning("refused a contribution from %s: %s", sender, exc)
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        except Exception as exc:
+            log.warning("contribution from %s failed: %r", sender, exc)
+            return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
         self._add(part, sender, first.weight, tensor)
         return averaging_pb2.AveragingData(code=OK)
 
@@ -162,19 +174,26 @@ class GroupAllReduce:
         ttl = self.matchmaking_time + self.timeout + 30
         await self.dht.store(key, {"w": float(weight), "t": arrival}, expiration_time=arrival + ttl,
                              subkey=self.peer_id, return_future=True)
-        give_up = time.monotonic() + self.matchmaking_time + 5
-        while True:
+        give_up = time.monotonic() + self.matchmaking_time + 10
+
+        async def read() -> dict[str, float]:
             records = subkey_values(await self.dht.get(key, latest=True, return_future=True))
             times = {p: v["t"] for p, v in records.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
             times.setdefault(self.peer_id, arrival)
+            return times
+
+        while True:
+            times = await read()
             cutoff = min(times.values()) + self.matchmaking_time
-            joined = {p for p, t in times.items() if t <= cutoff}
-            if (expected <= joined and get_dht_time() >= min(times.values()) + 0.5) or get_dht_time() >= cutoff:
-                break
-            if time.monotonic() > give_up:
+            if expected <= set(times) or get_dht_time() >= cutoff or time.monotonic() > give_up:
                 break
             await asyncio.sleep(0.2)
-        return sorted(joined)
+        # One more read after a grace period, so that peers whose records landed just before the
+        # cutoff are seen by everyone.
+        await asyncio.sleep(0.5)
+        times = await read()
+        cutoff = min(times.values()) + self.matchmaking_time
+        return sorted(p for p, t in times.items() if t <= cutoff)
 
     async def run(self, round_no: int, group: str, tensor: torch.Tensor, weight: float, expected: set[str]) -> GroupResult:
         """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``."""
@@ -188,6 +207,7 @@ class GroupAllReduce:
             result.tensor, result.seconds = tensor, time.monotonic() - t0
             return result
         gid = hashlib.sha256(pack(members)).hexdigest()[:16]
+        self._decided[(round_no, group)] = gid
         chunks = torch.tensor_split(tensor, len(members))
         deadline = time.monotonic() + self.timeout
         keys = [pack([round_no, group, gid, i]) for i in range(len(members))]
@@ -211,7 +231,7 @@ class GroupAllReduce:
                         weight=float(weight) if j == 0 else 0.0, tensor_part=c,
                     )
 
-            from hivemind import PeerID
+
 
             reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self._contribute_name, messages(),
                                                          averaging_pb2.AveragingData)
@@ -222,7 +242,7 @@ class GroupAllReduce:
             if peer == self.peer_id:
                 await part.done.wait()
                 return part.result
-            from hivemind import PeerID
+
 
             stream = await self.p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer), self._fetch_name, averaging_pb2.AveragingData(group_id=keys[i]),
@@ -245,7 +265,9 @@ class GroupAllReduce:
             result.error = f"{type(exc).__name__}: {exc}"
             log.warning("round %d group %s failed: %s", round_no, group, result.error)
         finally:
-            asyncio.get_running_loop().call_later(self.timeout + self.matchmaking_time, self._parts.pop, keys[mine], None)
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.timeout + self.matchmaking_time, self._parts.pop, keys[mine], None)
+            loop.call_later(3 * (self.timeout + self.matchmaking_time), self._decided.pop, (round_no, group), None)
         result.seconds = time.monotonic() - t0
         return result
 

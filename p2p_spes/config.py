@@ -117,6 +117,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     run_dir: str = "runs/default"
     threads: int = 0
+    # Checkpoint (or run directory) whose weights start this run, e.g. from `p2p-spes upcycle`.
+    init_from: Optional[str] = None
 
 
 @dataclass

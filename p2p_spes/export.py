@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -115,10 +116,14 @@ def hf_tensors(weights_file: Path, cfg: Config) -> Iterator[tuple[str, torch.Ten
 
         def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             if name not in names:
-                raise CheckpointError(f"{weights_file}: tensor {name} is missing; the checkpoint does not match its config")
+                raise CheckpointError(
+                    f"{weights_file}: tensor {name} is missing; the checkpoint does not match its config"
+                )
             tensor = f.get_tensor(name)
             if tuple(tensor.shape) != shape:
-                raise CheckpointError(f"{weights_file}: {name} has shape {tuple(tensor.shape)}, its config implies {shape}")
+                raise CheckpointError(
+                    f"{weights_file}: {name} has shape {tuple(tensor.shape)}, its config implies {shape}"
+                )
             used.add(name)
             return tensor
 
@@ -146,7 +151,9 @@ def hf_tensors(weights_file: Path, cfg: Config) -> Iterator[tuple[str, torch.Ten
         yield "lm_head.weight", take("lm_head.weight", (vocab, d))
         extra = sorted(names - used)
         if extra:
-            raise CheckpointError(f"{weights_file}: tensors {extra[:5]} have no OLMoE counterpart; export would drop them")
+            raise CheckpointError(
+                f"{weights_file}: tensors {extra[:5]} have no OLMoE counterpart; export would drop them"
+            )
 
 
 def write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, shard_bytes: int) -> list[Path]:
@@ -234,6 +241,10 @@ def export_hf(
     hf_cfg = olmoe_config(cfg, eos_token_id=eos, pad_token_id=pad, bos_token_id=bos)
     hf_cfg.dtype = "float32"
     hf_cfg.save_pretrained(str(out))
+    config_file = out / "config.json"
+    config_json = json.loads(config_file.read_text())
+    config_json.setdefault("rope_theta", float(cfg.model.rope_theta))  # read by transformers 4.x
+    config_file.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     write_safetensors(hf_tensors(path / WEIGHTS, cfg), out, shard_bytes)
     tok.save_pretrained(str(out))
     GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad).save_pretrained(str(out))

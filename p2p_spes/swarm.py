@@ -28,6 +28,7 @@ from collections import Counter
 from typing import Any, Coroutine
 
 import torch
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
@@ -35,15 +36,12 @@ from dht.records import PeerRecord, config_key, peers_key, subkey_values, versio
 from p2p_spes import __version__
 from p2p_spes.allreduce import GroupAllReduce
 from p2p_spes.config import Config
+from p2p_spes.errors import SwarmError
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.placement import least_covered
 from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, tensor_digest, unpack
 
 log = logging.getLogger(__name__)
-
-
-class SwarmError(RuntimeError):
-    """The peer cannot join or stay in the run (unreachable bootstrap, different model, ...)."""
 
 
 def _die_with_parent() -> None:
@@ -231,16 +229,28 @@ class Swarm:
         return out
 
     def _take_snapshot(self, round_no: int, step: int) -> None:
-        """Freeze what this peer serves: the round's shared parameters and held experts."""
-        shared = [p.detach().cpu().clone() for _, p in self._shared_items()]
-        snapshot = {"shared": ({"round": round_no, "step": step, "digest": tensor_digest(shared)}, shared)}
+        """Freeze what this peer serves: the round's shared parameters and held experts.
+
+        The previous version of each entry is kept too, so a peer still refreshing from this round
+        gets the pre-merge tensors it asks for (by digest) even after we merged.
+        """
+        entries = {"shared": [p.detach().cpu().clone() for _, p in self._shared_items()]}
         for e in self.model.local_experts:
-            tensors = [t.detach().cpu().clone() for t in self._expert_tensors(e)]
-            snapshot[f"expert:{e}"] = ({"round": round_no, "step": step, "digest": tensor_digest(tensors)}, tensors)
+            entries[f"expert:{e}"] = [t.detach().cpu().clone() for t in self._expert_tensors(e)]
+        snapshot = {}
+        for uid, tensors in entries.items():
+            meta = {"round": round_no, "step": step, "digest": tensor_digest(tensors)}
+            previous = [v for v in self._snapshot.get(uid, [])[-1:] if v[0]["digest"] != meta["digest"]]
+            snapshot[uid] = previous + [(meta, tensors)]
         self._snapshot = snapshot
 
+    def current(self, uid: str) -> dict:
+        return self._snapshot[uid][-1][0]
+
     async def _rpc_state(self, request: runtime_pb2.ExpertUID, context):
-        entry = self._snapshot.get(request.uid)
+        uid, _, digest = request.uid.partition("@")
+        versions = self._snapshot.get(uid, [])
+        entry = next((v for v in versions if v[0]["digest"] == digest), None) if digest else (versions or [None])[-1]
         if entry is None:
             yield averaging_pb2.DownloadData(metadata=pack({"error": f"not serving {request.uid!r}"}))
             return
@@ -253,7 +263,7 @@ class Swarm:
                 first = False
 
     async def _download(self, peer: str, uid: str, like: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
-        from hivemind import PeerID
+
 
         stream = await self.p2p.iterate_protobuf_handler(
             PeerID.from_base58(peer), f"{self.run_id}.state", runtime_pb2.ExpertUID(uid=uid), averaging_pb2.DownloadData
@@ -266,12 +276,24 @@ class Swarm:
             raise TransportError(f"{peer} sent {len(parts)} tensors for {uid}, expected {len(like)}")
         tensors = [parse_tensor(p, tuple(t.shape), t.dtype) for p, t in zip(parts, like)]
         self.stats["bytes_received"] += sum(c.ByteSize() for p in parts for c in p)
-        if tensor_digest(tensors) != meta["digest"]:
+        wanted = uid.partition("@")[2] or meta["digest"]
+        if tensor_digest(tensors) != meta["digest"] or meta["digest"] != wanted:
             raise TransportError(f"{uid} from {peer} does not match the digest it announced")
         return meta, tensors
 
-    def download(self, peer: str, uid: str, like: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
-        return self.call(asyncio.wait_for(self._download(peer, uid, like), self.cfg.swarm.averaging_timeout))
+    def download(self, peer: str, uid: str, like: list[torch.Tensor], attempts: int = 4) -> tuple[dict, list[torch.Tensor]]:
+        """Fetch ``uid`` from ``peer``, retrying briefly: a fresh libp2p dial can be refused once."""
+        for attempt in range(attempts):
+            try:
+                return self.call(asyncio.wait_for(self._download(peer, uid, like), self.cfg.swarm.averaging_timeout))
+            except TransportError:
+                raise
+            except Exception as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.info("download of %s from %s failed (%s); retrying", uid, peer, exc)
+                time.sleep(2.0 * (attempt + 1))  # libp2p refuses re-dials for a few seconds after a failure
+        raise AssertionError("unreachable")
 
     # Joining mid-run -----------------------------------------------------------------------
     def catch_up(self) -> dict[str, Any] | None:
@@ -279,9 +301,16 @@ class Swarm:
         peers = {p: r for p, r in self.live_peers().items() if p != self.peer_id}
         if not peers:
             return None
-        source = max(peers, key=lambda p: (peers[p].round, peers[p].step))
         shared_like = [p.detach() for _, p in self._shared_items()]
-        meta, shared = self.download(source, "shared", shared_like)
+        errors = []
+        for source in sorted(peers, key=lambda p: (-peers[p].round, -peers[p].step, p)):
+            try:
+                meta, shared = self.download(source, "shared", shared_like)
+                break
+            except Exception as exc:
+                errors.append(f"{source}: {exc}")
+        else:
+            raise SwarmError("could not download the run's current weights from any live peer: " + "; ".join(errors))
         with torch.no_grad():
             for (_, p), value in zip(self._shared_items(), shared):
                 p.copy_(value.to(p.device))
@@ -304,9 +333,10 @@ class Swarm:
                     continue
                 best = max(digests.items(), key=lambda kv: (kv[1], kv[0]))[0]
                 holders = sorted(p for p in holders if versions.get(p, {}).get("experts", {}).get(str(e)) == best)
+            uid = f"expert:{e}@{best}" if versions is not None else f"expert:{e}"
             for holder in holders:
                 try:
-                    _, tensors = self.download(holder, f"expert:{e}", [t.detach() for t in self._expert_tensors(e)])
+                    _, tensors = self.download(holder, uid, [t.detach() for t in self._expert_tensors(e)])
                 except Exception as exc:
                     log.warning("could not fetch expert %d from %s: %s", e, holder, exc)
                     continue
@@ -345,10 +375,12 @@ class Swarm:
             report["groups"][f"expert{e}"] = self._apply(res, tensors)
 
         self._take_snapshot(round_no, step)
-        mine = {"shared": self._snapshot["shared"][0]["digest"],
-                "experts": {str(e): self._snapshot[f"expert:{e}"][0]["digest"] for e in self.model.local_experts}}
+        mine = {"ok": report["groups"]["shared"]["ok"], "shared": self.current("shared")["digest"],
+                "experts": {str(e): self.current(f"expert:{e}")["digest"] for e in self.model.local_experts}}
         self.call(self._store(version_key(self.run_id, round_no), mine, ttl=sw.record_ttl))
         versions = self._wait_versions(round_no, peers)
+        if not report["groups"]["shared"]["ok"]:
+            report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
         frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
         report["refreshed"] = self._refresh_experts(peers, frozen, round_no, versions)
 
@@ -371,6 +403,9 @@ class Swarm:
         self.stats["bytes_received"] += report["bytes_received"]
         self.update_status(round=round_no, step=step, sync_seconds=round(report["seconds"], 3))
         self.rounds.append(report)
+        asyncio.run_coroutine_threadsafe(
+            self._store(peers_key(self.run_id), self._record(), ttl=sw.record_ttl), self.loop
+        )
         return report
 
     def _apply(self, res, targets: list[torch.Tensor]) -> dict[str, Any]:
@@ -387,6 +422,28 @@ class Swarm:
                 offset += n
         return info
 
+    def _adopt_shared(self, round_no: int, versions: dict[str, dict]) -> str | None:
+        """After missing the shared group, take the result the others agreed on (as a joiner would)."""
+        digests = Counter(v.get("shared") for p, v in versions.items() if p != self.peer_id and v.get("ok"))
+        digests.pop(None, None)
+        if not digests:
+            return None
+        best = digests.most_common(1)[0][0]
+        like = [p.detach() for _, p in self._shared_items()]
+        for peer in sorted(p for p, v in versions.items() if v.get("shared") == best and p != self.peer_id):
+            try:
+                meta, tensors = self.download(peer, f"shared@{best}", like)
+            except Exception as exc:
+                log.warning("could not adopt round %d shared parameters from %s: %s", round_no, peer, exc)
+                continue
+            with torch.no_grad():
+                for (_, p), value in zip(self._shared_items(), tensors):
+                    p.copy_(value.to(p.device))
+            self._take_snapshot(round_no, self.current("shared")["step"])
+            self.stats["rounds_adopted"] += 1
+            return peer
+        return None
+
     def _wait_versions(self, round_no: int, peers: dict[str, PeerRecord]) -> dict[str, dict]:
         """Digests published for this round by the live peers (waiting a bounded time for all)."""
         deadline = time.monotonic() + self.cfg.swarm.matchmaking_time + 2
@@ -398,6 +455,19 @@ class Swarm:
             time.sleep(0.2)
 
     # Leaving -------------------------------------------------------------------------------
+    def linger(self) -> None:
+        """Keep serving after our last round until the others have refreshed from it (bounded)."""
+        if not self.rounds:
+            return
+        last = self.rounds[-1]["round"]
+        deadline = time.monotonic() + self.cfg.swarm.matchmaking_time + self.cfg.swarm.averaging_timeout / 3
+        while time.monotonic() < deadline:
+            others = {p for p, r in self.live_peers().items() if p != self.peer_id and r.round <= last}
+            done = {p for p, r in self.live_peers().items() if p != self.peer_id and r.round >= last}
+            if not others - done:
+                break
+            time.sleep(0.5)
+
     def leave(self) -> None:
         """Tell the others we are gone (our experts' coverage drops at once) and stop everything."""
         if self._heartbeat is not None:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, load_checkpoint, read_state, save_checkpoint
 from p2p_spes.config import Config
 from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
-from p2p_spes.errors import ConfigError
+from p2p_spes.errors import CheckpointError, ConfigError
 from p2p_spes.memory import measure_memory
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer, lr_at, set_lr, trainable_parameters
@@ -59,7 +59,14 @@ def resolve_data(cfg: Config) -> tuple[str, str, str]:
 class Trainer:
     """One peer's model, optimizer and data, stepping until ``train.max_steps``."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path | None = None, hooks: list[StepHook] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str | Path | None = None,
+        hooks: list[StepHook] | None = None,
+        local_experts: list[int] | None = None,
+        data_partition: int | None = None,
+    ) -> None:
         self.cfg = cfg
         tr = cfg.train
         self.run_dir = Path(run_dir or tr.run_dir)
@@ -71,8 +78,11 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
         self.hooks = list(hooks or [])
 
-        self.model = MoETransformer(cfg.model, cfg.moe, local_experts=cfg.local_experts(), device=self.device)
+        local = cfg.local_experts() if local_experts is None else sorted(local_experts)
+        self.model = MoETransformer(cfg.model, cfg.moe, local_experts=local, device=self.device)
         self.model.init_weights(tr.seed)
+        if tr.init_from:
+            self.load_initial_weights(tr.init_from)
         self.optimizer = build_optimizer(self.model, tr)
 
         train_dir, val_dir, tokenizer = resolve_data(cfg)
@@ -81,7 +91,8 @@ class Trainer:
         self.val_data = TokenDataset(val_dir, vocab_size=vocab, tokenizer=tokenizer, verify=cfg.data.verify)
         self.loader = BatchLoader(
             self.train_data, cfg.model.max_seq_len, tr.batch_size,
-            seed=cfg.data.seed, peer_index=cfg.peer.index, num_peers=cfg.peer.count,
+            seed=cfg.data.seed, peer_index=cfg.peer.index if data_partition is None else data_partition,
+            num_peers=cfg.peer.count,
         )
         self.val_batches = validation_batches(self.val_data, cfg.model.max_seq_len, tr.batch_size, tr.eval_batches)
 
@@ -89,6 +100,7 @@ class Trainer:
         self.tokens = 0
         self.last_metrics: dict[str, Any] = {}
         self.val_loss: float | None = None
+        self.summary_extras: dict[str, Any] = {}
 
     # State -----------------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -115,6 +127,11 @@ class Trainer:
             return False
         state = read_state(path)
         check_fingerprint(path, state, self.cfg.model_fingerprint())
+        if "loader" not in state:
+            raise CheckpointError(
+                f"{path} holds initial weights only (no training state); start a run from it with "
+                f"--set train.init_from={path}"
+            )
         if state["local_experts"] != self.model.local_experts:
             self.model.set_local_experts(state["local_experts"])
         self.optimizer = build_optimizer(self.model, self.cfg.train)
@@ -124,6 +141,15 @@ class Trainer:
         self.val_loss = state.get("val_loss")
         log.info("resumed from %s at step %d", path, self.step)
         return True
+
+    def load_initial_weights(self, checkpoint: str | Path) -> Path:
+        """Start from another checkpoint's weights (an upcycled model, say): step 0, fresh optimizer."""
+        path = find_checkpoint(checkpoint)
+        if path is None:
+            raise CheckpointError(f"train.init_from={checkpoint}: no checkpoint there; give a checkpoint or run directory")
+        load_checkpoint(path, self.model, fingerprint=self.cfg.model_fingerprint())
+        log.info("initial weights from %s", path)
+        return path
 
     # Steps -----------------------------------------------------------------------------------
     def _autocast(self):
@@ -185,7 +211,8 @@ class Trainer:
         return self.val_loss
 
     # Loop ------------------------------------------------------------------------------------
-    def _log(self, record: dict[str, Any]) -> None:
+    def log_record(self, record: dict[str, Any]) -> None:
+        """Append one JSON line to ``metrics.jsonl`` (steps, and sync rounds from the swarm)."""
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -204,7 +231,7 @@ class Trainer:
                 if self.step % tr.eval_interval == 0 or self.step == tr.max_steps:
                     metrics["val_loss"] = self.evaluate()
                 if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
-                    self._log(metrics)
+                    self.log_record(metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 bar.update(1)
                 if self.step % tr.checkpoint_interval == 0 or self.step == tr.max_steps:
@@ -228,6 +255,7 @@ class Trainer:
             "num_experts": self.cfg.moe.num_experts,
             "device": str(self.device),
             "memory": measure_memory(self.model, self.optimizer).to_dict(),
+            **self.summary_extras,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
