@@ -78,6 +78,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_swarm(args: argparse.Namespace) -> int:
+    from p2p_spes.local_swarm import LocalSwarm
+
+    _load(args)  # fail fast on a bad config, before starting any process
+    swarm = LocalSwarm(args.config, args.overrides, args.peers, args.run_dir, run_id=args.run_id, threads=args.threads)
+    print(f"starting {args.peers} peers on 127.0.0.1; logs in {args.run_dir}/peer*.log", flush=True)
+    try:
+        swarm.start()
+        codes = swarm.wait(args.timeout)
+        if any(c is None for c in codes):
+            print(f"time limit of {args.timeout}s reached: stopping the peers", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("stopping the peers (they checkpoint and leave)", file=sys.stderr)
+    finally:
+        swarm.stop()
+    swarm.print_summary()
+    return 0 if all(p.returncode == 0 for p in swarm.procs) else 1
+
+
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from p2p_spes.tokenization import tokenize_files
 
@@ -164,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial (behind NAT)")
     net.add_argument("--identity", help="private key file; keeps this peer's id and multiaddr across restarts")
     train.set_defaults(func=cmd_train)
+
+    local = sub.add_parser("swarm", help="run N peers of one run on this machine (127.0.0.1)")
+    _add_config_args(local)
+    local.add_argument("--peers", type=int, default=2, help="number of peers (default 2)")
+    local.add_argument("--run-dir", default="runs/swarm", help="per-peer run directories and logs go here")
+    local.add_argument("--run-id", default="local", help="DHT run id")
+    local.add_argument("--threads", type=int, default=1, help="torch threads per peer (default 1)")
+    local.add_argument("--timeout", type=float, default=None, help="stop the peers after this many seconds")
+    local.set_defaults(func=cmd_swarm)
 
     data = sub.add_parser("data", help="prepare training data")
     data_sub = data.add_subparsers(dest="data_command", required=True)

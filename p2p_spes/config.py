@@ -139,7 +139,7 @@ class SwarmConfig:
     matchmaking_time: float = 3.0
     averaging_timeout: float = 30.0
     heartbeat: float = 5.0
-    record_ttl: float = 30.0
+    record_ttl: float = 15.0
     merge_interval: int = 0
     merge_alpha_start: float = 0.05
     merge_decay_steps: int = 10000

@@ -69,8 +69,10 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True) -> dict[st
         swarm.check_model()
         experts = swarm.choose_experts()
         partition = data_partition(swarm, cfg)
+        swarm.update_status(data_partition=partition)
+        swarm.claim(experts)
         trainer = Trainer(cfg, run_dir=run_dir, local_experts=experts, data_partition=partition)
-        swarm.update_status(data_partition=partition, device=str(trainer.device))
+        swarm.update_status(device=str(trainer.device))
         swarm.attach(trainer.model)
         meta = swarm.catch_up()
         if meta is not None:

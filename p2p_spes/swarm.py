@@ -120,6 +120,7 @@ class Swarm:
         self._lock = threading.Lock()
         self._heartbeat: asyncio.Future | None = None
         self.rounds: list[dict[str, Any]] = []
+        self._claimed: list[int] = []
 
     # Plumbing ------------------------------------------------------------------------------
     def call(self, coro: Coroutine, timeout: float | None = None):
@@ -128,7 +129,17 @@ class Swarm:
     def _start_dht(self):
         import hivemind
 
+        from hivemind.utils.multiaddr import Multiaddr
+
         sw = self.cfg.swarm
+        for maddr in list(sw.initial_peers) + list(sw.host_maddrs) + list(sw.announce_maddrs):
+            try:
+                Multiaddr(maddr)
+            except Exception:
+                raise SwarmError(f"{maddr!r} is not a multiaddr; expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/PEER_ID") from None
+        for maddr in sw.initial_peers:
+            if "/p2p/" not in maddr:
+                raise SwarmError(f"{maddr!r} lacks the peer id: a bootstrap address ends in /p2p/PEER_ID")
         try:
             dht = hivemind.DHT(
                 initial_peers=list(sw.initial_peers) or None, start=True,
@@ -184,9 +195,15 @@ class Swarm:
         count = cfg.swarm.experts_per_peer or cfg.moe.num_experts // cfg.peer.count
         return least_covered(holders, cfg.moe.num_experts, count, self.peer_id, cfg.swarm.replicas)
 
+    def claim(self, experts: list[int]) -> None:
+        """Publish our experts at once, so peers joining right after us see them covered."""
+        self._claimed = list(experts)
+        self.announce()
+
     def attach(self, model) -> None:
         self.model = model
         self._take_snapshot(round_no=-1, step=0)
+        self.update_status(serving=True)
         self._heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat_loop(), self.loop)
 
     def update_status(self, **fields: Any) -> None:
@@ -196,8 +213,9 @@ class Swarm:
     def _record(self) -> dict[str, Any]:
         with self._lock:
             status = dict(self.status)
+        experts = self.model.local_experts if self.model is not None else self._claimed
         return PeerRecord(
-            self.peer_id, list(self.model.local_experts), int(status.pop("step", 0)), int(status.pop("round", -1)),
+            self.peer_id, list(experts), int(status.pop("step", 0)), int(status.pop("round", -1)),
             self.fingerprint, self.maddrs,
             extra={"version": __version__, **status, **{k: int(v) for k, v in self.stats.items()}},
         ).to_value()
@@ -244,6 +262,18 @@ class Swarm:
             snapshot[uid] = previous + [(meta, tensors)]
         self._snapshot = snapshot
 
+    def _frozen_copy(self, uid: str) -> tuple[dict, list[torch.Tensor]] | None:
+        """A frozen expert's current copy, served so that an expert whose holders all left survives."""
+        try:
+            expert = int(uid.split(":", 1)[1])
+        except ValueError:
+            return None
+        if not 0 <= expert < self.cfg.moe.num_experts or expert in self.model.local_experts:
+            return None
+        tensors = [t.detach().cpu().clone() for t in self._expert_tensors(expert)]
+        shared = self.current("shared")
+        return {"round": shared["round"], "step": shared["step"], "digest": tensor_digest(tensors)}, tensors
+
     def current(self, uid: str) -> dict:
         return self._snapshot[uid][-1][0]
 
@@ -251,6 +281,8 @@ class Swarm:
         uid, _, digest = request.uid.partition("@")
         versions = self._snapshot.get(uid, [])
         entry = next((v for v in versions if v[0]["digest"] == digest), None) if digest else (versions or [None])[-1]
+        if entry is None and not digest and uid.startswith("expert:") and self.model is not None:
+            entry = self._frozen_copy(uid)
         if entry is None:
             yield averaging_pb2.DownloadData(metadata=pack({"error": f"not serving {request.uid!r}"}))
             return
@@ -263,8 +295,6 @@ class Swarm:
                 first = False
 
     async def _download(self, peer: str, uid: str, like: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
-
-
         stream = await self.p2p.iterate_protobuf_handler(
             PeerID.from_base58(peer), f"{self.run_id}.state", runtime_pb2.ExpertUID(uid=uid), averaging_pb2.DownloadData
         )
@@ -298,7 +328,9 @@ class Swarm:
     # Joining mid-run -----------------------------------------------------------------------
     def catch_up(self) -> dict[str, Any] | None:
         """Load the swarm's current shared parameters and experts from live peers (not from a file)."""
-        peers = {p: r for p, r in self.live_peers().items() if p != self.peer_id}
+        live = self.live_peers()
+        # only peers that already serve a snapshot; others are starting up like us
+        peers = {p: r for p, r in live.items() if p != self.peer_id and r.extra.get("serving")}
         if not peers:
             return None
         shared_like = [p.detach() for _, p in self._shared_items()]
@@ -314,17 +346,24 @@ class Swarm:
         with torch.no_grad():
             for (_, p), value in zip(self._shared_items(), shared):
                 p.copy_(value.to(p.device))
-        fetched = self._refresh_experts(peers, range(self.cfg.moe.num_experts), want_round=None)
+        fetched = self._refresh_experts(peers, range(self.cfg.moe.num_experts), any_copy=True)
         self._take_snapshot(meta["round"], meta["step"])
         log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"], fetched)
         return meta
 
-    def _refresh_experts(self, peers: dict[str, PeerRecord], experts, want_round: int | None,
-                         versions: dict[str, dict] | None = None) -> int:
-        """Download each of ``experts`` once from a holder; with ``versions`` only the agreed digest."""
+    def _refresh_experts(self, peers: dict[str, PeerRecord], experts, versions: dict[str, dict] | None = None,
+                         any_copy: bool = False) -> int:
+        """Download each of ``experts`` once from a holder; with ``versions`` only the agreed digest.
+
+        With ``any_copy`` (joining), an expert nobody holds any more is taken from another peer's
+        frozen copy, so an expert is not lost while any copy exists.
+        """
         fetched = 0
+        unreachable: set[str] = set()
         for e in experts:
             holders = [p for p, r in peers.items() if e in r.experts and p != self.peer_id]
+            if any_copy:  # holders first, then anyone's frozen copy
+                holders += sorted(p for p in peers if p != self.peer_id and p not in holders)
             if versions is not None:
                 digests = Counter(versions[p]["experts"].get(str(e)) for p in holders if p in versions)
                 digests.pop(None, None)
@@ -334,11 +373,15 @@ class Swarm:
                 best = max(digests.items(), key=lambda kv: (kv[1], kv[0]))[0]
                 holders = sorted(p for p in holders if versions.get(p, {}).get("experts", {}).get(str(e)) == best)
             uid = f"expert:{e}@{best}" if versions is not None else f"expert:{e}"
-            for holder in holders:
+            for holder in (h for h in holders if h not in unreachable):
                 try:
-                    _, tensors = self.download(holder, uid, [t.detach() for t in self._expert_tensors(e)])
-                except Exception as exc:
+                    _, tensors = self.download(holder, uid, [t.detach() for t in self._expert_tensors(e)], attempts=2)
+                except TransportError as exc:
                     log.warning("could not fetch expert %d from %s: %s", e, holder, exc)
+                    continue
+                except Exception as exc:
+                    log.warning("could not reach %s for expert %d: %s", holder, e, exc)
+                    unreachable.add(holder)
                     continue
                 with torch.no_grad():
                     for target, value in zip(self._expert_tensors(e), tensors):
@@ -382,7 +425,7 @@ class Swarm:
         if not report["groups"]["shared"]["ok"]:
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
         frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
-        report["refreshed"] = self._refresh_experts(peers, frozen, round_no, versions)
+        report["refreshed"] = self._refresh_experts(peers, frozen, versions)
 
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)

@@ -1,0 +1,138 @@
+"""``p2p-spes swarm``: N peers on 127.0.0.1 as separate processes, for a demo or a test.
+
+Each peer runs ``p2p-spes train`` in its own process group, so stopping a peer stops its DHT and
+p2pd children too. The first peer starts the run; the others join through its multiaddr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from p2p_spes.errors import SwarmError
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class LocalSwarm:
+    """Start, watch and stop peers on loopback; every process is tracked by its own id."""
+
+    def __init__(self, config: str | None, overrides: list[str], peers: int, run_dir: str | Path,
+                 run_id: str = "local", threads: int = 1) -> None:
+        if peers < 1:
+            raise SwarmError("--peers must be at least 1")
+        self.config, self.overrides, self.num_peers = config, list(overrides), peers
+        self.run_dir = Path(run_dir)
+        self.run_id, self.threads = run_id, threads
+        self.procs: list[subprocess.Popen] = []
+
+    def _command(self, index: int, initial_peers: list[str]) -> list[str]:
+        cmd = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--run-dir", str(self.run_dir / f"peer{index}")]
+        if self.config:
+            cmd += ["--config", self.config]
+        cmd += ["--set", f"peer.count={self.num_peers}", "--set", f"train.threads={self.threads}",
+                "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]", "--run-id", self.run_id]
+        for item in self.overrides:
+            cmd += ["--set", item]
+        cmd += ["--initial-peers", *initial_peers] if initial_peers else ["--swarm"]
+        return cmd
+
+    def start_peer(self, index: int, initial_peers: list[str]) -> subprocess.Popen:
+        (self.run_dir / f"peer{index}").mkdir(parents=True, exist_ok=True)
+        log = open(self.run_dir / f"peer{index}.log", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(self._command(index, initial_peers), stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def wait_for_maddrs(self, index: int, timeout: float = 120.0) -> list[str]:
+        path = self.run_dir / f"peer{index}" / "peer.json"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                return json.loads(path.read_text())["maddrs"]
+            if self.procs[index].poll() is not None:
+                raise SwarmError(f"peer {index} exited early:\n{_tail(self.run_dir / f'peer{index}.log')}")
+            time.sleep(0.2)
+        raise SwarmError(f"peer {index} did not come up within {timeout:.0f}s")
+
+    def start(self, stagger: float = 2.0) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.start_peer(0, [])
+        maddrs = self.wait_for_maddrs(0)
+        for i in range(1, self.num_peers):
+            time.sleep(stagger)
+            self.start_peer(i, maddrs)
+
+    def wait(self, timeout: float | None = None) -> list[int | None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for proc in self.procs:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.01)
+            try:
+                proc.wait(remaining)
+            except subprocess.TimeoutExpired:
+                break
+        return [p.poll() for p in self.procs]
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM every peer (they checkpoint and announce leaving), then SIGKILL their groups."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs:
+            _signal_group(proc, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.wait(5)
+
+    def summaries(self) -> list[dict[str, Any]]:
+        out = []
+        for i in range(len(self.procs)):
+            path = self.run_dir / f"peer{i}" / "summary.json"
+            out.append(json.loads(path.read_text()) if path.exists() else {})
+        return out
+
+    def print_summary(self, console: Console | None = None) -> None:
+        table = Table(title=f"local swarm: {len(self.procs)} peers, run dir {self.run_dir}")
+        for col in ("peer", "exit", "experts", "steps", "train loss", "val loss", "rounds", "sent MB", "recv MB"):
+            table.add_column(col, justify="left" if col in ("peer", "experts") else "right")
+        for i, (proc, s) in enumerate(zip(self.procs, self.summaries())):
+            table.add_row(
+                str(i), str(proc.poll()), str(s.get("local_experts", "-")), str(s.get("step", "-")),
+                _fmt(s.get("final_train_loss")), _fmt(s.get("final_val_loss")),
+                f"{s.get('rounds_joined', '-')}/{s.get('rounds_failed', 0)} failed",
+                _fmt(s.get("bytes_sent", 0) / 1e6 if s else None), _fmt(s.get("bytes_received", 0) / 1e6 if s else None),
+            )
+        (console or Console(width=120)).print(table)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,156 @@
+"""Loopback swarms with real hivemind DHTs and libp2p: sync, identity after rounds, joins, faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p2p_spes.local_swarm import LocalSwarm
+
+SMALL = [
+    "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
+    "moe.num_experts=6", "moe.ffn_dim=64", "train.batch_size=4", "train.warmup_steps=2",
+    "train.eval_interval=30", "train.log_interval=5", "swarm.sync_steps=10", "swarm.matchmaking_time=5",
+    "swarm.averaging_timeout=15",
+]
+
+
+def rounds(run_dir: Path) -> dict[int, dict]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "sync_round" in record:
+            out[record["sync_round"]] = record
+    return out
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def assert_identical_after_rounds(dirs: list[Path], min_common: int) -> None:
+    per_peer = [rounds(d) for d in dirs]
+    common = sorted(set.intersection(*(set(r) for r in per_peer)))
+    complete = [n for n in common if all(r[n]["shared_ok"] and r[n]["shared_members"] == len(dirs) for r in per_peer)]
+    assert len(complete) >= min_common, (common, [{n: r[n]["shared_members"] for n in r} for r in per_peer])
+    for n in complete:
+        digests = {r[n]["shared_digest"] for r in per_peer}
+        assert len(digests) == 1, f"round {n}: shared parameters differ between peers"
+        experts = {json.dumps(r[n]["expert_digests"], sort_keys=True) for r in per_peer}
+        assert len(experts) == 1, f"round {n}: expert versions differ between peers"
+
+
+def test_swarm_trains_syncs_merges_and_ends_identical(tmp_path):
+    swarm = LocalSwarm(None, SMALL + ["train.max_steps=90", "swarm.merge_interval=20"], peers=3, run_dir=tmp_path)
+    try:
+        swarm.start()
+        codes = swarm.wait(timeout=300)
+    finally:
+        swarm.stop()
+    assert codes == [0, 0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in range(3)]
+    summaries = swarm.summaries()
+    held = sorted(e for s in summaries for e in s["local_experts"])
+    assert held == list(range(6)), "least-covered placement should spread the 6 experts over 3 peers"
+    dirs = [tmp_path / f"peer{i}" for i in range(3)]
+    assert_identical_after_rounds(dirs, min_common=3)
+    final = {s["final_val_loss"] for s in summaries}
+    assert len(final) == 1, "after the last round every peer holds the same model"
+    assert summaries[0]["final_val_loss"] < summaries[0]["first_train_loss"] - 1.0
+    merged = [r for r in rounds(dirs[0]).values() if r.get("merge_alpha")]
+    assert merged, "merging should have run at rounds that are multiples of merge_interval"
+    for s in summaries:
+        assert s["bytes_sent"] > 0 and s["bytes_received"] > 0 and s["rounds_joined"] >= 3
+
+
+def test_peer_joins_mid_run_and_a_killed_peer_blocks_nobody(tmp_path):
+    swarm = LocalSwarm(None, SMALL + ["train.max_steps=80"], peers=3, run_dir=tmp_path)
+    try:
+        swarm.start_peer(0, [])
+        maddrs = swarm.wait_for_maddrs(0)
+        swarm.start_peer(1, maddrs)
+        victim = swarm.start_peer(2, maddrs)
+        # wait until the victim has synced once, then SIGKILL its main process only
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (tmp_path / "peer2" / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        while time.monotonic() < deadline and not rounds(tmp_path / "peer2"):
+            time.sleep(0.5)
+        assert rounds(tmp_path / "peer2"), (tmp_path / "peer2.log").read_text()[-2000:]
+        killed_at = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        # its DHT process and p2pd die with it (no orphans)
+        deadline = time.monotonic() + 20
+        while group_alive(victim.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not group_alive(victim.pid), "the killed peer left processes behind"
+
+        # a newcomer joins mid-run through a survivor, downloads the state and trains
+        late = swarm.start_peer(3, swarm.wait_for_maddrs(1))
+        codes = [swarm.procs[i].wait(300) for i in (0, 1)] + [late.wait(300)]
+    finally:
+        swarm.stop()
+    assert codes == [0, 0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in (0, 1, 3)]
+    log = (tmp_path / "peer3.log").read_text()
+    assert "joined the run at round" in log
+    for i in (0, 1):
+        after = [r for r in rounds(tmp_path / f"peer{i}").values() if r["sync_seconds"] and r["step"] > 10]
+        # a sync never waits longer than the join window plus the averaging deadline
+        assert max(r["sync_seconds"] for r in after) < 5 + 15 + 10
+    assert time.monotonic() - killed_at < 300
+    assert_identical_after_rounds([tmp_path / "peer0", tmp_path / "peer1", tmp_path / "peer3"], min_common=1)
+    # no survivor applied a partial average: every failed group kept the peer's own values
+    for i in (0, 1, 3):
+        for r in rounds(tmp_path / f"peer{i}").values():
+            for name, group in r["groups"].items():
+                assert group["ok"] or "error" in group
+
+
+def test_peer_with_another_model_is_refused(tmp_path):
+    swarm = LocalSwarm(None, SMALL + ["train.max_steps=200"], peers=1, run_dir=tmp_path)
+    try:
+        swarm.start()
+        maddrs = swarm.wait_for_maddrs(0)
+        cmd = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--run-dir", str(tmp_path / "other"),
+               "--run-id", "local", "--initial-peers", *maddrs, "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"]
+        for item in SMALL + ["model.num_layers=3"]:
+            cmd += ["--set", item]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True)
+    finally:
+        swarm.stop()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "trains a different model" in proc.stderr and "model.num_layers: ours 3, run's 2" in proc.stderr
+
+
+def test_unreachable_bootstrap_is_a_clear_error_within_seconds(tmp_path):
+    fake = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWD42Rrrah2pZafUYCAzwz7S3UvNo2gYEHkUwGJT79NSGG"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "p2p_spes", "train", "--run-dir", str(tmp_path), "--initial-peers", fake,
+         "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]", "--set", "swarm.bootstrap_timeout=10"],
+        capture_output=True, text=True, timeout=120, start_new_session=True,
+    )
+    assert proc.returncode == 2
+    assert fake in proc.stderr and "Check that the address is complete" in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_malformed_multiaddr_is_a_clear_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "p2p_spes", "train", "--run-dir", str(tmp_path), "--initial-peers", "not-an-address",
+         "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"],
+        capture_output=True, text=True, timeout=120, start_new_session=True,
+    )
+    assert proc.returncode == 2
+    assert "not-an-address" in proc.stderr
