@@ -132,17 +132,17 @@ class SwarmConfig:
     identity_path: Optional[str] = None
     client_mode: bool = False
     bootstrap_timeout: float = 15.0
-    sync_steps: int = 100
+    sync_steps: int = 50
     replicas: int = 1
     experts_per_peer: Optional[int] = None
     compression: Literal["none", "fp16", "uint8"] = "none"
-    matchmaking_time: float = 3.0
+    matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
     heartbeat: float = 5.0
     record_ttl: float = 15.0
-    merge_interval: int = 0
+    merge_interval: int = 100
     merge_alpha_start: float = 0.05
-    merge_decay_steps: int = 10000
+    merge_decay_steps: int = 300
 
 
 @dataclass

@@ -1,0 +1,107 @@
+"""The group all-reduce on real hivemind DHTs in one process: exact means, identical copies, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import hivemind
+import pytest
+import torch
+
+from p2p_spes.allreduce import GroupAllReduce, weighted_mean
+from p2p_spes.transport import TransportError, parse_tensor, serialize_parts, tensor_digest
+
+
+class Peers:
+    """Three DHT peers and one event loop thread (as each trainer has), shared by the tests."""
+
+    def __init__(self) -> None:
+        first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = [str(m) for m in first.get_visible_maddrs()]
+        self.nodes = [first] + [
+            hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs) for _ in range(2)
+        ]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.p2ps = [self.call(node.replicate_p2p()) for node in self.nodes]
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        for node in self.nodes:
+            node.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    peers = Peers()
+    yield peers
+    peers.close()
+
+
+def run_group(peers, tensors, weights, compression, run_id, present=None):
+    present = list(range(len(peers))) if present is None else present
+    dhts = peers.nodes
+
+    async def main():
+        reducers = []
+        for i in present:
+            p2p = peers.p2ps[i]
+            reducer = GroupAllReduce(dhts[i], p2p, dhts[i].peer_id.to_base58(), run_id, compression=compression,
+                                     matchmaking_time=2.0, timeout=10.0)
+            await reducer.start()
+            reducers.append(reducer)
+        expected = {dhts[i].peer_id.to_base58() for i in range(len(dhts))}
+        return await asyncio.gather(*(r.run(0, "g", tensors[i], weights[i], expected) for r, i in zip(reducers, present)))
+
+    return peers.call(main())
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "uint8"])
+def test_members_end_bit_identical_with_the_weighted_mean(dhts, compression):
+    torch.manual_seed(0)
+    tensors = [torch.randn(10_001) for _ in range(len(dhts))]
+    weights = [1.0, 2.0, 5.0]
+    results = run_group(dhts, tensors, weights, compression, run_id=f"t-{compression}")
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert all(len(r.members) == 3 for r in results)
+    assert len({tensor_digest([r.tensor]) for r in results}) == 1, "copies differ after the round"
+    expected = sum(w * t for w, t in zip(weights, tensors)) / sum(weights)
+    tolerance = {"none": 1e-6, "fp16": 2e-2, "uint8": 0.5}[compression]
+    assert (results[0].tensor - expected).abs().max() < tolerance
+    assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in results)
+    if compression != "none":
+        uncompressed = run_group(dhts, tensors, weights, "none", run_id=f"t-ref-{compression}")
+        assert results[0].bytes_sent < uncompressed[0].bytes_sent * 0.6
+
+
+def test_absent_member_is_waited_for_only_until_the_window_closes(dhts):
+    tensors = [torch.ones(64) * i for i in range(3)]
+    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-absent", present=[0, 1])
+    assert all(r.ok for r in results)
+    assert all(len(r.members) == 2 for r in results)
+    torch.testing.assert_close(results[0].tensor, torch.full((64,), 0.5))
+    assert all(r.seconds < 2.0 + 10.0 + 5.0 for r in results)
+
+
+def test_non_finite_and_misshapen_tensors_are_refused():
+    bad = torch.tensor([1.0, float("nan")])
+    with pytest.raises(TransportError, match="NaN or infinite"):
+        parse_tensor(serialize_parts(bad), (2,), torch.float32)
+    with pytest.raises(TransportError, match=r"shape \(2,\) where \(3,\) was expected"):
+        parse_tensor(serialize_parts(torch.ones(2)), (3,), torch.float32)
+    with pytest.raises(TransportError, match="floating tensor"):
+        parse_tensor(serialize_parts(torch.ones(2, dtype=torch.int64)), (2,), torch.float32)
+
+
+def test_weighted_mean():
+    out = weighted_mean([torch.zeros(3), torch.ones(3)], [1.0, 3.0])
+    torch.testing.assert_close(out, torch.full((3,), 0.75))
