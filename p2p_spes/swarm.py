@@ -529,5 +529,15 @@ class Swarm:
             if self.dht is not None:
                 self.dht.shutdown()
         finally:
+            async def cancel_pending() -> None:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            try:
+                self.call(cancel_pending(), timeout=5)
+            except Exception as exc:
+                log.debug("pending swarm tasks did not stop cleanly: %s", exc)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
