@@ -140,6 +140,10 @@ class SwarmConfig:
     averaging_timeout: float = 30.0
     heartbeat: float = 5.0
     record_ttl: float = 15.0
+    # "average": SPES (weights replaced by the average); "nesterov": DiLoCo's outer Nesterov step.
+    outer_optimizer: Literal["average", "nesterov"] = "average"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     merge_interval: int = 100
     merge_alpha_start: float = 0.05
     merge_decay_steps: int = 300
@@ -400,6 +404,8 @@ def validate(config: Config) -> None:
         raise ConfigError("swarm.sync_steps, swarm.replicas, swarm.matchmaking_time and swarm.averaging_timeout must be positive")
     if sw.experts_per_peer is not None and not 0 < sw.experts_per_peer <= moe.num_experts:
         raise ConfigError(f"swarm.experts_per_peer ({sw.experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]")
+    if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:
+        raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")
     if sw.merge_interval < 0 or not 0 <= sw.merge_alpha_start < 1:
         raise ConfigError("swarm.merge_interval must be >= 0 and swarm.merge_alpha_start in [0, 1)")
     if not sw.run_id or any(c in sw.run_id for c in " ./"):

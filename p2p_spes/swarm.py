@@ -34,7 +34,7 @@ from hivemind.utils import get_dht_time
 
 from dht.records import PeerRecord, config_key, peers_key, subkey_values, version_key
 from p2p_spes import __version__
-from p2p_spes.allreduce import GroupAllReduce
+from p2p_spes.allreduce import GroupAllReduce, GroupResult
 from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
 from p2p_spes.merging import merge_alpha, merge_experts
@@ -121,6 +121,7 @@ class Swarm:
         self._heartbeat: asyncio.Future | None = None
         self.rounds: list[dict[str, Any]] = []
         self._claimed: list[int] = []
+        self._momentum: dict[str, torch.Tensor] = {}  # Nesterov outer momentum per group uid
 
     # Plumbing ------------------------------------------------------------------------------
     def call(self, coro: Coroutine, timeout: float | None = None):
@@ -255,6 +256,8 @@ class Swarm:
         entries = {"shared": [p.detach().cpu().clone() for _, p in self._shared_items()]}
         for e in self.model.local_experts:
             entries[f"expert:{e}"] = [t.detach().cpu().clone() for t in self._expert_tensors(e)]
+        for uid, momentum in self._momentum.items():
+            entries[f"momentum:{uid}"] = [momentum.clone()]
         snapshot = {}
         for uid, tensors in entries.items():
             meta = {"round": round_no, "step": step, "digest": tensor_digest(tensors)}
@@ -346,10 +349,25 @@ class Swarm:
         with torch.no_grad():
             for (_, p), value in zip(self._shared_items(), shared):
                 p.copy_(value.to(p.device))
+        self._fetch_momentum(source, "shared")
         fetched = self._refresh_experts(peers, range(self.cfg.moe.num_experts), any_copy=True)
         self._take_snapshot(meta["round"], meta["step"])
         log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"], fetched)
         return meta
+
+    def _fetch_momentum(self, peer: str, uid: str) -> None:
+        """Take a peer's outer momentum for ``uid`` so our outer steps match theirs (Nesterov only)."""
+        if self.cfg.swarm.outer_optimizer == "average":
+            return
+        size = sum(t.numel() for _, t in self._shared_items()) if uid == "shared" else None
+        if size is None:
+            return
+        try:
+            _, (momentum,) = self.download(peer, f"momentum:{uid}", [torch.empty(size)], attempts=2)
+        except TransportError:
+            self._momentum.pop(uid, None)  # the run has not taken an outer step yet
+            return
+        self._momentum[uid] = momentum
 
     def _refresh_experts(self, peers: dict[str, PeerRecord], experts, versions: dict[str, dict] | None = None,
                          any_copy: bool = False) -> int:
@@ -405,17 +423,17 @@ class Swarm:
         shared_items = self._shared_items()
         flat = torch.cat([p.detach().float().cpu().reshape(-1) for _, p in shared_items])
         res = self.call(self.reducer.run(round_no, "shared", flat, weight, set(peers)))
-        report["groups"]["shared"] = self._apply(res, [p for _, p in shared_items])
+        report["groups"]["shared"] = self._apply(res, [p for _, p in shared_items], "shared")
 
         for e in self.model.local_experts:
             holders = {p for p, r in peers.items() if e in r.experts}
             tensors = self._expert_tensors(e)
-            if len(holders) <= 1:
-                report["groups"][f"expert{e}"] = {"ok": True, "members": 1, "bytes_sent": 0, "bytes_received": 0}
-                continue
             flat = torch.cat([t.detach().float().cpu().reshape(-1) for t in tensors])
-            res = self.call(self.reducer.run(round_no, f"expert{e}", flat, weight, holders))
-            report["groups"][f"expert{e}"] = self._apply(res, tensors)
+            if len(holders) <= 1:  # a lone holder's copy is the truth
+                res = GroupResult(flat, [self.peer_id])
+            else:
+                res = self.call(self.reducer.run(round_no, f"expert{e}", flat, weight, holders))
+            report["groups"][f"expert{e}"] = self._apply(res, tensors, f"expert:{e}")
 
         self._take_snapshot(round_no, step)
         mine = {"ok": report["groups"]["shared"]["ok"], "shared": self.current("shared")["digest"],
@@ -451,19 +469,37 @@ class Swarm:
         )
         return report
 
-    def _apply(self, res, targets: list[torch.Tensor]) -> dict[str, Any]:
+    def _apply(self, res: GroupResult, targets: list[torch.Tensor], uid: str) -> dict[str, Any]:
+        """Write a successful group's result (after the outer step) into the model; a failed one is dropped."""
         info = {"ok": res.ok, "members": len(res.members), "bytes_sent": res.bytes_sent,
                 "bytes_received": res.bytes_received, "seconds": round(res.seconds, 3)}
         if not res.ok:
             info["error"] = res.error
             return info
+        result = self._outer_step(uid, res.tensor)
         offset = 0
         with torch.no_grad():
             for t in targets:
                 n = t.numel()
-                t.copy_(res.tensor[offset:offset + n].view_as(t).to(t.dtype))
+                t.copy_(result[offset:offset + n].view_as(t).to(t.dtype))
                 offset += n
         return info
+
+    def _outer_step(self, uid: str, averaged: torch.Tensor) -> torch.Tensor:
+        """SPES replaces the weights by the average; DiLoCo's Nesterov outer step is the option.
+
+        The pseudo-gradient is the previous round's agreed value (the anchor) minus the new average.
+        Every member has the same anchor, average and momentum history, so results stay identical.
+        """
+        sw = self.cfg.swarm
+        if sw.outer_optimizer == "average" or uid not in self._snapshot:
+            return averaged
+        anchor = torch.cat([t.reshape(-1).float() for t in self._snapshot[uid][-1][1]])
+        delta = anchor - averaged
+        momentum = self._momentum.get(uid)
+        momentum = delta.clone() if momentum is None else momentum.mul_(sw.outer_momentum).add_(delta)
+        self._momentum[uid] = momentum
+        return anchor - sw.outer_lr * (delta + sw.outer_momentum * momentum)
 
     def _adopt_shared(self, round_no: int, versions: dict[str, dict]) -> str | None:
         """After missing the shared group, take the result the others agreed on (as a joiner would)."""
@@ -482,6 +518,7 @@ class Swarm:
             with torch.no_grad():
                 for (_, p), value in zip(self._shared_items(), tensors):
                     p.copy_(value.to(p.device))
+            self._fetch_momentum(peer, "shared")
             self._take_snapshot(round_no, self.current("shared")["step"])
             self.stats["rounds_adopted"] += 1
             return peer

@@ -9,10 +9,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.swarm import Swarm
 
 SMALL = [
     "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
@@ -60,8 +63,22 @@ def assert_identical_after_rounds(dirs: list[Path], min_common: int) -> None:
         assert len(experts) == 1, f"round {n}: expert versions differ between peers"
 
 
+def test_nesterov_outer_step_follows_diloco():
+    cfg = SimpleNamespace(swarm=SimpleNamespace(outer_optimizer="nesterov", outer_lr=0.5, outer_momentum=0.9))
+    state = SimpleNamespace(cfg=cfg, _snapshot={"shared": [({}, [torch.tensor([1.0, 2.0])])]}, _momentum={})
+    averaged = torch.tensor([0.0, 1.0])
+    first = Swarm._outer_step(state, "shared", averaged)  # delta = 1, m = 1
+    torch.testing.assert_close(first, torch.tensor([1.0, 2.0]) - 0.5 * (1 + 0.9 * 1))
+    state._snapshot["shared"] = [({}, [first])]
+    second = Swarm._outer_step(state, "shared", first - 1)  # delta = 1, m = 0.9 + 1
+    torch.testing.assert_close(second, first - 0.5 * (1 + 0.9 * 1.9))
+    state.cfg.swarm.outer_optimizer = "average"
+    assert Swarm._outer_step(state, "shared", averaged) is averaged
+
+
 def test_swarm_trains_syncs_merges_and_ends_identical(tmp_path):
-    swarm = LocalSwarm(None, SMALL + ["train.max_steps=90", "swarm.merge_interval=20"], peers=3, run_dir=tmp_path)
+    swarm = LocalSwarm(None, SMALL + ["train.max_steps=90", "swarm.merge_interval=20", "swarm.outer_optimizer=nesterov"],
+                       peers=3, run_dir=tmp_path)
     try:
         swarm.start()
         codes = swarm.wait(timeout=300)
