@@ -422,8 +422,8 @@ class Swarm:
 
         shared_items = self._shared_items()
         flat = torch.cat([p.detach().float().cpu().reshape(-1) for _, p in shared_items])
-        res = self.call(self.reducer.run(round_no, "shared", flat, weight, set(peers)))
-        report["groups"]["shared"] = self._apply(res, [p for _, p in shared_items], "shared")
+        shared_res = self.call(self.reducer.run(round_no, "shared", flat, weight, set(peers)))
+        report["groups"]["shared"] = self._apply(shared_res, [p for _, p in shared_items], "shared")
 
         for e in self.model.local_experts:
             holders = {p for p, r in peers.items() if e in r.experts}
@@ -439,7 +439,10 @@ class Swarm:
         mine = {"ok": report["groups"]["shared"]["ok"], "shared": self.current("shared")["digest"],
                 "experts": {str(e): self.current(f"expert:{e}")["digest"] for e in self.model.local_experts}}
         self.call(self._store(version_key(self.run_id, round_no), mine, ttl=sw.record_ttl))
-        versions = self._wait_versions(round_no, peers)
+        # wait for the digests of the peers that took part in this round; a peer that did not join the
+        # shared group is dead or late, and waiting for it would only slow everyone down
+        shared_members = set(shared_res.members) if shared_res.ok else set(peers)
+        versions = self._wait_versions(round_no, shared_members)
         if not report["groups"]["shared"]["ok"]:
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
         frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
@@ -524,7 +527,7 @@ class Swarm:
             return peer
         return None
 
-    def _wait_versions(self, round_no: int, peers: dict[str, PeerRecord]) -> dict[str, dict]:
+    def _wait_versions(self, round_no: int, peers: set[str]) -> dict[str, dict]:
         """Digests published for this round by the live peers (waiting a bounded time for all)."""
         deadline = time.monotonic() + self.cfg.swarm.matchmaking_time + 2
         while True:

@@ -20,7 +20,7 @@ from p2p_spes.swarm import Swarm
 SMALL = [
     "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
     "moe.num_experts=6", "moe.ffn_dim=64", "train.batch_size=4", "train.warmup_steps=2",
-    "train.eval_interval=30", "train.log_interval=5", "swarm.sync_steps=10", "swarm.matchmaking_time=5",
+    "train.eval_interval=30", "train.log_interval=5", "swarm.sync_steps=10", "swarm.matchmaking_time=8",
     "swarm.averaging_timeout=15",
 ]
 
@@ -32,6 +32,11 @@ def rounds(run_dir: Path) -> dict[int, dict]:
         if "sync_round" in record:
             out[record["sync_round"]] = record
     return out
+
+
+def last_step(run_dir: Path) -> int:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1]).get("step", -1) if lines else -1
 
 
 def group_alive(pgid: int) -> bool:
@@ -105,14 +110,20 @@ def test_peer_joins_mid_run_and_a_killed_peer_blocks_nobody(tmp_path):
         swarm.start_peer(0, [])
         maddrs = swarm.wait_for_maddrs(0)
         swarm.start_peer(1, maddrs)
+        swarm.overrides.append("train.log_interval=1")
         victim = swarm.start_peer(2, maddrs)
-        # wait until the victim has synced once, then SIGKILL its main process only
+        swarm.overrides.remove("train.log_interval=1")
+        # wait until the victim has synced once and is one step before a round, then SIGKILL its main
+        # process only, a moment later: inside that round's averaging
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not (tmp_path / "peer2" / "metrics.jsonl").exists():
-            time.sleep(0.5)
-        while time.monotonic() < deadline and not rounds(tmp_path / "peer2"):
-            time.sleep(0.5)
+            time.sleep(0.2)
+        while time.monotonic() < deadline and not (
+            rounds(tmp_path / "peer2") and last_step(tmp_path / "peer2") % 10 == 9
+        ):
+            time.sleep(0.05)
         assert rounds(tmp_path / "peer2"), (tmp_path / "peer2.log").read_text()[-2000:]
+        time.sleep(0.8)
         killed_at = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
@@ -133,7 +144,7 @@ def test_peer_joins_mid_run_and_a_killed_peer_blocks_nobody(tmp_path):
     for i in (0, 1):
         after = [r for r in rounds(tmp_path / f"peer{i}").values() if r["sync_seconds"] and r["step"] > 10]
         # a sync never waits longer than the join window plus the averaging deadline
-        assert max(r["sync_seconds"] for r in after) < 5 + 15 + 10
+        assert max(r["sync_seconds"] for r in after) < 8 + 15 + 10
     assert time.monotonic() - killed_at < 300
     assert_identical_after_rounds([tmp_path / "peer0", tmp_path / "peer1", tmp_path / "peer3"], min_common=1)
     # no survivor applied a partial average: every failed group kept the peer's own values
