@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from p2p_spes.local_swarm import LocalSwarm
