@@ -97,6 +97,32 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     return 0 if all(p.returncode == 0 for p in swarm.procs) else 1
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import hivemind
+    from rich.console import Console
+
+    from dht.inspector import collect, render, watch
+
+    try:
+        dht = hivemind.DHT(initial_peers=args.initial_peers, start=True, client_mode=True,
+                           startup_timeout=args.bootstrap_timeout)
+    except Exception as exc:
+        raise SwarmError(f"could not reach the run through {' '.join(args.initial_peers)}: {exc}") from None
+    console = Console(width=140)
+    try:
+        if args.watch:
+            watch(dht, args.run_id, args.watch, console, args.json)
+        elif args.json:
+            print(json.dumps(collect(dht, args.run_id), indent=1))
+        else:
+            render(collect(dht, args.run_id), console)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        dht.shutdown()
+    return 0
+
+
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from p2p_spes.tokenization import tokenize_files
 
@@ -192,6 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--threads", type=int, default=1, help="torch threads per peer (default 1)")
     local.add_argument("--timeout", type=float, default=None, help="stop the peers after this many seconds")
     local.set_defaults(func=cmd_swarm)
+
+    insp = sub.add_parser("inspect", help="show a run's peers, expert coverage and rounds from the DHT (read-only)")
+    insp.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer of the run")
+    insp.add_argument("--run-id", default="p2p-spes", help="the run's DHT prefix (swarm.run_id)")
+    insp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    insp.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
+    insp.add_argument("--bootstrap-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
+    insp.set_defaults(func=cmd_inspect)
 
     data = sub.add_parser("data", help="prepare training data")
     data_sub = data.add_subparsers(dest="data_command", required=True)

@@ -218,7 +218,8 @@ class Swarm:
         return PeerRecord(
             self.peer_id, list(experts), int(status.pop("step", 0)), int(status.pop("round", -1)),
             self.fingerprint, self.maddrs,
-            extra={"version": __version__, **status, **{k: int(v) for k, v in self.stats.items()}},
+            extra={"version": __version__, "time": get_dht_time(), "num_experts": self.cfg.moe.num_experts,
+                   "replicas": self.cfg.swarm.replicas, **status, **{k: int(v) for k, v in self.stats.items()}},
         ).to_value()
 
     async def _heartbeat_loop(self) -> None:

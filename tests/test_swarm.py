@@ -163,10 +163,20 @@ def test_peer_with_another_model_is_refused(tmp_path):
         for item in SMALL + ["model.num_layers=3"]:
             cmd += ["--set", item]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True)
+        # the inspector, a client-only DHT peer, lists the live peer and the coverage, and not the refused one
+        inspect = subprocess.run(
+            [sys.executable, "-m", "p2p_spes", "inspect", "--json", "--run-id", "local", "--initial-peers", *maddrs],
+            capture_output=True, text=True, timeout=120, start_new_session=True,
+        )
     finally:
         swarm.stop()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "trains a different model" in proc.stderr and "model.num_layers: ours 3, run's 2" in proc.stderr
+    assert inspect.returncode == 0, inspect.stderr[-2000:]
+    snapshot = json.loads(inspect.stdout)
+    assert [p["experts"] for p in snapshot["peers"]] == [list(range(6))]
+    assert [c["holders"] for c in snapshot["coverage"]] == [1] * 6
+    assert all(c["status"] == "ok" for c in snapshot["coverage"])
 
 
 def test_unreachable_bootstrap_is_a_clear_error_within_seconds(tmp_path):
