@@ -83,9 +83,9 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True) -> dict[st
         print(f"training experts {experts} of {cfg.moe.num_experts}, data partition {partition}", flush=True)
         trainer.hooks.append(SwarmSync(swarm, cfg.swarm.sync_steps))
         try:
-            summary = trainer.run(progress=progress)
+            trainer.run(progress=progress)
             swarm.linger()
-        finally:
+        finally:  # also on Ctrl-C / SIGTERM, so the launcher's table shows what was done
             trainer.summary_extras = {
                 "peer_id": swarm.peer_id,
                 "rounds_joined": int(swarm.stats["rounds_joined"]),
@@ -96,7 +96,8 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True) -> dict[st
                 "refresh_missed": int(swarm.stats["refresh_missed"]),
                 "last_round": swarm.rounds[-1] if swarm.rounds else None,
             }
-        return trainer.write_summary(summary.get("first_train_loss"))
+            summary = trainer.write_summary()
+        return summary
     finally:
         signal.signal(signal.SIGTERM, previous)
         swarm.leave()

@@ -101,6 +101,7 @@ class Trainer:
         self.last_metrics: dict[str, Any] = {}
         self.val_loss: float | None = None
         self.summary_extras: dict[str, Any] = {}
+        self.first_loss: float | None = None  # of this process's first step, for the summary
 
     # State -----------------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -219,13 +220,12 @@ class Trainer:
     def run(self, progress: bool = True) -> dict[str, Any]:
         """Train to ``max_steps`` (from wherever the trainer stands) and write ``summary.json``."""
         tr = self.cfg.train
-        first_loss = None
         bar = tqdm(total=tr.max_steps, initial=self.step, disable=not progress, desc="train", unit="step")
         try:
             while self.step < tr.max_steps:
                 metrics = self.train_step()
-                if first_loss is None:
-                    first_loss = metrics["loss"]
+                if self.first_loss is None:
+                    self.first_loss = metrics["loss"]
                 for hook in self.hooks:
                     hook(self)
                 if self.step % tr.eval_interval == 0 or self.step == tr.max_steps:
@@ -242,13 +242,13 @@ class Trainer:
             raise
         finally:
             bar.close()
-        return self.write_summary(first_loss)
+        return self.write_summary()
 
-    def write_summary(self, first_loss: float | None = None) -> dict[str, Any]:
+    def write_summary(self) -> dict[str, Any]:
         summary = {
             "step": self.step,
             "tokens": self.tokens,
-            "first_train_loss": first_loss,
+            "first_train_loss": self.first_loss,
             "final_train_loss": self.last_metrics.get("loss"),
             "final_val_loss": self.val_loss,
             "local_experts": self.model.local_experts,
