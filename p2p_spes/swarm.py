@@ -122,6 +122,7 @@ class Swarm:
         self.rounds: list[dict[str, Any]] = []
         self._claimed: list[int] = []
         self._momentum: dict[str, torch.Tensor] = {}  # Nesterov outer momentum per group uid
+        self._anchor: dict[str, torch.Tensor] = {}  # Nesterov: the value each group last agreed on
 
     # Plumbing ------------------------------------------------------------------------------
     def call(self, coro: Coroutine, timeout: float | None = None):
@@ -351,6 +352,7 @@ class Swarm:
             for (_, p), value in zip(self._shared_items(), shared):
                 p.copy_(value.to(p.device))
         self._fetch_momentum(source, "shared")
+        self._anchor.clear()
         fetched = self._refresh_experts(peers, range(self.cfg.moe.num_experts), any_copy=True)
         self._take_snapshot(meta["round"], meta["step"])
         log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"], fetched)
@@ -453,6 +455,9 @@ class Swarm:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
             if alpha > 0:
                 merge_experts(self.model, alpha)
+                for e in self.model.local_experts:
+                    if f"expert:{e}" in self._anchor:
+                        self._anchor[f"expert:{e}"] = torch.cat([t.detach().float().cpu().reshape(-1) for t in self._expert_tensors(e)])
                 self._take_snapshot(round_no, step)
                 report["merge_alpha"] = alpha
 
@@ -492,18 +497,23 @@ class Swarm:
     def _outer_step(self, uid: str, averaged: torch.Tensor) -> torch.Tensor:
         """SPES replaces the weights by the average; DiLoCo's Nesterov outer step is the option.
 
-        The pseudo-gradient is the previous round's agreed value (the anchor) minus the new average.
-        Every member has the same anchor, average and momentum history, so results stay identical.
+        The pseudo-gradient is the anchor (the value the group last agreed on) minus the new average.
+        The anchor moves only when a group succeeds, so after a failed round every member still
+        has the same anchor, average and momentum, and results stay identical.
         """
         sw = self.cfg.swarm
         if sw.outer_optimizer == "average" or uid not in self._snapshot:
             return averaged
-        anchor = torch.cat([t.reshape(-1).float() for t in self._snapshot[uid][-1][1]])
+        anchor = self._anchor.get(uid)
+        if anchor is None:  # first round, or just joined / adopted: the snapshot is the agreed value
+            anchor = torch.cat([t.reshape(-1).float() for t in self._snapshot[uid][-1][1]])
         delta = anchor - averaged
         momentum = self._momentum.get(uid)
         momentum = delta.clone() if momentum is None else momentum.mul_(sw.outer_momentum).add_(delta)
         self._momentum[uid] = momentum
-        return anchor - sw.outer_lr * (delta + sw.outer_momentum * momentum)
+        result = anchor - sw.outer_lr * (delta + sw.outer_momentum * momentum)
+        self._anchor[uid] = result.clone()
+        return result
 
     def _adopt_shared(self, round_no: int, versions: dict[str, dict]) -> str | None:
         """After missing the shared group, take the result the others agreed on (as a joiner would)."""
@@ -523,6 +533,7 @@ class Swarm:
                 for (_, p), value in zip(self._shared_items(), tensors):
                     p.copy_(value.to(p.device))
             self._fetch_momentum(peer, "shared")
+            self._anchor.pop("shared", None)
             self._take_snapshot(round_no, self.current("shared")["step"])
             self.stats["rounds_adopted"] += 1
             return peer

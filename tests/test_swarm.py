@@ -69,11 +69,11 @@ def assert_identical_after_rounds(dirs: list[Path], min_common: int) -> None:
 
 def test_nesterov_outer_step_follows_diloco():
     cfg = SimpleNamespace(swarm=SimpleNamespace(outer_optimizer="nesterov", outer_lr=0.5, outer_momentum=0.9))
-    state = SimpleNamespace(cfg=cfg, _snapshot={"shared": [({}, [torch.tensor([1.0, 2.0])])]}, _momentum={})
+    state = SimpleNamespace(cfg=cfg, _snapshot={"shared": [({}, [torch.tensor([1.0, 2.0])])]}, _momentum={}, _anchor={})
     averaged = torch.tensor([0.0, 1.0])
     first = Swarm._outer_step(state, "shared", averaged)  # delta = 1, m = 1
     torch.testing.assert_close(first, torch.tensor([1.0, 2.0]) - 0.5 * (1 + 0.9 * 1))
-    state._snapshot["shared"] = [({}, [first])]
+    torch.testing.assert_close(state._anchor["shared"], first)  # the agreed value is the next anchor
     second = Swarm._outer_step(state, "shared", first - 1)  # delta = 1, m = 0.9 + 1
     torch.testing.assert_close(second, first - 0.5 * (1 + 0.9 * 1.9))
     state.cfg.swarm.outer_optimizer = "average"
