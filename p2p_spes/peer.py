@@ -37,7 +37,8 @@ class SwarmSync:
             "shared_ok": groups["shared"]["ok"], "shared_members": groups["shared"]["members"],
             "groups_failed": sorted(g for g, v in groups.items() if not v["ok"]),
             "bytes_sent": report["bytes_sent"], "bytes_received": report["bytes_received"],
-            "refreshed": report["refreshed"], "merge_alpha": report.get("merge_alpha"),
+            "refreshed": report["refreshed"], "refresh_missed": report["refresh_missed"],
+            "merge_alpha": report.get("merge_alpha"),
             "shared_digest": report["shared_digest"], "expert_digests": report["expert_digests"],
             "groups": groups,
         })

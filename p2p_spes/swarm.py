@@ -70,6 +70,11 @@ def _patch_child_spawns() -> None:
 _FORK_HOOK_INSTALLED = False
 
 
+def flatten(tensors) -> torch.Tensor:
+    """One flat fp32 CPU vector of ``tensors``, in order: the unit every group averages."""
+    return torch.cat([t.detach().float().cpu().reshape(-1) for t in tensors])
+
+
 def model_defining(cfg: Config) -> dict[str, Any]:
     model = dataclasses.asdict(cfg.model)
     moe = {k: getattr(cfg.moe, k) for k in ("num_experts", "top_k", "ffn_dim", "normalize_top_k")}
@@ -205,6 +210,7 @@ class Swarm:
     def attach(self, model) -> None:
         self.model = model
         self._take_snapshot(round_no=-1, step=0)
+        self._set_anchors()
         self.update_status(serving=True)
         self._heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat_loop(), self.loop)
 
@@ -352,9 +358,9 @@ class Swarm:
             for (_, p), value in zip(self._shared_items(), shared):
                 p.copy_(value.to(p.device))
         self._fetch_momentum(source, "shared")
-        self._anchor.clear()
-        fetched = self._refresh_experts(peers, range(self.cfg.moe.num_experts), any_copy=True)
+        fetched, _ = self._refresh_experts(peers, range(self.cfg.moe.num_experts), any_copy=True)
         self._take_snapshot(meta["round"], meta["step"])
+        self._set_anchors()
         log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"], fetched)
         return meta
 
@@ -373,13 +379,15 @@ class Swarm:
         self._momentum[uid] = momentum
 
     def _refresh_experts(self, peers: dict[str, PeerRecord], experts, versions: dict[str, dict] | None = None,
-                         any_copy: bool = False) -> int:
+                         any_copy: bool = False) -> tuple[int, int]:
         """Download each of ``experts`` once from a holder; with ``versions`` only the agreed digest.
 
         With ``any_copy`` (joining), an expert nobody holds any more is taken from another peer's
-        frozen copy, so an expert is not lost while any copy exists.
+        frozen copy, so an expert is not lost while any copy exists. Returns (fetched, missed): missed
+        counts experts that have a holder but could not be fetched (an expert with no holder left
+        keeps the copy every peer already has).
         """
-        fetched = 0
+        fetched = missed = 0
         unreachable: set[str] = set()
         for e in experts:
             holders = [p for p, r in peers.items() if e in r.experts and p != self.peer_id]
@@ -389,7 +397,7 @@ class Swarm:
                 digests = Counter(versions[p]["experts"].get(str(e)) for p in holders if p in versions)
                 digests.pop(None, None)
                 if not digests:
-                    self.stats["refresh_missed"] += 1
+                    missed += bool(holders)
                     continue
                 best = max(digests.items(), key=lambda kv: (kv[1], kv[0]))[0]
                 holders = sorted(p for p in holders if versions.get(p, {}).get("experts", {}).get(str(e)) == best)
@@ -410,8 +418,9 @@ class Swarm:
                 fetched += 1
                 break
             else:
-                self.stats["refresh_missed"] += 1
-        return fetched
+                missed += bool(holders)
+        self.stats["refresh_missed"] += missed
+        return fetched, missed
 
     # Sync ----------------------------------------------------------------------------------
     def sync(self, round_no: int, step: int, weight: float) -> dict[str, Any]:
@@ -424,14 +433,14 @@ class Swarm:
         weight = max(float(weight), 1e-6)
 
         shared_items = self._shared_items()
-        flat = torch.cat([p.detach().float().cpu().reshape(-1) for _, p in shared_items])
+        flat = flatten(p for _, p in shared_items)
         shared_res = self.call(self.reducer.run(round_no, "shared", flat, weight, set(peers)))
         report["groups"]["shared"] = self._apply(shared_res, [p for _, p in shared_items], "shared")
 
         for e in self.model.local_experts:
             holders = {p for p, r in peers.items() if e in r.experts}
             tensors = self._expert_tensors(e)
-            flat = torch.cat([t.detach().float().cpu().reshape(-1) for t in tensors])
+            flat = flatten(tensors)
             if len(holders) <= 1:  # a lone holder's copy is the truth
                 res = GroupResult(flat, [self.peer_id])
             else:
@@ -449,7 +458,7 @@ class Swarm:
         if not report["groups"]["shared"]["ok"]:
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
         frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
-        report["refreshed"] = self._refresh_experts(peers, frozen, versions)
+        report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions)
 
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
@@ -457,7 +466,7 @@ class Swarm:
                 merge_experts(self.model, alpha)
                 for e in self.model.local_experts:
                     if f"expert:{e}" in self._anchor:
-                        self._anchor[f"expert:{e}"] = torch.cat([t.detach().float().cpu().reshape(-1) for t in self._expert_tensors(e)])
+                        self._anchor[f"expert:{e}"] = flatten(self._expert_tensors(e))
                 self._take_snapshot(round_no, step)
                 report["merge_alpha"] = alpha
 
@@ -494,6 +503,15 @@ class Swarm:
                 offset += n
         return info
 
+    def _set_anchors(self) -> None:
+        """Nesterov anchors = the weights as they stand now, agreed (at start, or just downloaded)."""
+        if self.cfg.swarm.outer_optimizer == "average":
+            self._anchor = {}
+            return
+        self._anchor = {"shared": flatten(p for _, p in self._shared_items())}
+        for e in self.model.local_experts:
+            self._anchor[f"expert:{e}"] = flatten(self._expert_tensors(e))
+
     def _outer_step(self, uid: str, averaged: torch.Tensor) -> torch.Tensor:
         """SPES replaces the weights by the average; DiLoCo's Nesterov outer step is the option.
 
@@ -502,11 +520,9 @@ class Swarm:
         has the same anchor, average and momentum, and results stay identical.
         """
         sw = self.cfg.swarm
-        if sw.outer_optimizer == "average" or uid not in self._snapshot:
+        if sw.outer_optimizer == "average" or uid not in self._anchor:
             return averaged
-        anchor = self._anchor.get(uid)
-        if anchor is None:  # first round, or just joined / adopted: the snapshot is the agreed value
-            anchor = torch.cat([t.reshape(-1).float() for t in self._snapshot[uid][-1][1]])
+        anchor = self._anchor[uid]
         delta = anchor - averaged
         momentum = self._momentum.get(uid)
         momentum = delta.clone() if momentum is None else momentum.mul_(sw.outer_momentum).add_(delta)
@@ -533,7 +549,8 @@ class Swarm:
                 for (_, p), value in zip(self._shared_items(), tensors):
                     p.copy_(value.to(p.device))
             self._fetch_momentum(peer, "shared")
-            self._anchor.pop("shared", None)
+            if "shared" in self._anchor:
+                self._anchor["shared"] = flatten(tensors)
             self._take_snapshot(round_no, self.current("shared")["step"])
             self.stats["rounds_adopted"] += 1
             return peer
