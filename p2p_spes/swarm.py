@@ -94,7 +94,7 @@ def describe_difference(ours: dict, theirs: dict) -> str:
 class Swarm:
     """Owns the DHT, an event loop thread, the RPC handlers and the sync rounds of one peer."""
 
-    def __init__(self, cfg: Config, *, start_dht: bool = True) -> None:
+    def __init__(self, cfg: Config) -> None:
         global _FORK_HOOK_INSTALLED
         self.cfg = cfg
         sw = cfg.swarm
@@ -106,7 +106,7 @@ class Swarm:
         if not _FORK_HOOK_INSTALLED:
             os.register_at_fork(after_in_child=_patch_child_spawns)
             _FORK_HOOK_INSTALLED = True
-        self.dht = self._start_dht() if start_dht else None
+        self.dht = self._start_dht()
         self.peer_id = self.dht.peer_id.to_base58()
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         self.p2p = self.call(self.dht.replicate_p2p())
@@ -574,9 +574,8 @@ class Swarm:
         last = self.rounds[-1]["round"]
         deadline = time.monotonic() + self.cfg.swarm.matchmaking_time + self.cfg.swarm.averaging_timeout / 3
         while time.monotonic() < deadline:
-            others = {p for p, r in self.live_peers().items() if p != self.peer_id and r.round <= last}
-            done = {p for p, r in self.live_peers().items() if p != self.peer_id and r.round >= last}
-            if not others - done:
+            behind = [p for p, r in self.live_peers().items() if p != self.peer_id and r.round < last]
+            if not behind:
                 break
             time.sleep(0.5)
 
@@ -595,8 +594,7 @@ class Swarm:
 
     def shutdown(self) -> None:
         try:
-            if self.dht is not None:
-                self.dht.shutdown()
+            self.dht.shutdown()
         finally:
             async def cancel_pending() -> None:
                 tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
