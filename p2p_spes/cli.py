@@ -51,9 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.swarm or sw.initial_peers:
         from p2p_spes.peer import run_peer
 
-        if args.resume:
-            raise ConfigError("--resume is for a lone peer; a swarm peer catches up from the live peers")
-        summary = run_peer(cfg, cfg.train.run_dir, progress=not args.no_progress)
+        summary = run_peer(cfg, cfg.train.run_dir, progress=not args.no_progress, resume=args.resume)
         print(f"done: step {summary['step']}, final train loss {summary['final_train_loss']:.3f}, val loss "
               f"{summary['final_val_loss']:.3f}, rounds joined {summary.get('rounds_joined')}, "
               f"bytes sent {summary.get('bytes_sent'):,} received {summary.get('bytes_received'):,}")
@@ -197,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", default=None, help="where metrics, checkpoints and summary go (train.run_dir)")
     train.add_argument(
         "--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
-        help="continue from CHECKPOINT, or from the run directory's newest checkpoint if none is given",
+        help="continue from CHECKPOINT, or from the run directory's newest checkpoint if none is given; a swarm "
+             "peer takes back its experts, optimizer state and data position, and the weights of the live peers",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     net = train.add_argument_group("swarm (joining a run)")

@@ -39,6 +39,7 @@ class LocalSwarm:
         self.run_dir = Path(run_dir)
         self.run_id, self.threads = run_id, threads
         self.procs: list[subprocess.Popen] = []
+        self.retired: list[subprocess.Popen] = []  # earlier processes of restarted peers, stopped too
 
     def _command(self, index: int, initial_peers: list[str]) -> list[str]:
         cmd = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--run-dir", str(self.run_dir / f"peer{index}")]
@@ -51,14 +52,20 @@ class LocalSwarm:
         cmd += ["--initial-peers", *initial_peers] if initial_peers else ["--swarm"]
         return cmd
 
-    def start_peer(self, index: int, initial_peers: list[str]) -> subprocess.Popen:
+    def start_peer(self, index: int, initial_peers: list[str], resume: bool = False) -> subprocess.Popen:
+        """Start peer ``index``; with ``resume`` it restarts from its own run directory's checkpoint."""
         (self.run_dir / f"peer{index}").mkdir(parents=True, exist_ok=True)
-        log = open(self.run_dir / f"peer{index}.log", "w")
+        (self.run_dir / f"peer{index}" / "peer.json").unlink(missing_ok=True)  # its address changes on restart
+        log = open(self.run_dir / f"peer{index}.log", "a" if resume else "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(self._command(index, initial_peers), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        cmd = self._command(index, initial_peers) + (["--resume"] if resume else [])
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        self.procs.append(proc)
+        if index < len(self.procs):
+            self.retired.append(self.procs[index])
+            self.procs[index] = proc
+        else:
+            self.procs.append(proc)
         return proc
 
     def wait_for_maddrs(self, index: int, timeout: float = 120.0) -> list[str]:
@@ -101,7 +108,7 @@ class LocalSwarm:
                 proc.wait(max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 pass
-        for proc in self.procs:
+        for proc in self.procs + self.retired:
             _signal_group(proc, signal.SIGKILL)
             if proc.poll() is None:
                 proc.wait(5)

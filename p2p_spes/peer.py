@@ -9,7 +9,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state
 from p2p_spes.config import Config
+from p2p_spes.errors import CheckpointError
 from p2p_spes.swarm import Swarm
 from p2p_spes.train import Trainer
 
@@ -19,9 +21,9 @@ log = logging.getLogger(__name__)
 class SwarmSync:
     """Trainer hook: publish status every step and run a sync round every ``sync_steps``."""
 
-    def __init__(self, swarm: Swarm, sync_steps: int) -> None:
+    def __init__(self, swarm: Swarm, sync_steps: int, tokens: int = 0) -> None:
         self.swarm, self.sync_steps = swarm, sync_steps
-        self.tokens_at_last_sync = 0
+        self.tokens_at_last_sync = tokens  # a resumed peer weighs only what it trained since
 
     def __call__(self, trainer: Trainer) -> None:
         m = trainer.last_metrics
@@ -35,20 +37,58 @@ class SwarmSync:
         trainer.log_record({
             "sync_round": report["round"], "step": trainer.step, "sync_seconds": round(report["seconds"], 3),
             "shared_ok": groups["shared"]["ok"], "shared_members": groups["shared"]["members"],
+            "shared_group": groups["shared"]["group_id"], "adopted_shared_from": report.get("adopted_shared_from"),
             "groups_failed": sorted(g for g, v in groups.items() if not v["ok"]),
             "bytes_sent": report["bytes_sent"], "bytes_received": report["bytes_received"],
-            "refreshed": report["refreshed"], "refresh_missed": report["refresh_missed"],
+            "refreshed": report["refreshed"], "refresh_missed": report["refresh_missed"], "orphaned": report["orphaned"],
             "merge_alpha": report.get("merge_alpha"),
             "shared_digest": report["shared_digest"], "expert_digests": report["expert_digests"],
             "groups": groups,
         })
+        if not groups["shared"]["ok"]:
+            self._skip_ahead(trainer)
+
+    def _skip_ahead(self, trainer: Trainer) -> None:
+        """After a missed round, jump to the step the others are at if we fell behind them.
+
+        A peer that was frozen or stalled reaches each sync boundary later than the others and would
+        miss every group from then on; skipping the steps it is behind puts it back in phase (its
+        weights already are the swarm's: it adopted them).
+        """
+        ahead = self.swarm.swarm_step()
+        if ahead is not None and ahead > trainer.step:
+            log.warning("behind the swarm (step %d, others at %d): skipping ahead", trainer.step, ahead)
+            self.swarm.stats["steps_skipped"] += ahead - trainer.step
+            trainer.step = ahead
 
 
-def data_partition(swarm: Swarm, cfg: Config) -> int:
-    """The lowest data partition of ``peer.count`` no live peer reads (so peers never overlap)."""
+def data_partition(swarm: Swarm, cfg: Config, preferred: int | None = None) -> int:
+    """The lowest data partition of ``peer.count`` no live peer reads (so peers never overlap).
+
+    A restarting peer passes the partition of its checkpoint as ``preferred``: it keeps it, and so
+    its place in the data order, unless another peer has taken it meanwhile.
+    """
     used = Counter(r.extra.get("data_partition") for r in swarm.live_peers().values())
     free = [i for i in range(cfg.peer.count) if not used.get(i)]
+    if preferred in free:
+        return preferred
     return free[0] if free else min(range(cfg.peer.count), key=lambda i: used.get(i, 0))
+
+
+def _own_checkpoint(run_dir: Path, resume: str | None, cfg: Config) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint a restarting peer resumes from and its validated state (None, None without one)."""
+    if resume is None:
+        return None, None
+    path = find_checkpoint(run_dir if resume == "auto" else resume)
+    if path is None:
+        if resume != "auto":
+            raise CheckpointError(f"--resume {resume}: no checkpoint found")
+        return None, None
+    state = read_state(path)
+    check_fingerprint(path, state, cfg.model_fingerprint())
+    if "loader" not in state:
+        raise CheckpointError(f"{path} holds initial weights only; start from it with --set train.init_from={path}")
+    return path, state
 
 
 def _interrupt(signum, frame) -> None:
@@ -56,10 +96,17 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True) -> dict[str, Any]:
-    """Join the swarm named by ``cfg.swarm`` and train to ``train.max_steps``; returns the summary."""
+def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: str | None = None) -> dict[str, Any]:
+    """Join the swarm named by ``cfg.swarm`` and train to ``train.max_steps``; returns the summary.
+
+    With ``resume`` ("auto" or a checkpoint path) a restarting peer takes back the experts, optimizer
+    state and data position of its own checkpoint; the weights then come from the live peers (they
+    moved on meanwhile), or stay those of the checkpoint when no peer is left, so a whole swarm that
+    went down restarts from its checkpoints.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint, saved = _own_checkpoint(run_dir, resume, cfg)
     swarm = Swarm(cfg)
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -68,11 +115,14 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True) -> dict[st
         print("peer id:", swarm.peer_id, flush=True)
         print("other peers can join with: --initial-peers " + " ".join(swarm.maddrs), flush=True)
         swarm.check_model()
-        experts = swarm.choose_experts()
-        partition = data_partition(swarm, cfg)
+        experts = saved["local_experts"] if saved else swarm.choose_experts()
+        partition = data_partition(swarm, cfg, saved["loader"].get("peer_index") if saved else None)
         swarm.update_status(data_partition=partition)
         swarm.claim(experts)
         trainer = Trainer(cfg, run_dir=run_dir, local_experts=experts, data_partition=partition)
+        if checkpoint is not None:
+            trainer.resume(checkpoint)
+            print(f"resumed from {checkpoint} at step {trainer.step}", flush=True)
         swarm.update_status(device=str(trainer.device))
         swarm.attach(trainer.model)
         meta = swarm.catch_up()
@@ -82,7 +132,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True) -> dict[st
         swarm.update_status(step=trainer.step, round=-1 if meta is None else meta["round"])
         swarm.announce()
         print(f"training experts {experts} of {cfg.moe.num_experts}, data partition {partition}", flush=True)
-        trainer.hooks.append(SwarmSync(swarm, cfg.swarm.sync_steps))
+        trainer.hooks.append(SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens))
         try:
             trainer.run(progress=progress)
             swarm.linger()
@@ -95,6 +145,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True) -> dict[st
                 "bytes_received": int(swarm.stats["bytes_received"]),
                 "bytes_served": int(swarm.stats["bytes_served"]),
                 "refresh_missed": int(swarm.stats["refresh_missed"]),
+                "steps_skipped": int(swarm.stats["steps_skipped"]),
                 "last_round": swarm.rounds[-1] if swarm.rounds else None,
             }
             summary = trainer.write_summary()

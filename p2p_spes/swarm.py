@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
 import dataclasses
 import logging
 import os
@@ -68,6 +69,23 @@ def _patch_child_spawns() -> None:
 
 
 _FORK_HOOK_INSTALLED = False
+
+
+def version_window(sw) -> float:
+    """How long a peer waits after its groups for the others' digests: their rounds start up to a
+    join window apart."""
+    return sw.matchmaking_time + 2.0
+
+
+def sync_deadline(sw) -> float:
+    """The longest a sync round can hold a peer up, whatever the others do: join window, averaging
+    timeout, then the version window (downloads of refreshed experts come on top, bounded by size)."""
+    return sw.matchmaking_time + sw.averaging_timeout + version_window(sw)
+
+
+def group_id(members) -> str:
+    """A short name for a group's exact membership: peers with the same one must agree on its result."""
+    return hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()[:12]
 
 
 def flatten(tensors) -> torch.Tensor:
@@ -192,6 +210,11 @@ class Swarm:
                 )
         self.call(self._store(config_key(self.run_id), {"fingerprint": self.fingerprint, "model": ours},
                               ttl=self.cfg.swarm.record_ttl))
+
+    def swarm_step(self) -> int | None:
+        """The median step the other live peers report, or None when we are alone."""
+        steps = sorted(r.step for p, r in self.live_peers().items() if p != self.peer_id)
+        return steps[len(steps) // 2] if steps else None
 
     def choose_experts(self) -> list[int]:
         """Least-covered placement from the live peers' records (or the SPES rule / explicit list)."""
@@ -459,6 +482,8 @@ class Swarm:
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
         frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
         report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions)
+        # experts no live peer trains: every peer keeps the copy it has until someone takes them on
+        report["orphaned"] = [e for e in range(self.cfg.moe.num_experts) if not any(e in r.experts for r in peers.values())]
 
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
@@ -489,7 +514,7 @@ class Swarm:
 
     def _apply(self, res: GroupResult, targets: list[torch.Tensor], uid: str) -> dict[str, Any]:
         """Write a successful group's result (after the outer step) into the model; a failed one is dropped."""
-        info = {"ok": res.ok, "members": len(res.members), "bytes_sent": res.bytes_sent,
+        info = {"ok": res.ok, "members": len(res.members), "group_id": group_id(res.members), "bytes_sent": res.bytes_sent,
                 "bytes_received": res.bytes_received, "seconds": round(res.seconds, 3)}
         if not res.ok:
             info["error"] = res.error
@@ -558,7 +583,7 @@ class Swarm:
 
     def _wait_versions(self, round_no: int, peers: set[str]) -> dict[str, dict]:
         """Digests published for this round by the live peers (waiting a bounded time for all)."""
-        deadline = time.monotonic() + self.cfg.swarm.matchmaking_time + 2
+        deadline = time.monotonic() + version_window(self.cfg.swarm)
         while True:
             raw = self.call(self._get(version_key(self.run_id, round_no)))
             versions = {p: v for p, v in raw.items() if isinstance(v, dict) and isinstance(v.get("experts"), dict)}

@@ -213,9 +213,9 @@ class Trainer:
 
     # Loop ------------------------------------------------------------------------------------
     def log_record(self, record: dict[str, Any]) -> None:
-        """Append one JSON line to ``metrics.jsonl`` (steps, and sync rounds from the swarm)."""
+        """Append one JSON line to ``metrics.jsonl`` (steps, and sync rounds from the swarm), wall-clock stamped."""
         with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
 
     def run(self, progress: bool = True) -> dict[str, Any]:
         """Train to ``max_steps`` (from wherever the trainer stands) and write ``summary.json``."""

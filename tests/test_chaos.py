@@ -1,0 +1,65 @@
+"""Short chaos run: a 4-peer loopback swarm goes through a kill inside averaging, a freeze longer than
+the averaging deadline, and a restart from a checkpoint, and must come out consistent and learning.
+
+``benchmarks/chaos.py`` runs the same checks over many random faults.
+"""
+
+from __future__ import annotations
+
+import time
+
+from p2p_spes.chaos import Chaos, analyse, orphaned, read_metrics
+from p2p_spes.config import load_config
+from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.swarm import sync_deadline
+
+MATCHMAKING, TIMEOUT, SYNC = 4.0, 8.0, 10
+CHAOS = [
+    "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
+    "moe.num_experts=8", "moe.ffn_dim=64", "train.batch_size=4", "train.warmup_steps=2",
+    "train.eval_interval=1000", "train.log_interval=1", "train.checkpoint_interval=10",
+    f"swarm.sync_steps={SYNC}", f"swarm.matchmaking_time={MATCHMAKING}", f"swarm.averaging_timeout={TIMEOUT}",
+    "swarm.replicas=2",
+]
+
+
+def wait_for_round(swarm: LocalSwarm, peers: list[int], round_no: int, timeout: float) -> None:
+    """Until each of ``peers`` has logged a sync round numbered ``round_no`` or later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reached = [max((r["sync_round"] for r in read_metrics(swarm.run_dir / f"peer{i}") if "sync_round" in r), default=-1)
+                   for i in peers]
+        if min(reached) >= round_no:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"peers {peers} did not reach round {round_no} within {timeout}s")
+
+
+def test_swarm_survives_kill_in_sync_freeze_and_restart(tmp_path):
+    swarm = LocalSwarm(None, CHAOS + ["train.max_steps=150"], peers=4, run_dir=tmp_path, run_id="chaos")
+    deadline = sync_deadline(load_config(None, CHAOS).swarm)
+    chaos = Chaos(swarm, SYNC, freeze_seconds=deadline + 2, seed=1)
+    try:
+        swarm.start(stagger=1.0)
+        wait_for_round(swarm, [0, 1, 2, 3], 2, timeout=240)
+        chaos.kill(3, in_sync=True)
+        chaos.freeze(2)
+        wait_for_round(swarm, [0, 1], 6, timeout=240)
+        chaos.restart(3)
+        codes = swarm.wait(timeout=400)
+    finally:
+        swarm.stop()
+    logs = [(tmp_path / f"peer{i}.log").read_text()[-3000:] for i in range(4)]
+    assert codes == [0, 0, 0, 0], logs
+    restarted = (tmp_path / "peer3.log").read_text()
+    assert "resumed from" in restarted and restarted.count("joined the run at round") == 2, restarted[-3000:]
+
+    report = analyse(tmp_path, 4, chaos.faults, deadline)
+    report.orphans = orphaned(swarm)
+    print(report.to_dict())
+    assert report.faults == {"kill-in-sync": 1, "freeze": 1, "restart": 1}
+    assert report.orphans == 0, "a killed peer left its DHT or p2pd processes behind"
+    assert report.consistency_checks >= 10 and not report.consistency_failures, report.consistency_failures
+    assert report.rounds_completed >= 30, report
+    assert report.longest_stall_s <= report.stall_bound_s, report
+    assert report.loss_fell, (report.loss_first, report.loss_last)
