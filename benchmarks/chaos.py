@@ -1,0 +1,109 @@
+"""Long chaos run: a loopback swarm under random faults for several minutes, then the checks.
+
+    python benchmarks/chaos.py                      # 5 peers, 10 minutes, a fault every 15-30 s
+    python benchmarks/chaos.py --peers 6 --minutes 20 --seed 3
+
+Faults: SIGKILL of a peer's main process (at a random moment, or inside a sync round), SIGSTOP of a
+peer's whole process group for longer than the sync deadline then SIGCONT, and restarts of killed
+peers from their own checkpoints. Prints a table (faults injected, rounds completed and discarded,
+longest stall of a healthy peer against its bound, consistency checks, orphaned processes, loss)
+and writes ``benchmarks/results/chaos.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from p2p_spes.chaos import Chaos, analyse, orphaned
+from p2p_spes.config import load_config
+from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.swarm import sync_deadline
+
+RESULTS = Path(__file__).parent / "results" / "chaos.json"
+CONFIG = [
+    "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=64",
+    "moe.num_experts=8", "moe.ffn_dim=128", "train.batch_size=8", "train.warmup_steps=10",
+    "train.max_steps=1000000", "train.eval_interval=100000", "train.log_interval=1",
+    "train.checkpoint_interval=20", "train.keep_checkpoints=2",
+    "swarm.sync_steps=20", "swarm.matchmaking_time=4", "swarm.averaging_timeout=8", "swarm.replicas=2",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=5)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--interval", type=float, nargs=2, default=(15.0, 30.0), metavar=("MIN", "MAX"),
+                        help="seconds between faults, drawn uniformly")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", default=None, help="keep the peers' run directories here")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+
+    overrides = CONFIG + args.overrides
+    cfg = load_config(None, overrides)
+    deadline = sync_deadline(cfg.swarm)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="p2p-spes-chaos-"))
+    swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir, run_id="chaos")
+    chaos = Chaos(swarm, cfg.swarm.sync_steps, freeze_seconds=deadline + 5, seed=args.seed)
+    console = Console(width=110)
+    console.print(f"{args.peers} peers, {args.minutes:g} min of faults every {args.interval[0]:g}-{args.interval[1]:g} s; "
+                  f"sync deadline {deadline:g} s; run dir {run_dir}")
+    t0 = time.monotonic()
+    try:
+        swarm.start(stagger=1.0)
+        time.sleep(30)  # let every peer join and sync once before the first fault
+        while time.monotonic() - t0 < args.minutes * 60:
+            fault = chaos.random_fault()
+            if fault:
+                console.print(f"[{time.monotonic() - t0:6.0f}s] {fault.kind:12s} peer {fault.peer} {fault.note}")
+            time.sleep(chaos.rng.uniform(*args.interval))
+        for index in sorted(chaos.down):  # bring everyone back for the final checks
+            chaos.restart(index)
+        time.sleep(3 * deadline)
+    finally:
+        swarm.stop()
+    report = analyse(run_dir, args.peers, chaos.faults, deadline)
+    report.orphans = orphaned(swarm)
+
+    table = Table(title=f"chaos: {args.peers} peers, {args.minutes:g} min, seed {args.seed}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("target")
+    faults = ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items()))
+    table.add_row("faults injected", faults or "none", "")
+    table.add_row("peer-rounds completed / discarded", f"{report.rounds_completed} / {report.rounds_discarded}", "")
+    table.add_row("expert or shared groups failed", str(report.groups_failed), "")
+    table.add_row("longest stall of a healthy peer", f"{report.longest_stall_s:.1f} s ({report.longest_stall_at})",
+                  f"<= {report.stall_bound_s:.1f} s (deadline + one round)")
+    table.add_row("consistency checks passed", f"{report.consistency_checks - len(report.consistency_failures)}"
+                  f" / {report.consistency_checks}", "all")
+    table.add_row("rounds with an expert no live peer held", str(report.orphan_rounds), "")
+    table.add_row("orphaned processes after stop", str(report.orphans), "0")
+    losses = ", ".join(f"{report.loss_first[i]:.2f}->{report.loss_last[i]:.2f}" for i in sorted(report.loss_last))
+    table.add_row("train loss per peer (first -> last)", losses, "falling")
+    console.print(table)
+    for failure in report.consistency_failures:
+        console.print(f"[red]{failure}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    result = {"command": "python benchmarks/chaos.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("run_dir", "overrides")),
+        "peers": args.peers, "minutes": args.minutes, "seed": args.seed, "sync_deadline_s": deadline,
+        "faults": [vars(f) for f in chaos.faults], **report.to_dict(),
+        "targets_met": {
+            "stall": report.longest_stall_s <= report.stall_bound_s, "consistency": not report.consistency_failures,
+            "orphans": report.orphans == 0, "loss_fell": report.loss_fell,
+        }}
+    RESULTS.write_text(json.dumps(result, indent=1))
+    console.print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
