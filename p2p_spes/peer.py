@@ -41,25 +41,38 @@ class SwarmSync:
             "groups_failed": sorted(g for g, v in groups.items() if not v["ok"]),
             "bytes_sent": report["bytes_sent"], "bytes_received": report["bytes_received"],
             "refreshed": report["refreshed"], "refresh_missed": report["refresh_missed"], "orphaned": report["orphaned"],
+            "orphans_agreed": report["orphans_agreed"],
             "merge_alpha": report.get("merge_alpha"),
             "shared_digest": report["shared_digest"], "expert_digests": report["expert_digests"],
             "groups": groups,
         })
         if not groups["shared"]["ok"]:
-            self._skip_ahead(trainer)
+            self._skip_ahead(trainer, adopted=bool(report.get("adopted_shared_from")))
 
-    def _skip_ahead(self, trainer: Trainer) -> None:
-        """After a missed round, jump to the step the others are at if we fell behind them.
+    def _skip_ahead(self, trainer: Trainer, adopted: bool) -> None:
+        """After a missed round, rejoin the others like a newcomer if we fell behind them.
 
         A peer that was frozen or stalled reaches each sync boundary later than the others and would
-        miss every group from then on; skipping the steps it is behind puts it back in phase (its
-        weights already are the swarm's: it adopted them).
+        miss every group from then on. Unless it adopted this round's result and the others have not
+        passed another round, it takes the swarm's latest agreed weights (keeping the experts only it
+        trains); then it jumps toward the step the others are at, back in phase, but no
+        further than the step before the next round: every member of a group must start it from the
+        same agreed weights (the Nesterov anchor).
         """
         ahead = self.swarm.swarm_step()
-        if ahead is not None and ahead > trainer.step:
-            log.warning("behind the swarm (step %d, others at %d): skipping ahead", trainer.step, ahead)
-            self.swarm.stats["steps_skipped"] += ahead - trainer.step
-            trainer.step = ahead
+        if ahead is None or ahead <= trainer.step:
+            return
+        taken = trainer.step // self.sync_steps
+        if ahead // self.sync_steps > taken or not adopted:
+            meta = self.swarm.catch_up(keep=self.swarm.sole_experts())
+            if meta is None:
+                return
+            taken = int(meta["round"])
+        target = max(min(ahead, (taken + 1) * self.sync_steps - 1), trainer.step)
+        log.warning("behind the swarm (step %d, others at %d): at round %d, skipping to step %d",
+                    trainer.step, ahead, taken, target)
+        self.swarm.stats["steps_skipped"] += target - trainer.step
+        trainer.step = target
 
 
 def data_partition(swarm: Swarm, cfg: Config, preferred: int | None = None) -> int:

@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from typing import Any, Coroutine
+from typing import Any, Collection, Coroutine
 
 import torch
 from hivemind.p2p import PeerID
@@ -216,6 +216,11 @@ class Swarm:
         steps = sorted(r.step for p, r in self.live_peers().items() if p != self.peer_id)
         return steps[len(steps) // 2] if steps else None
 
+    def sole_experts(self) -> list[int]:
+        """Our experts that no other live peer trains (their newest version is ours)."""
+        others = {e for p, r in self.live_peers().items() if p != self.peer_id for e in r.experts}
+        return [e for e in self.model.local_experts if e not in others]
+
     def choose_experts(self) -> list[int]:
         """Least-covered placement from the live peers' records (or the SPES rule / explicit list)."""
         cfg = self.cfg
@@ -315,8 +320,13 @@ class Swarm:
         uid, _, digest = request.uid.partition("@")
         versions = self._snapshot.get(uid, [])
         entry = next((v for v in versions if v[0]["digest"] == digest), None) if digest else (versions or [None])[-1]
-        if entry is None and not digest and uid.startswith("expert:") and self.model is not None:
+        if entry is None and uid.startswith("anchor:") and uid[len("anchor:"):] in self._anchor:
+            anchor = self._anchor[uid[len("anchor:"):]]  # replaced, never written in place: safe to stream
+            entry = ({"digest": tensor_digest([anchor])}, [anchor])
+        if entry is None and uid.startswith("expert:") and self.model is not None:
             entry = self._frozen_copy(uid)
+            if entry is not None and digest and entry[0]["digest"] != digest:
+                entry = None
         if entry is None:
             yield averaging_pb2.DownloadData(metadata=pack({"error": f"not serving {request.uid!r}"}))
             return
@@ -360,8 +370,12 @@ class Swarm:
         raise AssertionError("unreachable")
 
     # Joining mid-run -----------------------------------------------------------------------
-    def catch_up(self) -> dict[str, Any] | None:
-        """Load the swarm's current shared parameters and experts from live peers (not from a file)."""
+    def catch_up(self, keep: Collection[int] = ()) -> dict[str, Any] | None:
+        """Load the swarm's current shared parameters and experts from live peers (not from a file).
+
+        Experts in ``keep`` are not downloaded: a peer that fell behind keeps the experts only it
+        trains, whose latest version is its own.
+        """
         live = self.live_peers()
         # only peers that already serve a snapshot; others are starting up like us
         peers = {p: r for p, r in live.items() if p != self.peer_id and r.extra.get("serving")}
@@ -381,9 +395,11 @@ class Swarm:
             for (_, p), value in zip(self._shared_items(), shared):
                 p.copy_(value.to(p.device))
         self._fetch_momentum(source, "shared")
-        fetched, _ = self._refresh_experts(peers, range(self.cfg.moe.num_experts), any_copy=True)
-        self._take_snapshot(meta["round"], meta["step"])
+        wanted = [e for e in range(self.cfg.moe.num_experts) if e not in set(keep)]
+        fetched, _ = self._refresh_experts(peers, wanted, any_copy=True)
         self._set_anchors()
+        self._fetch_anchor(source, "shared")
+        self._take_snapshot(meta["round"], meta["step"])
         log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"], fetched)
         return meta
 
@@ -400,6 +416,18 @@ class Swarm:
             self._momentum.pop(uid, None)  # the run has not taken an outer step yet
             return
         self._momentum[uid] = momentum
+
+    def _fetch_anchor(self, peer: str, uid: str) -> None:
+        """Take a peer's Nesterov anchor for ``uid``: its last agreed value, which may differ from the
+        weights it serves when its last round failed. Every member of a group needs the same one."""
+        if uid not in self._anchor:
+            return
+        try:
+            _, (anchor,) = self.download(peer, f"anchor:{uid}", [torch.empty_like(self._anchor[uid])], attempts=2)
+        except TransportError as exc:
+            log.warning("could not fetch the outer-step anchor of %s from %s: %s", uid, peer, exc)
+            return
+        self._anchor[uid] = anchor
 
     def _refresh_experts(self, peers: dict[str, PeerRecord], experts, versions: dict[str, dict] | None = None,
                          any_copy: bool = False) -> tuple[int, int]:
@@ -445,6 +473,35 @@ class Swarm:
         self.stats["refresh_missed"] += missed
         return fetched, missed
 
+    def _agree_on_copies(self, orphaned: list[int], versions: dict[str, dict]) -> int:
+        """Bring every copy of an expert nobody trains to one version: the most common copy among the
+        peers' published digests (ties to the larger digest), so all peers pick the same one."""
+        fetched = 0
+        for e in orphaned:
+            digests = Counter(v.get("copies", {}).get(str(e)) for v in versions.values() if isinstance(v.get("copies"), dict))
+            digests.pop(None, None)
+            if not digests:
+                continue
+            best = max(digests.items(), key=lambda kv: (kv[1], kv[0]))[0]
+            if tensor_digest(self._expert_tensors(e)) == best:
+                continue
+            sources = sorted(p for p, v in versions.items() if p != self.peer_id and v.get("copies", {}).get(str(e)) == best)
+            for peer in sources:
+                try:
+                    _, tensors = self.download(peer, f"expert:{e}@{best}", [t.detach() for t in self._expert_tensors(e)],
+                                               attempts=2)
+                except Exception as exc:
+                    log.warning("could not fetch the agreed copy of orphaned expert %d from %s: %s", e, peer, exc)
+                    continue
+                with torch.no_grad():
+                    for target, value in zip(self._expert_tensors(e), tensors):
+                        target.copy_(value.to(target.device))
+                fetched += 1
+                break
+            else:
+                self.stats["refresh_missed"] += 1
+        return fetched
+
     # Sync ----------------------------------------------------------------------------------
     def sync(self, round_no: int, step: int, weight: float) -> dict[str, Any]:
         """One round: shared group, expert groups, digests, refresh of frozen experts, merge."""
@@ -471,8 +528,11 @@ class Swarm:
             report["groups"][f"expert{e}"] = self._apply(res, tensors, f"expert:{e}")
 
         self._take_snapshot(round_no, step)
+        # experts no live peer trains: every peer keeps a copy, and the copies must agree
+        orphaned = [e for e in range(self.cfg.moe.num_experts) if not any(e in r.experts for r in peers.values())]
         mine = {"ok": report["groups"]["shared"]["ok"], "shared": self.current("shared")["digest"],
-                "experts": {str(e): self.current(f"expert:{e}")["digest"] for e in self.model.local_experts}}
+                "experts": {str(e): self.current(f"expert:{e}")["digest"] for e in self.model.local_experts},
+                "copies": {str(e): tensor_digest(self._expert_tensors(e)) for e in orphaned}}
         self.call(self._store(version_key(self.run_id, round_no), mine, ttl=sw.record_ttl))
         # wait for the digests of the peers that took part in this round; a peer that did not join the
         # shared group is dead or late, and waiting for it would only slow everyone down
@@ -482,8 +542,8 @@ class Swarm:
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
         frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
         report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions)
-        # experts no live peer trains: every peer keeps the copy it has until someone takes them on
-        report["orphaned"] = [e for e in range(self.cfg.moe.num_experts) if not any(e in r.experts for r in peers.values())]
+        report["orphaned"] = orphaned
+        report["orphans_agreed"] = self._agree_on_copies(orphaned, versions)
 
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
