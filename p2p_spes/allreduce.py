@@ -26,7 +26,6 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from hivemind.p2p import PeerID
@@ -34,6 +33,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from dht.records import group_key, subkey_values
+from p2p_spes.aggregation import Aggregator, weighted_mean
 from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, unpack
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class GroupAllReduce:
     def __init__(
         self, dht, p2p, peer_id: str, run_id: str, *, compression: str = "none",
         matchmaking_time: float = 3.0, timeout: float = 30.0,
-        aggregate: Callable[[list[torch.Tensor], list[float]], torch.Tensor] | None = None,
+        aggregate: Aggregator | None = None,
     ) -> None:
         self.dht, self.p2p, self.peer_id, self.run_id = dht, p2p, peer_id, run_id
         self.compression, self.matchmaking_time, self.timeout = compression, matchmaking_time, timeout
@@ -270,11 +270,3 @@ class GroupAllReduce:
             loop.call_later(3 * (self.timeout + self.matchmaking_time), self._decided.pop, (round_no, group), None)
         result.seconds = time.monotonic() - t0
         return result
-
-
-def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    total = sum(weights)
-    out = torch.zeros_like(tensors[0], dtype=torch.float64)
-    for t, w in zip(tensors, weights):
-        out.add_(t.double(), alpha=w / total)
-    return out.float()

@@ -147,6 +147,14 @@ class SwarmConfig:
     merge_interval: int = 100
     merge_alpha_start: float = 0.05
     merge_decay_steps: int = 300
+    # how a group combines what its members send: "mean" (token-weighted) trusts every peer;
+    # "trimmed_mean" and "centered_clip" bound what one bad peer can do (groups of 3 or more)
+    aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = "mean"
+    trim_fraction: float = 0.2
+    clip_tau: float = 1.0
+    # refuse a group result that moves our values more than this many times the recent median move
+    # (0: off); a refused result is logged and counted, and the peer keeps its own values
+    max_update_ratio: float = 20.0
 
 
 @dataclass
@@ -408,6 +416,9 @@ def validate(config: Config) -> None:
         raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")
     if sw.merge_interval < 0 or not 0 <= sw.merge_alpha_start < 1:
         raise ConfigError("swarm.merge_interval must be >= 0 and swarm.merge_alpha_start in [0, 1)")
+    if not 0 <= sw.trim_fraction < 0.5 or sw.clip_tau <= 0 or sw.max_update_ratio < 0:
+        raise ConfigError("swarm.trim_fraction must be in [0, 0.5), swarm.clip_tau positive and "
+                          "swarm.max_update_ratio >= 0 (0 turns the check off)")
     if not sw.run_id or any(c in sw.run_id for c in " ./"):
         raise ConfigError(f"swarm.run_id {sw.run_id!r} must be non-empty, without spaces, dots or slashes")
     if tr.grad_clip < 0 or tr.weight_decay < 0:

@@ -35,6 +35,7 @@ from hivemind.utils import get_dht_time
 
 from dht.records import PeerRecord, config_key, peers_key, subkey_values, version_key
 from p2p_spes import __version__
+from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import GroupAllReduce, GroupResult
 from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
@@ -131,6 +132,7 @@ class Swarm:
         self.reducer = GroupAllReduce(
             self.dht, self.p2p, self.peer_id, self.run_id, compression=sw.compression,
             matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
+            aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),
         )
         self.call(self.reducer.start())
         self.call(self.p2p.add_protobuf_handler(
