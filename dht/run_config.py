@@ -2,8 +2,10 @@
 
 Peers (and a bootstrap given ``--config``) publish the run-wide part of their config, signed with
 their key (``dht/identity.py``), with the SHA-256 of its canonical JSON. Settings that only concern
-one machine (batch split, device, paths, addresses, logging) are left out of it, so peers that
-differ only there publish the same hash; a volunteer may set those locally and nothing else.
+one machine (device, paths, addresses, logging) are left out of it, so peers that differ only
+there publish the same hash. The batch is published as tokens per step (``batch_size`` x
+``grad_accum``, with ``grad_accum`` 1): how a peer splits it into micro-batches is its own choice.
+A volunteer may set those locally and nothing else.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from p2p_spes.errors import ConfigError, SwarmError
 
 # (section, key) pairs a peer may set for itself; None as key: the whole section.
 LOCAL_SETTINGS: tuple[tuple[str, str | None], ...] = (
-    ("train", "batch_size"), ("train", "grad_accum"), ("train", "device"), ("train", "dtype"),
+    ("train", "device"), ("train", "dtype"),
     ("train", "run_dir"), ("train", "threads"), ("train", "log_interval"), ("train", "eval_interval"),
     ("train", "eval_batches"), ("train", "checkpoint_interval"), ("train", "keep_checkpoints"),
     ("moe", "impl"), ("moe", "torch_kernel"), ("peer", "index"), ("experts", "placement"), ("experts", "local"),
@@ -34,16 +36,23 @@ LOCAL_SETTINGS: tuple[tuple[str, str | None], ...] = (
 )
 
 
+# Published (as their product) but each peer may split them its own way.
+BATCH_SPLIT = (("train", "batch_size"), ("train", "grad_accum"))
+
+
 def _is_local(section: str, key: str) -> bool:
     return (section, key) in LOCAL_SETTINGS or (section, None) in LOCAL_SETTINGS
 
 
 def published_config(cfg: Config) -> dict[str, Any]:
-    """The run-wide part of ``cfg``: everything but :data:`LOCAL_SETTINGS`."""
-    return {
+    """The run-wide part of ``cfg``: everything but :data:`LOCAL_SETTINGS`, the batch as tokens per step."""
+    out = {
         section: {k: v for k, v in values.items() if not _is_local(section, k)}
         for section, values in cfg.to_dict().items()
     }
+    out["train"]["batch_size"] = cfg.train.batch_size * cfg.train.grad_accum
+    out["train"]["grad_accum"] = 1
+    return out
 
 
 def config_hash(published: dict[str, Any]) -> str:
@@ -65,8 +74,8 @@ def config_from_published(published: dict[str, Any], overrides: Sequence[str] = 
     for text in overrides:
         key, _ = parse_override(text)
         section, _, name = key.partition(".")
-        if not _is_local(section, name):
-            allowed = ", ".join(f"{s}.{k}" for s, k in LOCAL_SETTINGS)
+        if not _is_local(section, name) and (section, name) not in BATCH_SPLIT:
+            allowed = ", ".join(f"{s}.{k}" for s, k in LOCAL_SETTINGS + BATCH_SPLIT)
             raise ConfigError(
                 f"--set {key}: the run's config fixes this setting for every peer; with --config-from-swarm only "
                 f"local settings may be changed ({allowed}). To train something else, start another run"

@@ -72,7 +72,8 @@ def test_published_config_leaves_out_local_settings_and_is_checked():
     local = load_config(None, ["train.batch_size=2", "train.grad_accum=2", "train.device=cpu", "swarm.run_id=r1",
                                "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/5]", "train.run_dir=elsewhere"])
     other = load_config(None, ["train.lr=0.01", "swarm.run_id=r1"])
-    assert "batch_size" not in published_config(cfg)["train"] and "initial_peers" not in published_config(cfg)["swarm"]
+    assert published_config(local)["train"]["batch_size"] == 4 and published_config(local)["train"]["grad_accum"] == 1
+    assert "device" not in published_config(cfg)["train"] and "initial_peers" not in published_config(cfg)["swarm"]
     assert config_hash(published_config(cfg)) == config_hash(published_config(local))
     assert config_hash(published_config(cfg)) != config_hash(published_config(other))
 
@@ -88,8 +89,8 @@ def test_published_config_leaves_out_local_settings_and_is_checked():
     with pytest.raises(SwarmError, match="no peer publishes"):
         choose(records, expected_hash="0" * 64)
 
-    rebuilt = config_from_published(chosen["config"], ["train.batch_size=1", "train.device=cpu"])
-    assert rebuilt.model_fingerprint() == cfg.model_fingerprint() and rebuilt.train.batch_size == 1
+    rebuilt = config_from_published(chosen["config"], ["train.batch_size=2", "train.grad_accum=2", "train.device=cpu"])
+    assert rebuilt.model_fingerprint() == cfg.model_fingerprint() and rebuilt.train.batch_size == 2
     assert config_hash(published_config(rebuilt)) == chosen["hash"]
     with pytest.raises(ConfigError, match="model.num_layers: the run's config fixes this setting"):
         config_from_published(chosen["config"], ["model.num_layers=2"])
