@@ -140,8 +140,13 @@ def render(snapshot: dict[str, Any], console) -> None:
 
 
 def _address(maddrs: list[str]) -> str:
-    """The first multiaddr without its /p2p/ part (the peer column already names the peer)."""
-    return maddrs[0].split("/p2p/")[0] if maddrs else "-"
+    """HOST:PORT of the first multiaddr (the peer column already names the peer; --json has them all)."""
+    if not maddrs:
+        return "-"
+    parts = maddrs[0].split("/")
+    if len(parts) >= 5 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") and parts[3] in ("tcp", "udp"):
+        return f"{parts[2]}:{parts[4]}"
+    return maddrs[0].split("/p2p/")[0]
 
 
 def watch(dht, run_id: str, interval: float, console, as_json: bool, iterations: int | None = None) -> None:
