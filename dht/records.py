@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any
 
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey

@@ -11,9 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+from test_swarm import SMALL, group_alive
+
 from dht.inspector import collect, open_dht
 from p2p_spes.local_swarm import LocalSwarm
-from test_swarm import SMALL, group_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 P2P = [sys.executable, "-m", "p2p_spes"]
