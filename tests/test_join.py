@@ -105,12 +105,17 @@ def test_bootstrap_keeps_its_multiaddr_and_a_volunteer_trains_with_the_config_it
         assert after["maddrs"][0] == f"/ip4/127.0.0.1/tcp/{port}/p2p/{after['peer_id']}"
         volunteer = start_volunteer(tmp_path, after["maddrs"], "pub")
         code = volunteer.wait(240)
+        refused = subprocess.run(  # the run's config fixes the model: only local settings may be --set
+            [*P2P, "train", "--config-from-swarm", "--run-id", "pub", "--initial-peers", *after["maddrs"],
+             "--set", "model.num_layers=3"], capture_output=True, text=True, timeout=120, start_new_session=True,
+        )
     finally:
         if volunteer is not None:
             stop(volunteer)
         rc = stop(second)
     assert rc == 0
     assert code == 0, volunteer_output(tmp_path)
+    assert refused.returncode == 2 and "model.num_layers: the run's config fixes this setting" in refused.stderr
     text = (tmp_path / "volunteer.out").read_text()
     assert "no NVIDIA GPU found" in text and "fetching the config of run 'pub'" in text
     assert "published by 1 peer(s)" in text and "batch 4 x 1" in text and "reached its step budget" in text
@@ -163,3 +168,43 @@ def test_volunteer_joins_a_live_run_the_inspector_sees_it_and_ctrl_c_leaves_clea
     status = {c["expert"]: c["status"] for c in after["coverage"]}
     assert {e for e, s in status.items() if s == "missing"} == set(experts[gone])
     assert {e for e, s in status.items() if s == "ok"} == set(experts[stayer])
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for python in launch/volunteer.sh: real for the version checks, a peer that exits with
+# $TRAIN_EXIT for `train` (counting its starts), a config writer for `fetch-config`.
+case " $* " in
+  *" -m p2p_spes train "*) echo start >> "$STARTS"; exit "$TRAIN_EXIT" ;;
+  *" -m p2p_spes fetch-config "*) while [ "$1" != --out ]; do shift; done; echo "train: {}" > "$2"; exit 0 ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+def run_volunteer_with_fake_peer(tmp_path: Path, train_exit: int) -> tuple[subprocess.CompletedProcess, int]:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    starts = tmp_path / "starts"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch" / "volunteer.sh"), "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmX",
+         "--no-install", "--dir", str(tmp_path / "vol"), "--max-restarts", "1"],
+        capture_output=True, text=True, timeout=60, start_new_session=True,
+        env=dict(os.environ, PYTHON=str(fake), REAL_PYTHON=sys.executable, STARTS=str(starts),
+                 TRAIN_EXIT=str(train_exit)),
+    )
+    return proc, len(starts.read_text().split()) if starts.exists() else 0
+
+
+def test_volunteer_restarts_a_crashed_peer_with_backoff_and_gives_up_after_the_limit(tmp_path):
+    proc, starts = run_volunteer_with_fake_peer(tmp_path, 3)
+    assert starts == 2, proc.stdout + proc.stderr
+    assert proc.returncode == 2
+    assert "restarting in 5s (attempt 1 of 1)" in proc.stdout
+    assert "crashed 1 times in a row (last exit code 3); giving up" in proc.stderr
+
+
+def test_volunteer_does_not_restart_a_peer_that_refuses_to_start(tmp_path):
+    proc, starts = run_volunteer_with_fake_peer(tmp_path, 2)
+    assert starts == 1 and proc.returncode == 2
+    assert "refused to start" in proc.stderr and "restarting" not in proc.stdout
