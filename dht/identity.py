@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import base58
@@ -42,13 +42,10 @@ class Identity:
     created: bool  # generated just now (so no other peer can be using it)
     temporary: bool  # lives in a temp directory made for this process; removed by :meth:`discard`
 
-    @property
+    @cached_property
     def owner(self) -> bytes:
         """The subkey marker under which this peer writes its own records."""
         return RSASignatureValidator(self.private_key).local_public_key
-
-    def validator(self) -> RSASignatureValidator:
-        return RSASignatureValidator(self.private_key)
 
     def discard(self) -> None:
         """Remove a temporary key file (the running daemon has read it already)."""

@@ -7,8 +7,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
+from typing import Callable
 
 import yaml
 

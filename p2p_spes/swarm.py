@@ -25,8 +25,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Coroutine
 
 import torch
 from hivemind.p2p import PeerID
@@ -42,15 +41,7 @@ from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.placement import least_covered
-from p2p_spes.transport import (
-    TransportError,
-    collect_tensors,
-    pack,
-    parse_tensor,
-    serialize_parts,
-    tensor_digest,
-    unpack,
-)
+from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, tensor_digest, unpack
 
 log = logging.getLogger(__name__)
 
