@@ -109,6 +109,11 @@ def test_bootstrap_keeps_its_multiaddr_and_a_volunteer_trains_with_the_config_it
             [*P2P, "train", "--config-from-swarm", "--run-id", "pub", "--initial-peers", *after["maddrs"],
              "--set", "model.num_layers=3"], capture_output=True, text=True, timeout=120, start_new_session=True,
         )
+        other_model = subprocess.run(  # the bootstrap's published config alone is enough to refuse another model
+            [*P2P, "train", "--config", "tiny", "--run-id", "pub", "--initial-peers", *after["maddrs"],
+             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-dir", str(tmp_path / "other")],
+            capture_output=True, text=True, timeout=120, start_new_session=True,
+        )
     finally:
         if volunteer is not None:
             stop(volunteer)
@@ -116,6 +121,8 @@ def test_bootstrap_keeps_its_multiaddr_and_a_volunteer_trains_with_the_config_it
     assert rc == 0
     assert code == 0, volunteer_output(tmp_path)
     assert refused.returncode == 2 and "model.num_layers: the run's config fixes this setting" in refused.stderr
+    assert other_model.returncode == 2 and "trains a different model" in other_model.stderr
+    assert "model.d_model: ours 256, run's 64" in other_model.stderr and "--config-from-swarm" in other_model.stderr
     text = (tmp_path / "volunteer.out").read_text()
     assert "no NVIDIA GPU found" in text and "fetching the config of run 'pub'" in text
     assert "published by 1 peer(s)" in text and "batch 4 x 1" in text and "reached its step budget" in text
