@@ -1,8 +1,11 @@
 """The DHT status inspector: joins a run as a client-only DHT peer, reads its records, changes nothing.
 
-What it shows comes from the records peers publish as part of their normal work (``dht/records.py``):
-per peer its experts, step, round, loss, throughput and traffic; per expert its live holders; per
-peer its last sync round. Malformed records are skipped.
+What it shows comes from the signed records peers publish as part of their normal work
+(``dht/records.py``): per peer its experts, step, round, loss, throughput and traffic; per expert its
+live holders; per sync round its participants, duration, bytes and failures (from each peer's last
+rounds); the run's published config hash. The inspector's DHT checks every signature and schema
+(``dht/identity.py``), and a record naming a peer other than its signer is dropped, so only
+validated records are shown.
 """
 
 from __future__ import annotations
@@ -12,13 +15,43 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from dht.records import PeerRecord, peers_key, subkey_values
+from dht.records import PeerRecord, peers_key, signed_values
+from dht.run_config import read_records
+
+
+def open_dht(initial_peers: list[str], run_id: str, startup_timeout: float = 15.0):
+    """A client-only DHT with the run's validators: it stores nothing and serves nothing."""
+    from dht.identity import start_dht
+
+    dht, _ = start_dht(None, [run_id], initial_peers=initial_peers, client_mode=True, startup_timeout=startup_timeout)
+    return dht
+
+
+def _rounds(raw: dict[str, dict[str, Any]], peer_ids: set[str]) -> list[dict[str, Any]]:
+    """Per sync round, merged from the last rounds each live peer reports (newest first)."""
+    merged: dict[int, dict[str, Any]] = {}
+    for peer_id in sorted(peer_ids):
+        recent = raw[peer_id].get("recent_rounds")
+        for r in recent if isinstance(recent, list) else []:
+            if not isinstance(r, dict) or not isinstance(r.get("round"), int):
+                continue
+            row = merged.setdefault(r["round"], {
+                "round": r["round"], "step": r.get("step"), "participants": 0, "reported_by": [], "ok": 0,
+                "seconds": 0.0, "bytes_sent": 0, "bytes_received": 0, "failed_groups": 0,
+            })
+            row["reported_by"].append(peer_id)
+            row["participants"] = max(row["participants"], int(r.get("members") or 0))
+            row["ok"] += bool(r.get("ok"))
+            row["seconds"] = max(row["seconds"], float(r.get("seconds") or 0.0))
+            for k in ("bytes_sent", "bytes_received", "failed_groups"):
+                row[k] += int(r.get(k) or 0)
+    return [merged[n] for n in sorted(merged, reverse=True)]
 
 
 def collect(dht, run_id: str) -> dict[str, Any]:
     """One JSON-able snapshot of the run: peers, expert coverage, rounds and totals."""
     now = get_dht_time()
-    raw = subkey_values(dht.get(peers_key(run_id), latest=True))
+    raw = signed_values(dht.get(peers_key(run_id), latest=True))
     peers = []
     for peer_id, value in sorted(raw.items()):
         record = PeerRecord.from_value(peer_id, value)
@@ -45,17 +78,19 @@ def collect(dht, run_id: str) -> dict[str, Any]:
         for e, h in sorted(holders.items())
     ]
     fingerprints = sorted({p["fingerprint"] for p in peers})
+    configs: dict[str, list[str]] = {}
+    for publisher, value in read_records(dht, run_id).items():
+        if isinstance(value.get("hash"), str):
+            configs.setdefault(value["hash"], []).append(publisher)
     return {
         "run_id": run_id, "time": now, "peers": peers, "coverage": coverage, "replicas": replicas,
-        "rounds": [
-            {"peer_id": p["peer_id"], "round": p["round"], "sync_seconds": p["sync_seconds"],
-             "rounds_joined": p["rounds_joined"], "rounds_failed": p["rounds_failed"]}
-            for p in peers
-        ],
+        "rounds": _rounds(raw, {p["peer_id"] for p in peers}),
         "run": {
+            "config_hashes": [{"hash": h, "publishers": sorted(ps)} for h, ps in sorted(configs.items())],
             "fingerprints": fingerprints, "peers": len(peers), "total_tokens": sum(p["tokens"] or 0 for p in peers),
             "tokens_per_s": round(sum(p["tokens_per_s"] or 0 for p in peers), 1),
             "bytes_sent": sum(p["bytes_sent"] or 0 for p in peers),
+            "bytes_received": sum(p["bytes_received"] or 0 for p in peers),
         },
     }
 
@@ -65,19 +100,22 @@ def render(snapshot: dict[str, Any], console) -> None:
     from rich.table import Table
 
     run = snapshot["run"]
+    hashes = ", ".join(f"{c['hash'][:16]} ({len(c['publishers'])} publisher(s))" for c in run["config_hashes"]) or "-"
     console.print(
         f"run {snapshot['run_id']!r}: {run['peers']} live peers, model {', '.join(run['fingerprints']) or '-'}, "
-        f"{run['total_tokens']:,} tokens, {run['tokens_per_s']:,} tokens/s"
+        f"config {hashes}, {run['total_tokens']:,} tokens, {run['tokens_per_s']:,} tokens/s"
     )
     peers = Table(title="peers")
-    for col in ("peer", "experts", "step", "round", "loss", "tokens/s", "sent MB", "recv MB", "last seen s", "device"):
-        peers.add_column(col)
+    columns = ("peer", "address", "experts", "step", "round", "loss", "tokens/s", "sent MB", "recv MB", "last seen s",
+               "version", "device")
+    for col in columns:
+        peers.add_column(col, justify="right" if col not in ("peer", "address", "experts", "version", "device") else "left")
     for p in snapshot["peers"]:
         peers.add_row(
-            p["peer_id"][-10:], str(p["experts"]), str(p["step"]), str(p["round"]),
+            p["peer_id"][-10:], _address(p["maddrs"]), str(p["experts"]), str(p["step"]), str(p["round"]),
             "-" if p["loss"] is None else f"{p['loss']:.3f}", f"{p['tokens_per_s'] or 0:.0f}",
             f"{(p['bytes_sent'] or 0) / 1e6:.1f}", f"{(p['bytes_received'] or 0) / 1e6:.1f}",
-            str(p["last_seen_s"]), str(p["device"]),
+            str(p["last_seen_s"]), str(p["version"]), str(p["device"]),
         )
     console.print(peers)
     coverage = Table(title=f"expert coverage (target {snapshot['replicas']} holder(s) each)")
@@ -85,8 +123,30 @@ def render(snapshot: dict[str, Any], console) -> None:
         coverage.add_column(col)
     for c in snapshot["coverage"]:
         style = {"missing": "red", "low": "yellow"}.get(c["status"])
-        coverage.add_row(str(c["expert"]), str(c["holders"]), c["status"], ", ".join(p[-10:] for p in c["peers"]), style=style)
+        status = {"missing": "MISSING", "low": "LOW"}.get(c["status"], c["status"])
+        coverage.add_row(str(c["expert"]), str(c["holders"]), status, ", ".join(p[-10:] for p in c["peers"]), style=style)
     console.print(coverage)
+    if snapshot["rounds"]:
+        rounds = Table(title="sync rounds (latest first)")
+        for col in ("round", "step", "participants", "ok / reported", "seconds", "sent MB", "recv MB", "failed groups"):
+            rounds.add_column(col, justify="right")
+        for r in snapshot["rounds"]:
+            rounds.add_row(
+                str(r["round"]), str(r["step"]), str(r["participants"]), f"{r['ok']} / {len(r['reported_by'])}",
+                f"{r['seconds']:.2f}", f"{r['bytes_sent'] / 1e6:.1f}", f"{r['bytes_received'] / 1e6:.1f}",
+                str(r["failed_groups"]), style="yellow" if r["failed_groups"] else None,
+            )
+        console.print(rounds)
+
+
+def _address(maddrs: list[str]) -> str:
+    """HOST:PORT of the first multiaddr (the peer column already names the peer; --json has them all)."""
+    if not maddrs:
+        return "-"
+    parts = maddrs[0].split("/")
+    if len(parts) >= 5 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") and parts[3] in ("tcp", "udp"):
+        return f"{parts[2]}:{parts[4]}"
+    return maddrs[0].split("/p2p/")[0]
 
 
 def watch(dht, run_id: str, interval: float, console, as_json: bool, iterations: int | None = None) -> None:

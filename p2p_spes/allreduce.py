@@ -32,7 +32,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
-from dht.records import group_key, subkey_values
+from dht.records import group_key, signed_values
 from p2p_spes.aggregation import Aggregator, weighted_mean
 from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, unpack
 
@@ -70,11 +70,12 @@ class GroupAllReduce:
     """Serves and runs all-reduce rounds for one peer. Create and use it inside one event loop."""
 
     def __init__(
-        self, dht, p2p, peer_id: str, run_id: str, *, compression: str = "none",
+        self, dht, p2p, peer_id: str, run_id: str, *, owner: bytes, compression: str = "none",
         matchmaking_time: float = 3.0, timeout: float = 30.0,
         aggregate: Aggregator | None = None,
     ) -> None:
         self.dht, self.p2p, self.peer_id, self.run_id = dht, p2p, peer_id, run_id
+        self.owner = owner  # our signed subkey (dht/identity.py): nobody can join a group in our name
         self.compression, self.matchmaking_time, self.timeout = compression, matchmaking_time, timeout
         self.aggregate = aggregate or weighted_mean
         self._parts: dict[bytes, _Part] = {}
@@ -172,12 +173,12 @@ class GroupAllReduce:
         """Join the group's DHT record and return the agreed member list (see module docstring)."""
         arrival = get_dht_time()
         ttl = self.matchmaking_time + self.timeout + 30
-        await self.dht.store(key, {"w": float(weight), "t": arrival}, expiration_time=arrival + ttl,
-                             subkey=self.peer_id, return_future=True)
+        await self.dht.store(key, {"peer_id": self.peer_id, "w": float(weight), "t": arrival},
+                             expiration_time=arrival + ttl, subkey=self.owner, return_future=True)
         give_up = time.monotonic() + self.matchmaking_time + 10
 
         async def read() -> dict[str, float]:
-            records = subkey_values(await self.dht.get(key, latest=True, return_future=True))
+            records = signed_values(await self.dht.get(key, latest=True, return_future=True))
             times = {p: v["t"] for p, v in records.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
             times.setdefault(self.peer_id, arrival)
             return times

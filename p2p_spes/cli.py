@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 import yaml
@@ -34,10 +35,27 @@ def _load(args: argparse.Namespace):
     return load_config(args.config, args.overrides)
 
 
+def _config_from_swarm(args: argparse.Namespace):
+    """The run's published config (signature and hash checked) with this machine's local --set overrides."""
+    from dht.run_config import config_from_published, fetch_run_config
+
+    if args.config:
+        raise ConfigError("--config-from-swarm and --config exclude each other: the run's config comes from the DHT")
+    if not args.initial_peers:
+        raise ConfigError("--config-from-swarm needs --initial-peers MADDR of a live peer or bootstrap of the run")
+    run_id = args.run_id or "p2p-spes"
+    print(f"fetching the config of run {run_id!r} from the swarm", file=sys.stderr, flush=True)
+    record = fetch_run_config(args.initial_peers, run_id, expected_hash=args.config_hash, timeout=args.fetch_timeout)
+    cfg = config_from_published(record["config"], args.overrides)
+    print(f"run config {record['hash'][:16]} (model {record['fingerprint']}), published by "
+          f"{len(record['publishers'])} peer(s)", file=sys.stderr, flush=True)
+    return cfg
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from p2p_spes.train import Trainer
 
-    cfg = _load(args)
+    cfg = _config_from_swarm(args) if args.config_from_swarm else _load(args)
     if args.run_dir:
         cfg.train.run_dir = args.run_dir
     sw = cfg.swarm
@@ -95,15 +113,63 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     return 0 if all(p.returncode == 0 for p in swarm.procs) else 1
 
 
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from dht.bootstrap import Bootstrap, BootstrapOptions
+
+    config = _load(args) if args.config else None
+    if args.overrides and not args.config:
+        raise ConfigError("--set applies to the published config: give --config FILE too")
+    boot = Bootstrap(BootstrapOptions(
+        identity_path=args.identity, host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs or [],
+        initial_peers=args.initial_peers or [], use_relay=not args.no_relay, use_auto_relay=args.use_auto_relay,
+        run_id=args.run_id, config=config,
+    ))
+    maddrs = boot.start()
+    try:
+        print(f"bootstrap peer id: {boot.identity.peer_id} (identity file {args.identity})", flush=True)
+        print("peers join with: --initial-peers " + " ".join(maddrs), flush=True)
+        if config is not None:
+            print(f"publishing the config of run {args.run_id!r} (hash {boot._record['hash'][:16]}, model "
+                  f"{boot._record['fingerprint']}): volunteers join with --config-from-swarm", flush=True)
+        if args.write_maddrs:
+            Path(args.write_maddrs).write_text(json.dumps({"peer_id": boot.identity.peer_id, "maddrs": maddrs}))
+        print("serving; Ctrl-C or SIGTERM stops it", flush=True)
+        boot.serve()
+    finally:
+        boot.shutdown()
+    print("bootstrap stopped", flush=True)
+    return 0
+
+
+def cmd_fetch_config(args: argparse.Namespace) -> int:
+    from p2p_spes.batch_fit import fit_batch, free_memory, resolve_device
+
+    cfg = _config_from_swarm(args)
+    if args.fit_batch:
+        device = resolve_device(cfg.train.device if args.device is None else args.device)
+        plan = fit_batch(cfg, free_memory(device), device, args.memory_fraction)
+        cfg.train.batch_size, cfg.train.grad_accum = plan.batch_size, plan.grad_accum
+        print(plan.describe(), file=sys.stderr, flush=True)
+    if args.device is not None:
+        cfg.train.device = args.device
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote the run's config to {args.out}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    import hivemind
     from rich.console import Console
 
-    from dht.inspector import collect, render, watch
+    from dht.inspector import collect, open_dht, render, watch
 
     try:
-        dht = hivemind.DHT(initial_peers=args.initial_peers, start=True, client_mode=True,
-                           startup_timeout=args.bootstrap_timeout)
+        dht = open_dht(args.initial_peers, args.run_id, args.bootstrap_timeout)
+    except SwarmError:
+        raise
     except Exception as exc:
         raise SwarmError(f"could not reach the run through {' '.join(args.initial_peers)}: {exc}") from None
     console = Console(width=140)
@@ -184,6 +250,14 @@ def cmd_upcycle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_fetch_args(p, flag: bool = True) -> None:
+    if flag:
+        p.add_argument("--config-from-swarm", action="store_true",
+                       help="train with the config the run publishes in the DHT (no --config; --set local settings only)")
+    p.add_argument("--config-hash", metavar="HEX", help="accept only the run config with this hash (or hash prefix)")
+    p.add_argument("--fetch-timeout", type=float, default=60.0, help="seconds to wait for the run's published config")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2p-spes", description="Peer-to-peer pretraining of MoE language models.")
     parser.add_argument("--version", action="version", version=f"p2p-spes {__version__}")
@@ -207,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="addresses to listen on (default /ip4/0.0.0.0/tcp/0)")
     net.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial (behind NAT)")
     net.add_argument("--identity", help="private key file; keeps this peer's id and multiaddr across restarts")
+    _add_fetch_args(net)
     train.set_defaults(func=cmd_train)
 
     local = sub.add_parser("swarm", help="run N peers of one run on this machine (127.0.0.1)")
@@ -225,6 +300,34 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
     insp.add_argument("--bootstrap-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
     insp.set_defaults(func=cmd_inspect)
+
+    boot = sub.add_parser("bootstrap", help="run a long-lived DHT peer that others join through (trains nothing)")
+    boot.add_argument("--identity", default="bootstrap.key",
+                      help="private key file, created if missing: keeps the peer id (default: bootstrap.key)")
+    boot.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"], metavar="MADDR",
+                      help="addresses to listen on; a fixed port keeps the multiaddr across restarts")
+    boot.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial (NAT)")
+    boot.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="other bootstraps or peers to connect to")
+    boot.add_argument("--no-relay", action="store_true", help="disable libp2p circuit relay (on by default)")
+    boot.add_argument("--use-auto-relay", action="store_true",
+                      help="behind NAT yourself: look for relays to become reachable")
+    boot.add_argument("--run-id", help="the run whose records this peer checks (and whose config --config publishes)")
+    boot.add_argument("--write-maddrs", metavar="FILE", help="also write the peer id and multiaddrs here as JSON")
+    _add_config_args(boot)
+    boot.set_defaults(func=cmd_bootstrap)
+
+    fetch = sub.add_parser("fetch-config", help="fetch a run's published config from the DHT, check it, save it")
+    fetch.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer or bootstrap")
+    fetch.add_argument("--run-id", default=None, help="the run (swarm.run_id)")
+    fetch.add_argument("--out", help="write the config YAML here (default: stdout)")
+    fetch.add_argument("--fit-batch", action="store_true",
+                       help="pick the batch size that fits this device's free memory (keeps batch x grad_accum)")
+    fetch.add_argument("--device", default=None, help="device to plan for and train on (auto, cpu, cuda, cuda:N)")
+    fetch.add_argument("--memory-fraction", type=float, default=0.8, help="share of free memory to plan for")
+    fetch.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="local settings only (batch size, device, paths, addresses)")
+    _add_fetch_args(fetch, flag=False)
+    fetch.set_defaults(func=cmd_fetch_config, config_from_swarm=True, config=None)
 
     data = sub.add_parser("data", help="prepare training data")
     data_sub = data.add_subparsers(dest="data_command", required=True)

@@ -131,6 +131,8 @@ class SwarmConfig:
     announce_maddrs: list[str] = field(default_factory=list)
     identity_path: Optional[str] = None
     client_mode: bool = False
+    use_relay: bool = True  # libp2p circuit relay: reach peers behind NAT through others
+    use_auto_relay: bool = False  # behind NAT yourself: become reachable through a relay
     bootstrap_timeout: float = 15.0
     sync_steps: int = 50
     replicas: int = 1

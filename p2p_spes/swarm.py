@@ -33,7 +33,9 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
-from dht.records import PeerRecord, config_key, peers_key, subkey_values, version_key
+from dht.identity import start_dht
+from dht.records import PeerRecord, config_key, peers_key, run_config_key, signed_values, version_key
+from dht.run_config import run_config_record
 from p2p_spes import __version__
 from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import GroupAllReduce, GroupResult
@@ -110,6 +112,17 @@ def describe_difference(ours: dict, theirs: dict) -> str:
     return "; ".join(diffs) or "fingerprints differ"
 
 
+def round_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """What the inspector shows of a round (published in the peer's record, so kept small)."""
+    groups = report["groups"]
+    return {
+        "round": report["round"], "step": report["step"], "members": groups["shared"]["members"],
+        "ok": bool(groups["shared"]["ok"]), "seconds": round(report["seconds"], 3),
+        "bytes_sent": report["bytes_sent"], "bytes_received": report["bytes_received"],
+        "failed_groups": sum(1 for g in groups.values() if not g["ok"]),
+    }
+
+
 class Swarm:
     """Owns the DHT, an event loop thread, the RPC handlers and the sync rounds of one peer."""
 
@@ -125,12 +138,12 @@ class Swarm:
         if not _FORK_HOOK_INSTALLED:
             os.register_at_fork(after_in_child=_patch_child_spawns)
             _FORK_HOOK_INSTALLED = True
-        self.dht = self._start_dht()
-        self.peer_id = self.dht.peer_id.to_base58()
+        self.dht, self.identity = self._start_dht()
+        self.peer_id = self.identity.peer_id
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         self.p2p = self.call(self.dht.replicate_p2p())
         self.reducer = GroupAllReduce(
-            self.dht, self.p2p, self.peer_id, self.run_id, compression=sw.compression,
+            self.dht, self.p2p, self.peer_id, self.run_id, owner=self.identity.owner, compression=sw.compression,
             matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
             aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),
         )
@@ -146,6 +159,8 @@ class Swarm:
         self._heartbeat: asyncio.Future | None = None
         self.rounds: list[dict[str, Any]] = []
         self._claimed: list[int] = []
+        self.run_config = run_config_record(cfg)  # published once the model check passed
+        self._published: list[tuple[str, dict[str, Any]]] = []
         self._momentum: dict[str, torch.Tensor] = {}  # Nesterov outer momentum per group uid
         self._anchor: dict[str, torch.Tensor] = {}  # Nesterov: the value each group last agreed on
 
@@ -154,8 +169,6 @@ class Swarm:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def _start_dht(self):
-        import hivemind
-
         from hivemind.utils.multiaddr import Multiaddr
 
         sw = self.cfg.swarm
@@ -168,11 +181,14 @@ class Swarm:
             if "/p2p/" not in maddr:
                 raise SwarmError(f"{maddr!r} lacks the peer id: a bootstrap address ends in /p2p/PEER_ID")
         try:
-            dht = hivemind.DHT(
-                initial_peers=list(sw.initial_peers) or None, start=True,
+            return start_dht(
+                sw.identity_path, [self.run_id], initial_peers=list(sw.initial_peers) or None,
                 host_maddrs=list(sw.host_maddrs), announce_maddrs=list(sw.announce_maddrs) or None,
-                identity_path=sw.identity_path, client_mode=sw.client_mode, startup_timeout=sw.bootstrap_timeout,
+                client_mode=sw.client_mode, use_relay=sw.use_relay, use_auto_relay=sw.use_auto_relay,
+                startup_timeout=sw.bootstrap_timeout,
             )
+        except SwarmError:
+            raise
         except Exception as exc:
             peers = ", ".join(sw.initial_peers) or "(none)"
             raise SwarmError(
@@ -180,14 +196,15 @@ class Swarm:
                 "complete (/ip4/HOST/tcp/PORT/p2p/PEER_ID), that a peer of the run is listening there, and that no "
                 "firewall blocks the port"
             ) from None
-        return dht
 
     async def _get(self, key: str) -> dict[str, Any]:
-        return subkey_values(await self.dht.get(key, latest=True, return_future=True))
+        return signed_values(await self.dht.get(key, latest=True, return_future=True))
 
-    async def _store(self, key: str, value: Any, ttl: float, subkey: str | None = None) -> None:
+    async def _store(self, key: str, value: dict[str, Any], ttl: float) -> None:
+        """Write our own record under ``key``: signed, under our owner subkey, naming our peer id."""
         now = get_dht_time()
-        await self.dht.store(key, value, expiration_time=now + ttl, subkey=subkey or self.peer_id, return_future=True)
+        await self.dht.store(key, {**value, "peer_id": self.peer_id}, expiration_time=now + ttl,
+                             subkey=self.identity.owner, return_future=True)
 
     # Membership ----------------------------------------------------------------------------
     def live_peers(self) -> dict[str, PeerRecord]:
@@ -202,16 +219,30 @@ class Swarm:
     def check_model(self) -> None:
         """Refuse to join a run that trains a different model (nothing of ours is sent before this)."""
         records = self.call(self._get(config_key(self.run_id)))
+        run_configs = self.call(self._get(run_config_key(self.run_id)))
         ours = model_defining(self.cfg)
+        for peer, value in run_configs.items():
+            published = value.get("config") if isinstance(value.get("config"), dict) else {}
+            moe = published.get("moe") if isinstance(published.get("moe"), dict) else {}
+            records.setdefault(peer, {"fingerprint": value.get("fingerprint"), "model": {
+                "model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours["moe"]}}})
         for peer, value in records.items():
             if isinstance(value, dict) and value.get("fingerprint") != self.fingerprint:
                 theirs = value.get("model") if isinstance(value.get("model"), dict) else {}
                 raise SwarmError(
                     f"run {self.run_id!r} trains a different model than this config (peer {peer}): "
-                    f"{describe_difference(ours, theirs)}. Use the run's config, or another swarm.run_id"
+                    f"{describe_difference(ours, theirs)}. Join with --config-from-swarm to use the run's config, "
+                    "or pick another --run-id"
                 )
-        self.call(self._store(config_key(self.run_id), {"fingerprint": self.fingerprint, "model": ours},
-                              ttl=self.cfg.swarm.record_ttl))
+        theirs = {v.get("hash") for p, v in run_configs.items() if p != self.peer_id}
+        if theirs and self.run_config["hash"] not in theirs:
+            log.warning("this config (hash %s) differs from the one the run publishes (%s) in settings other than "
+                        "the model; join with --config-from-swarm to train with the run's", self.run_config["hash"][:16],
+                        ", ".join(h[:16] for h in sorted(h for h in theirs if isinstance(h, str))))
+        self._published = [(config_key(self.run_id), {"fingerprint": self.fingerprint, "model": ours}),
+                           (run_config_key(self.run_id), self.run_config)]
+        for key, value in self._published:
+            self.call(self._store(key, value, ttl=self.cfg.swarm.record_ttl))
 
     def swarm_step(self) -> int | None:
         """The median step the other live peers report, or None when we are alone."""
@@ -263,6 +294,8 @@ class Swarm:
         while True:
             try:
                 await self._store(peers_key(self.run_id), self._record(), ttl=self.cfg.swarm.record_ttl)
+                for key, value in self._published:  # the model and run config live as long as a peer does
+                    await self._store(key, value, ttl=self.cfg.swarm.record_ttl)
             except Exception as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.cfg.swarm.heartbeat)
@@ -567,8 +600,9 @@ class Swarm:
         self.stats["rounds_joined" if report["groups"]["shared"]["ok"] else "rounds_failed"] += 1
         self.stats["bytes_sent"] += report["bytes_sent"]
         self.stats["bytes_received"] += report["bytes_received"]
-        self.update_status(round=round_no, step=step, sync_seconds=round(report["seconds"], 3))
         self.rounds.append(report)
+        self.update_status(round=round_no, step=step, sync_seconds=round(report["seconds"], 3),
+                           recent_rounds=[round_summary(r) for r in self.rounds[-5:]])
         asyncio.run_coroutine_threadsafe(
             self._store(peers_key(self.run_id), self._record(), ttl=sw.record_ttl), self.loop
         )

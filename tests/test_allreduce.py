@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import hivemind
 import pytest
 import torch
 
+from dht.identity import start_dht
 from p2p_spes.allreduce import GroupAllReduce, weighted_mean
 from p2p_spes.transport import TransportError, parse_tensor, serialize_parts, tensor_digest
 
@@ -17,11 +17,11 @@ class Peers:
     """Three DHT peers and one event loop thread (as each trainer has), shared by the tests."""
 
     def __init__(self) -> None:
-        first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        first, identity = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         maddrs = [str(m) for m in first.get_visible_maddrs()]
-        self.nodes = [first] + [
-            hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs) for _ in range(2)
-        ]
+        others = [start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs) for _ in range(2)]
+        self.nodes = [first] + [dht for dht, _ in others]
+        self.owners = [identity.owner] + [ident.owner for _, ident in others]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -55,7 +55,8 @@ def run_group(peers, tensors, weights, compression, run_id, present=None):
         reducers = []
         for i in present:
             p2p = peers.p2ps[i]
-            reducer = GroupAllReduce(dhts[i], p2p, dhts[i].peer_id.to_base58(), run_id, compression=compression,
+            reducer = GroupAllReduce(dhts[i], p2p, dhts[i].peer_id.to_base58(), run_id, owner=peers.owners[i],
+                                     compression=compression,
                                      matchmaking_time=2.0, timeout=10.0)
             await reducer.start()
             reducers.append(reducer)

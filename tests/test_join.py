@@ -1,0 +1,217 @@
+"""Joining and watching a run on loopback: bootstrap identity, volunteer script, inspector coverage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_swarm import SMALL, group_alive
+
+from dht.inspector import collect, open_dht
+from p2p_spes.local_swarm import LocalSwarm
+
+ROOT = Path(__file__).resolve().parent.parent
+P2P = [sys.executable, "-m", "p2p_spes"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    detail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"{what} did not happen within {timeout:.0f}s\n{detail}")
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+    """Signal ``proc`` by its id, wait, and SIGKILL its whole group if it did not exit."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        return None
+    return proc.returncode
+
+
+def start_bootstrap(tmp_path: Path, port: int, name: str, extra: list[str] = ()) -> tuple[subprocess.Popen, Path]:
+    out, log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
+    out.unlink(missing_ok=True)
+    cmd = [*P2P, "bootstrap", "--identity", str(tmp_path / "boot.key"), "--host-maddrs",
+           f"/ip4/127.0.0.1/tcp/{port}", "--write-maddrs", str(out), *extra]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wait_for(out.exists, 60, f"bootstrap {name} coming up", proc, log)
+    return proc, out
+
+
+def start_volunteer(tmp_path: Path, maddrs: list[str], run_id: str) -> subprocess.Popen:
+    """launch/volunteer.sh on loopback, CPU, with the already-installed interpreter (no install step)."""
+    with open(tmp_path / "volunteer.out", "w") as f:
+        return subprocess.Popen(
+            ["bash", str(ROOT / "launch" / "volunteer.sh"), "--initial-peers", *maddrs, "--run-id", run_id,
+             "--no-install", "--device", "cpu", "--dir", str(tmp_path / "vol"), "--max-restarts", "0",
+             "--", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--set", "train.threads=1"],
+            stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"),
+        )
+
+
+def volunteer_output(tmp_path: Path) -> str:
+    log = tmp_path / "vol" / "peer.log"
+    return (tmp_path / "volunteer.out").read_text() + (log.read_text()[-3000:] if log.exists() else "")
+
+
+def test_bootstrap_keeps_its_multiaddr_and_a_volunteer_trains_with_the_config_it_publishes(tmp_path):
+    port = free_port()
+    first, out = start_bootstrap(tmp_path, port, "first")
+    try:
+        before = json.loads(out.read_text())
+    finally:
+        rc = stop(first)
+    assert rc == 0, (tmp_path / "first.log").read_text()[-2000:]
+    assert "bootstrap stopped" in (tmp_path / "first.log").read_text()
+
+    published = SMALL + ["train.max_steps=20", "train.eval_interval=20"]
+    config = ["--config", "tiny", "--run-id", "pub", *[a for item in published for a in ("--set", item)]]
+    second, out = start_bootstrap(tmp_path, port, "second", config)
+    volunteer = None
+    try:
+        after = json.loads(out.read_text())
+        assert before["peer_id"] == after["peer_id"], "the identity file must keep the peer id"
+        assert before["maddrs"] == after["maddrs"], "same identity and port: same multiaddr"
+        assert after["maddrs"][0] == f"/ip4/127.0.0.1/tcp/{port}/p2p/{after['peer_id']}"
+        volunteer = start_volunteer(tmp_path, after["maddrs"], "pub")
+        code = volunteer.wait(240)
+        refused = subprocess.run(  # the run's config fixes the model: only local settings may be --set
+            [*P2P, "train", "--config-from-swarm", "--run-id", "pub", "--initial-peers", *after["maddrs"],
+             "--set", "model.num_layers=3"], capture_output=True, text=True, timeout=120, start_new_session=True,
+        )
+        other_model = subprocess.run(  # the bootstrap's published config alone is enough to refuse another model
+            [*P2P, "train", "--config", "tiny", "--run-id", "pub", "--initial-peers", *after["maddrs"],
+             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-dir", str(tmp_path / "other")],
+            capture_output=True, text=True, timeout=120, start_new_session=True,
+        )
+    finally:
+        if volunteer is not None:
+            stop(volunteer)
+        rc = stop(second)
+    assert rc == 0
+    assert code == 0, volunteer_output(tmp_path)
+    assert refused.returncode == 2 and "model.num_layers: the run's config fixes this setting" in refused.stderr
+    assert other_model.returncode == 2 and "trains a different model" in other_model.stderr
+    assert "model.d_model: ours 256, run's 64" in other_model.stderr and "--config-from-swarm" in other_model.stderr
+    text = (tmp_path / "volunteer.out").read_text()
+    assert "no NVIDIA GPU found" in text and "fetching the config of run 'pub'" in text
+    assert "published by 1 peer(s)" in text and "batch 4 x 1" in text and "reached its step budget" in text
+    summary = json.loads((tmp_path / "vol" / "run" / "summary.json").read_text())
+    assert summary["step"] == 20 and summary["num_experts"] == 6
+    fetched = (tmp_path / "vol" / "run-config.yaml").read_text()
+    assert "d_model: 64" in fetched and "max_steps: 20" in fetched
+
+
+def test_volunteer_joins_a_live_run_the_inspector_sees_it_and_ctrl_c_leaves_cleanly(tmp_path):
+    """Only a peer's multiaddr; the inspector's JSON lists both peers, then the coverage changes on leaving."""
+    overrides = SMALL + ["train.max_steps=100000", "swarm.heartbeat=1", "swarm.experts_per_peer=3"]
+    swarm = LocalSwarm(None, overrides, peers=1, run_dir=tmp_path / "swarm", run_id="watch")
+    dht = volunteer = None
+    try:
+        swarm.start()
+        maddrs = swarm.wait_for_maddrs(0)
+        volunteer = start_volunteer(tmp_path, maddrs, "watch")
+        dht = open_dht(maddrs, "watch")
+
+        def both_synced():
+            snap = collect(dht, "watch")
+            done = len(snap["peers"]) == 2 and any(r["participants"] == 2 for r in snap["rounds"])
+            return snap if done else None
+
+        snap = wait_for(both_synced, 240, "the volunteer in a sync round, seen by the inspector", volunteer,
+                        tmp_path / "vol" / "peer.log")
+        child = int((tmp_path / "vol" / "peer.pid").read_text())
+        code = stop(volunteer, signal.SIGINT, 60)
+        after = wait_for(lambda: (s := collect(dht, "watch")) and len(s["peers"]) == 1 and s, 30, "the departure")
+        child_alive = group_alive(child)
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        if volunteer is not None:
+            stop(volunteer, signal.SIGKILL, 5)
+        swarm.stop()
+    assert code == 0, volunteer_output(tmp_path)
+    assert not child_alive, "the peer must be gone when the script returns"
+    assert "left the run" in (tmp_path / "volunteer.out").read_text()
+    assert json.loads((tmp_path / "vol" / "run" / "summary.json").read_text())["rounds_joined"] >= 1
+
+    experts = {p["peer_id"]: p["experts"] for p in snap["peers"]}
+    assert sorted(e for ex in experts.values() for e in ex) == list(range(6))
+    assert [c["status"] for c in snap["coverage"]] == ["ok"] * 6
+    assert all(p["maddrs"] and p["device"] == "cpu" and p["version"] for p in snap["peers"])
+    assert len(snap["run"]["config_hashes"]) == 1 and len(snap["run"]["config_hashes"][0]["publishers"]) == 2
+    stayer = after["peers"][0]["peer_id"]
+    gone = next(pid for pid in experts if pid != stayer)
+    status = {c["expert"]: c["status"] for c in after["coverage"]}
+    assert {e for e, s in status.items() if s == "missing"} == set(experts[gone])
+    assert {e for e, s in status.items() if s == "ok"} == set(experts[stayer])
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for python in launch/volunteer.sh: real for the version checks, a peer that exits with
+# $TRAIN_EXIT for `train` (counting its starts), a config writer for `fetch-config`.
+case " $* " in
+  *" -m p2p_spes train "*) echo start >> "$STARTS"; exit "$TRAIN_EXIT" ;;
+  *" -m p2p_spes fetch-config "*) while [ "$1" != --out ]; do shift; done; echo "train: {}" > "$2"; exit 0 ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+def run_volunteer_with_fake_peer(tmp_path: Path, train_exit: int) -> tuple[subprocess.CompletedProcess, int]:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    starts = tmp_path / "starts"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch" / "volunteer.sh"), "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmX",
+         "--no-install", "--dir", str(tmp_path / "vol"), "--max-restarts", "1"],
+        capture_output=True, text=True, timeout=60, start_new_session=True,
+        env=dict(os.environ, PYTHON=str(fake), REAL_PYTHON=sys.executable, STARTS=str(starts),
+                 TRAIN_EXIT=str(train_exit)),
+    )
+    return proc, len(starts.read_text().split()) if starts.exists() else 0
+
+
+def test_volunteer_restarts_a_crashed_peer_with_backoff_and_gives_up_after_the_limit(tmp_path):
+    proc, starts = run_volunteer_with_fake_peer(tmp_path, 3)
+    assert starts == 2, proc.stdout + proc.stderr
+    assert proc.returncode == 2
+    assert "restarting in 5s (attempt 1 of 1)" in proc.stdout
+    assert "crashed 1 times in a row (last exit code 3); giving up" in proc.stderr
+
+
+def test_volunteer_does_not_restart_a_peer_that_refuses_to_start(tmp_path):
+    proc, starts = run_volunteer_with_fake_peer(tmp_path, 2)
+    assert starts == 1 and proc.returncode == 2
+    assert "refused to start" in proc.stderr and "restarting" not in proc.stdout
