@@ -46,7 +46,7 @@ class SwarmSync:
             "shared_digest": report["shared_digest"], "expert_digests": report["expert_digests"],
             "groups": groups,
         })
-        if not groups["shared"]["ok"]:
+        if not groups["shared"]["ok"] and not groups["shared"].get("refused"):
             self._skip_ahead(trainer, adopted=bool(report.get("adopted_shared_from")))
 
     def _skip_ahead(self, trainer: Trainer, adopted: bool) -> None:
@@ -159,6 +159,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "bytes_served": int(swarm.stats["bytes_served"]),
                 "refresh_missed": int(swarm.stats["refresh_missed"]),
                 "steps_skipped": int(swarm.stats["steps_skipped"]),
+                "updates_refused": int(swarm.stats["updates_refused"]),
                 "last_round": swarm.rounds[-1] if swarm.rounds else None,
             }
             summary = trainer.write_summary()

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import hashlib
 import dataclasses
+import hashlib
 import logging
 import os
 import signal
+import statistics
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Collection, Coroutine
 
 import torch
@@ -163,6 +164,7 @@ class Swarm:
         self._published: list[tuple[str, dict[str, Any]]] = []
         self._momentum: dict[str, torch.Tensor] = {}  # Nesterov outer momentum per group uid
         self._anchor: dict[str, torch.Tensor] = {}  # Nesterov: the value each group last agreed on
+        self._moves: dict[str, deque[float]] = {}  # recent relative moves of accepted results, per kind
 
     # Plumbing ------------------------------------------------------------------------------
     def call(self, coro: Coroutine, timeout: float | None = None):
@@ -550,7 +552,7 @@ class Swarm:
         shared_items = self._shared_items()
         flat = flatten(p for _, p in shared_items)
         shared_res = self.call(self.reducer.run(round_no, "shared", flat, weight, set(peers)))
-        report["groups"]["shared"] = self._apply(shared_res, [p for _, p in shared_items], "shared")
+        report["groups"]["shared"] = self._apply(shared_res, [p for _, p in shared_items], "shared", flat)
 
         for e in self.model.local_experts:
             holders = {p for p, r in peers.items() if e in r.experts}
@@ -560,7 +562,7 @@ class Swarm:
                 res = GroupResult(flat, [self.peer_id])
             else:
                 res = self.call(self.reducer.run(round_no, f"expert{e}", flat, weight, holders))
-            report["groups"][f"expert{e}"] = self._apply(res, tensors, f"expert:{e}")
+            report["groups"][f"expert{e}"] = self._apply(res, tensors, f"expert:{e}", flat)
 
         self._take_snapshot(round_no, step)
         # experts no live peer trains: every peer keeps a copy, and the copies must agree
@@ -573,7 +575,7 @@ class Swarm:
         # shared group is dead or late, and waiting for it would only slow everyone down
         shared_members = set(shared_res.members) if shared_res.ok else set(peers)
         versions = self._wait_versions(round_no, shared_members)
-        if not report["groups"]["shared"]["ok"]:
+        if not report["groups"]["shared"]["ok"] and not report["groups"]["shared"].get("refused"):
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
         frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
         report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions)
@@ -608,13 +610,21 @@ class Swarm:
         )
         return report
 
-    def _apply(self, res: GroupResult, targets: list[torch.Tensor], uid: str) -> dict[str, Any]:
-        """Write a successful group's result (after the outer step) into the model; a failed one is dropped."""
+    def _apply(self, res: GroupResult, targets: list[torch.Tensor], uid: str, local: torch.Tensor) -> dict[str, Any]:
+        """Write a successful group's result (after the outer step) into the model; a failed one is dropped,
+        and so is one that fails :meth:`_implausible` (refused: we keep our values and take no one's)."""
         info = {"ok": res.ok, "members": len(res.members), "group_id": group_id(res.members), "bytes_sent": res.bytes_sent,
                 "bytes_received": res.bytes_received, "seconds": round(res.seconds, 3)}
         if not res.ok:
             info["error"] = res.error
             return info
+        if len(res.members) > 1:
+            reason = self._implausible(uid.split(":")[0], local, res.tensor)
+            if reason:
+                log.warning("refused the %s result of this round: %s", uid, reason)
+                self.stats["updates_refused"] += 1
+                info.update(ok=False, refused=reason, error=f"refused: {reason}")
+                return info
         result = self._outer_step(uid, res.tensor)
         offset = 0
         with torch.no_grad():
@@ -623,6 +633,21 @@ class Swarm:
                 t.copy_(result[offset:offset + n].view_as(t).to(t.dtype))
                 offset += n
         return info
+
+    def _implausible(self, kind: str, local: torch.Tensor, averaged: torch.Tensor) -> str | None:
+        """Why a group result must not be applied: not finite, or moving our values far more than
+        results of this kind (shared / expert) recently did. The move is ``|averaged - local| / |local|``."""
+        if not torch.isfinite(averaged).all():
+            return "the result is not finite"
+        move = float((averaged - local).norm()) / max(float(local.norm()), 1e-12)
+        history = self._moves.setdefault(kind, deque(maxlen=20))
+        limit = self.cfg.swarm.max_update_ratio
+        if limit and len(history) >= 3:
+            typical = statistics.median(history)
+            if move > limit * max(typical, 1e-6):
+                return f"it moves our values by {move:.3g} of their norm, {move / max(typical, 1e-6):.0f}x the recent median"
+        history.append(move)
+        return None
 
     def _set_anchors(self) -> None:
         """Nesterov anchors = the weights as they stand now, agreed (at start, or just downloaded)."""

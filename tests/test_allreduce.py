@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dht.identity import start_dht
+from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import GroupAllReduce, weighted_mean
 from p2p_spes.transport import TransportError, parse_tensor, serialize_parts, tensor_digest
 
@@ -47,7 +48,7 @@ def dhts():
     peers.close()
 
 
-def run_group(peers, tensors, weights, compression, run_id, present=None):
+def run_group(peers, tensors, weights, compression, run_id, present=None, aggregate=None):
     present = list(range(len(peers))) if present is None else present
     dhts = peers.nodes
 
@@ -56,8 +57,8 @@ def run_group(peers, tensors, weights, compression, run_id, present=None):
         for i in present:
             p2p = peers.p2ps[i]
             reducer = GroupAllReduce(dhts[i], p2p, dhts[i].peer_id.to_base58(), run_id, owner=peers.owners[i],
-                                     compression=compression,
-                                     matchmaking_time=2.0, timeout=10.0)
+                                     compression=compression, matchmaking_time=2.0, timeout=10.0,
+                                     aggregate=aggregate)
             await reducer.start()
             reducers.append(reducer)
         expected = {dhts[i].peer_id.to_base58() for i in range(len(dhts))}
@@ -111,3 +112,27 @@ def test_non_finite_and_misshapen_tensors_are_refused():
 def test_weighted_mean():
     out = weighted_mean([torch.zeros(3), torch.ones(3)], [1.0, 3.0])
     torch.testing.assert_close(out, torch.full((3,), 0.75))
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
+def test_a_malicious_member_moves_robust_results_a_bounded_amount(dhts, rule):
+    """Two honest peers and one sending its weights x1000 with a huge claimed token count: the mean
+    is dragged away, the robust rules stay within the honest peers' spread."""
+    torch.manual_seed(1)
+    base = torch.randn(20_000)
+    honest = [base + 0.01 * torch.randn_like(base) for _ in range(2)]
+    honest_mean = (honest[0] + honest[1]) / 2
+    spread = float((honest[0] - honest[1]).norm())
+    tensors = honest + [1000 * honest[0]]
+    weights = [1.0, 1.0, 1e6]
+    outcome = {}
+    for name, aggregate in (("mean", None), (rule, build_aggregator(rule))):
+        for attempt in range(3):
+            results = run_group(dhts, tensors, weights, "none", run_id=f"bad-{rule}-{name}-{attempt}", aggregate=aggregate)
+            if all(r.ok for r in results):
+                break
+        assert all(r.ok for r in results), [r.error for r in results]
+        assert len({tensor_digest([r.tensor]) for r in results}) == 1, "members must still agree bit for bit"
+        outcome[name] = float((results[0].tensor - honest_mean).norm()) / spread
+    assert outcome["mean"] > 1000, outcome  # plain averaging follows the attacker
+    assert outcome[rule] < 1.0, outcome  # within the honest peers' own disagreement

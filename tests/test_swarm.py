@@ -86,7 +86,9 @@ def test_nesterov_outer_step_follows_diloco():
 
 
 def test_swarm_trains_syncs_merges_and_ends_identical(tmp_path):
-    swarm = LocalSwarm(None, SMALL + ["train.max_steps=90", "swarm.merge_interval=20", "swarm.outer_optimizer=nesterov"],
+    # the shared group of three runs the robust centered_clip rule: members still end bit-identical
+    swarm = LocalSwarm(None, SMALL + ["train.max_steps=90", "swarm.merge_interval=20", "swarm.outer_optimizer=nesterov",
+                                      "swarm.aggregation=centered_clip"],
                        peers=3, run_dir=tmp_path)
     try:
         swarm.start()
@@ -106,6 +108,7 @@ def test_swarm_trains_syncs_merges_and_ends_identical(tmp_path):
     assert merged, "merging should have run at rounds that are multiples of merge_interval"
     for s in summaries:
         assert s["bytes_sent"] > 0 and s["bytes_received"] > 0 and s["rounds_joined"] >= 3
+        assert s["updates_refused"] == 0, "honest rounds must not trip the bad-update check"
 
 
 def test_peer_joins_mid_run_and_a_killed_peer_blocks_nobody(tmp_path):
