@@ -29,6 +29,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from dht.auth import RunAuth
 from p2p_spes.errors import SwarmError
 
 
@@ -103,8 +104,10 @@ def peer_id_of_owner(subkey: bytes) -> str | None:
         return None
 
 
-def run_validators(identity: Identity | None, run_ids: Iterable[str] = ()) -> list[RecordValidatorBase]:
-    """Signature check for every DHT of a run, plus the record schemas of ``run_ids``.
+def run_validators(identity: Identity | None, run_ids: Iterable[str] = (), auth: RunAuth | None = None
+                   ) -> list[RecordValidatorBase]:
+    """Signature check for every DHT of a run, plus the record schemas of ``run_ids`` and, for a
+    private run, its ``auth`` check (``dht/auth.py``).
 
     ``identity`` None (a read-only inspector) gets a throwaway signing key: it validates, never writes.
     """
@@ -113,10 +116,10 @@ def run_validators(identity: Identity | None, run_ids: Iterable[str] = ()) -> li
     key = identity.private_key if identity is not None else RSAPrivateKey()
     validators: list[RecordValidatorBase] = [RSASignatureValidator(key)]
     validators += [SchemaValidator(RunSchema, allow_extra_keys=True, prefix=run_id) for run_id in run_ids]
-    return validators
+    return validators + (auth.validators() if auth is not None else [])
 
 
-def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), **dht_kwargs):
+def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), auth: RunAuth | None = None, **dht_kwargs):
     """A hivemind DHT whose peer id is ``identity_path``'s key and which signs and checks records.
 
     Returns ``(dht, identity)``; ``dht_kwargs`` go to ``hivemind.DHT`` (initial_peers, host_maddrs,
@@ -127,7 +130,7 @@ def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), **d
     identity = load_identity(identity_path)
     try:
         dht = hivemind.DHT(
-            start=True, identity_path=identity.path, record_validators=run_validators(identity, run_ids),
+            start=True, identity_path=identity.path, record_validators=run_validators(identity, run_ids, auth),
             check_if_identity_free=not identity.created, **dht_kwargs,
         )
     finally:

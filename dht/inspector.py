@@ -15,15 +15,17 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
+from dht.auth import RunAuth
 from dht.records import PeerRecord, peers_key, signed_values
 from dht.run_config import read_records
 
 
-def open_dht(initial_peers: list[str], run_id: str, startup_timeout: float = 15.0):
+def open_dht(initial_peers: list[str], run_id: str, startup_timeout: float = 15.0, auth: RunAuth | None = None):
     """A client-only DHT with the run's validators: it stores nothing and serves nothing."""
     from dht.identity import start_dht
 
-    dht, _ = start_dht(None, [run_id], initial_peers=initial_peers, client_mode=True, startup_timeout=startup_timeout)
+    dht, _ = start_dht(None, [run_id], auth=auth, initial_peers=initial_peers, client_mode=True,
+                       startup_timeout=startup_timeout)
     return dht
 
 

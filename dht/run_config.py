@@ -19,6 +19,7 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
+from dht.auth import RunAuth
 from dht.records import run_config_key, signed_values
 from p2p_spes.config import Config, load_config
 from p2p_spes.errors import ConfigError, SwarmError
@@ -31,7 +32,7 @@ LOCAL_SETTINGS: tuple[tuple[str, str | None], ...] = (
     ("moe", "impl"), ("moe", "torch_kernel"), ("peer", "index"), ("experts", "placement"), ("experts", "local"),
     ("data", "train"), ("data", "validation"), ("data", "tokenizer"), ("data", "verify"),
     ("swarm", "initial_peers"), ("swarm", "host_maddrs"), ("swarm", "announce_maddrs"),
-    ("swarm", "identity_path"), ("swarm", "client_mode"), ("swarm", "bootstrap_timeout"), ("swarm", "use_relay"),
+    ("swarm", "identity_path"), ("swarm", "secret_file"), ("swarm", "client_mode"), ("swarm", "bootstrap_timeout"), ("swarm", "use_relay"),
     ("swarm", "use_auto_relay"),
 )
 
@@ -117,7 +118,8 @@ def read_records(dht, run_id: str) -> dict[str, dict[str, Any]]:
 
 
 def fetch_run_config(initial_peers: Iterable[str], run_id: str, *, expected_hash: str | None = None,
-                     timeout: float = 30.0, bootstrap_timeout: float = 15.0) -> dict[str, Any]:
+                     timeout: float = 30.0, bootstrap_timeout: float = 15.0, auth: RunAuth | None = None
+                     ) -> dict[str, Any]:
     """Join the DHT as a client, wait (bounded) for the run's published config, check it and return it.
 
     Returns the chosen record: ``config`` (published dict), ``hash``, ``fingerprint``, ``publishers``.
@@ -128,7 +130,8 @@ def fetch_run_config(initial_peers: Iterable[str], run_id: str, *, expected_hash
     if not initial_peers:
         raise SwarmError("fetching the run's config needs --initial-peers MADDR of a live peer or bootstrap")
     try:
-        dht, _ = start_dht(None, [run_id], initial_peers=initial_peers, client_mode=True,
+        run_id = auth.keyspace(run_id) if auth is not None else run_id
+        dht, _ = start_dht(None, [run_id], auth=auth, initial_peers=initial_peers, client_mode=True,
                            startup_timeout=bootstrap_timeout)
     except SwarmError:
         raise

@@ -15,6 +15,7 @@ import yaml
 from p2p_spes import __version__
 from p2p_spes.errors import BackendError, CheckpointError, ConfigError, DataError, SwarmError
 
+SECRET_HELP = "file holding a private run's shared secret (or set P2P_SPES_SECRET); swarm.secret_file"
 USER_ERRORS = (ConfigError, DataError, CheckpointError, BackendError, SwarmError)
 
 
@@ -37,6 +38,7 @@ def _load(args: argparse.Namespace):
 
 def _config_from_swarm(args: argparse.Namespace):
     """The run's published config (signature and hash checked) with this machine's local --set overrides."""
+    from dht.auth import load_auth
     from dht.run_config import config_from_published, fetch_run_config
 
     if args.config:
@@ -45,7 +47,8 @@ def _config_from_swarm(args: argparse.Namespace):
         raise ConfigError("--config-from-swarm needs --initial-peers MADDR of a live peer or bootstrap of the run")
     run_id = args.run_id or "p2p-spes"
     print(f"fetching the config of run {run_id!r} from the swarm", file=sys.stderr, flush=True)
-    record = fetch_run_config(args.initial_peers, run_id, expected_hash=args.config_hash, timeout=args.fetch_timeout)
+    record = fetch_run_config(args.initial_peers, run_id, expected_hash=args.config_hash, timeout=args.fetch_timeout,
+                              auth=load_auth(args.secret_file, []))
     cfg = config_from_published(record["config"], args.overrides)
     print(f"run config {record['hash'][:16]} (model {record['fingerprint']}), published by "
           f"{len(record['publishers'])} peer(s)", file=sys.stderr, flush=True)
@@ -66,6 +69,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         sw.run_id = args.run_id
     if args.identity:
         sw.identity_path = args.identity
+    if args.secret_file:
+        sw.secret_file = args.secret_file
     if args.swarm or sw.initial_peers:
         from p2p_spes.peer import run_peer
 
@@ -164,10 +169,13 @@ def cmd_fetch_config(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from dht.auth import load_auth
     from dht.inspector import collect, open_dht, render, watch
 
+    auth = load_auth(args.secret_file, [])
+    run_id = auth.keyspace(args.run_id)
     try:
-        dht = open_dht(args.initial_peers, args.run_id, args.bootstrap_timeout)
+        dht = open_dht(args.initial_peers, run_id, args.bootstrap_timeout, auth=auth)
     except SwarmError:
         raise
     except Exception as exc:
@@ -175,11 +183,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     console = Console(width=140)
     try:
         if args.watch:
-            watch(dht, args.run_id, args.watch, console, args.json)
+            watch(dht, run_id, args.watch, console, args.json)
         elif args.json:
-            print(json.dumps(collect(dht, args.run_id), indent=1))
+            print(json.dumps(collect(dht, run_id), indent=1))
         else:
-            render(collect(dht, args.run_id), console)
+            render(collect(dht, run_id), console)
     except KeyboardInterrupt:
         pass
     finally:
@@ -255,6 +263,7 @@ def _add_fetch_args(p, flag: bool = True) -> None:
         p.add_argument("--config-from-swarm", action="store_true",
                        help="train with the config the run publishes in the DHT (no --config; --set local settings only)")
     p.add_argument("--config-hash", metavar="HEX", help="accept only the run config with this hash (or hash prefix)")
+    p.add_argument("--secret-file", help=SECRET_HELP)
     p.add_argument("--fetch-timeout", type=float, default=60.0, help="seconds to wait for the run's published config")
 
 
@@ -298,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--run-id", default="p2p-spes", help="the run's DHT prefix (swarm.run_id)")
     insp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     insp.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
+    insp.add_argument("--secret-file", help=SECRET_HELP)
     insp.add_argument("--bootstrap-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
     insp.set_defaults(func=cmd_inspect)
 

@@ -157,6 +157,10 @@ class SwarmConfig:
     # refuse a group result that moves our values more than this many times the recent median move
     # (0: off); a refused result is logged and counted, and the peer keeps its own values
     max_update_ratio: float = 20.0
+    # a private run: a shared secret (file; or the P2P_SPES_SECRET environment variable) and/or an
+    # allow-list of peer ids; outsiders can neither write its records nor use its RPCs (dht/auth.py)
+    secret_file: Optional[str] = None
+    allowed_peers: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
+from dht.auth import load_auth
 from dht.identity import start_dht
 from dht.records import PeerRecord, config_key, peers_key, run_config_key, signed_values, version_key
 from dht.run_config import run_config_record
@@ -131,7 +132,9 @@ class Swarm:
         global _FORK_HOOK_INSTALLED
         self.cfg = cfg
         sw = cfg.swarm
-        self.run_id = sw.run_id
+        self.auth = load_auth(sw.secret_file, sw.allowed_peers)
+        self.run_id = self.auth.keyspace(sw.run_id)  # a private run's keys live under a secret-derived name
+        self._members: set[str] = set()  # peers with a valid record in the run (private runs: proof of the secret)
         self.fingerprint = cfg.model_fingerprint()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="p2p-spes-swarm", daemon=True)
@@ -184,7 +187,7 @@ class Swarm:
                 raise SwarmError(f"{maddr!r} lacks the peer id: a bootstrap address ends in /p2p/PEER_ID")
         try:
             return start_dht(
-                sw.identity_path, [self.run_id], initial_peers=list(sw.initial_peers) or None,
+                sw.identity_path, [self.run_id], auth=self.auth, initial_peers=list(sw.initial_peers) or None,
                 host_maddrs=list(sw.host_maddrs), announce_maddrs=list(sw.announce_maddrs) or None,
                 client_mode=sw.client_mode, use_relay=sw.use_relay, use_auto_relay=sw.use_auto_relay,
                 startup_timeout=sw.bootstrap_timeout,
@@ -355,6 +358,13 @@ class Swarm:
 
     async def _rpc_state(self, request: runtime_pb2.ExpertUID, context):
         uid, _, digest = request.uid.partition("@")
+        caller = context.remote_id.to_base58()
+        if self.auth.private and caller not in self._members:
+            self._members = set(await self._get(peers_key(self.run_id)))
+        if not self.auth.admits(caller, self._members):
+            log.warning("refused %s to %s: not a member of this private run", request.uid, caller)
+            yield averaging_pb2.DownloadData(metadata=pack({"error": "not authorized for this run"}))
+            return
         versions = self._snapshot.get(uid, [])
         entry = next((v for v in versions if v[0]["digest"] == digest), None) if digest else (versions or [None])[-1]
         if entry is None and uid.startswith("anchor:") and uid[len("anchor:"):] in self._anchor:
