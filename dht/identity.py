@@ -10,9 +10,11 @@ and strip signatures the same way.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -119,6 +121,25 @@ def run_validators(identity: Identity | None, run_ids: Iterable[str] = (), auth:
     return validators + (auth.validators() if auth is not None else [])
 
 
+def check_listen_ports(maddrs: Iterable[str]) -> None:
+    """Fail early, and clearly, when a fixed TCP port we are to listen on is taken (p2pd's own error
+    is a startup timeout that names nothing)."""
+    for maddr in maddrs:
+        parts = str(maddr).split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] in ("", "0"):
+            continue
+        family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((parts[2], int(parts[4])))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise SwarmError(
+                        f"port {parts[4]} on {parts[2]} is in use by another process; stop it or listen on another "
+                        f"port (--host-maddrs /{parts[1]}/{parts[2]}/tcp/PORT, or PORT 0 for any free one)"
+                    ) from None
+
+
 def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), auth: RunAuth | None = None, **dht_kwargs):
     """A hivemind DHT whose peer id is ``identity_path``'s key and which signs and checks records.
 
@@ -127,6 +148,7 @@ def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), aut
     """
     import hivemind
 
+    check_listen_ports(dht_kwargs.get("host_maddrs") or [])
     identity = load_identity(identity_path)
     try:
         dht = hivemind.DHT(

@@ -40,6 +40,7 @@ class SwarmSync:
             "shared_group": groups["shared"]["group_id"], "adopted_shared_from": report.get("adopted_shared_from"),
             "groups_failed": sorted(g for g, v in groups.items() if not v["ok"]),
             "bytes_sent": report["bytes_sent"], "bytes_received": report["bytes_received"],
+            "downloaded_bytes": report["downloaded_bytes"], "served_bytes": report["served_bytes"],
             "refreshed": report["refreshed"], "refresh_missed": report["refresh_missed"], "orphaned": report["orphaned"],
             "orphans_agreed": report["orphans_agreed"],
             "merge_alpha": report.get("merge_alpha"),

@@ -553,6 +553,7 @@ class Swarm:
     def sync(self, round_no: int, step: int, weight: float) -> dict[str, Any]:
         """One round: shared group, expert groups, digests, refresh of frozen experts, merge."""
         t0 = time.monotonic()
+        downloaded0, served0 = self.stats["bytes_received"], self.stats["bytes_served"]
         sw = self.cfg.swarm
         peers = self.live_peers()
         peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self._record())
@@ -610,6 +611,9 @@ class Swarm:
             str(e): tensor_digest(self._expert_tensors(e)) for e in range(self.cfg.moe.num_experts)
         }
         self.stats["rounds_joined" if report["groups"]["shared"]["ok"] else "rounds_failed"] += 1
+        # everything this round moved, expert refresh and what others downloaded from us included
+        report["downloaded_bytes"] = self.stats["bytes_received"] - downloaded0
+        report["served_bytes"] = self.stats["bytes_served"] - served0
         self.stats["bytes_sent"] += report["bytes_sent"]
         self.stats["bytes_received"] += report["bytes_received"]
         self.rounds.append(report)
