@@ -79,6 +79,8 @@ class GroupAllReduce:
         self.compression, self.matchmaking_time, self.timeout = compression, matchmaking_time, timeout
         self.aggregate = aggregate or weighted_mean
         self._parts: dict[bytes, _Part] = {}
+        # what we moved as a reducer for others (contributions in, averaged parts out), for accounting
+        self.served_in = self.served_out = 0
         self._registered: dict[bytes, asyncio.Event] = {}
         self._decided: dict[tuple[int, str], str] = {}  # (round, group) -> our group id, once known
 
@@ -135,6 +137,7 @@ class GroupAllReduce:
             if part is None or sender not in part.members or sender in part.contributions or part.done.is_set():
                 return averaging_pb2.AveragingData(code=BAD)
             tensor = parse_tensor(tensors[0], part.shape, torch.float32)
+            self.served_in += sum(m.tensor_part.ByteSize() for m in messages)
         except TransportError as exc:
             log.warning("refused a contribution from %s: %s", sender, exc)
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -157,6 +160,7 @@ class GroupAllReduce:
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
             return
         for chunk in part.result_parts:
+            self.served_out += chunk.ByteSize()
             yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
 
     def _add(self, part: _Part, peer: str, weight: float, tensor: torch.Tensor) -> None:

@@ -41,6 +41,7 @@ class SwarmSync:
             "groups_failed": sorted(g for g, v in groups.items() if not v["ok"]),
             "bytes_sent": report["bytes_sent"], "bytes_received": report["bytes_received"],
             "downloaded_bytes": report["downloaded_bytes"], "served_bytes": report["served_bytes"],
+            "reducer_in_bytes": report["reducer_in_bytes"], "reducer_out_bytes": report["reducer_out_bytes"],
             "refreshed": report["refreshed"], "refresh_missed": report["refresh_missed"], "orphaned": report["orphaned"],
             "orphans_agreed": report["orphans_agreed"],
             "merge_alpha": report.get("merge_alpha"),

@@ -554,6 +554,7 @@ class Swarm:
         """One round: shared group, expert groups, digests, refresh of frozen experts, merge."""
         t0 = time.monotonic()
         downloaded0, served0 = self.stats["bytes_received"], self.stats["bytes_served"]
+        reduced_in0, reduced_out0 = self.reducer.served_in, self.reducer.served_out
         sw = self.cfg.swarm
         peers = self.live_peers()
         peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self._record())
@@ -614,6 +615,8 @@ class Swarm:
         # everything this round moved, expert refresh and what others downloaded from us included
         report["downloaded_bytes"] = self.stats["bytes_received"] - downloaded0
         report["served_bytes"] = self.stats["bytes_served"] - served0
+        report["reducer_in_bytes"] = self.reducer.served_in - reduced_in0
+        report["reducer_out_bytes"] = self.reducer.served_out - reduced_out0
         self.stats["bytes_sent"] += report["bytes_sent"]
         self.stats["bytes_received"] += report["bytes_received"]
         self.rounds.append(report)
