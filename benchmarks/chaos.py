@@ -1,7 +1,7 @@
 """Long chaos run: a loopback swarm under random faults for several minutes, then the checks.
 
-    python benchmarks/chaos.py                      # 5 peers, 10 minutes, a fault every 15-30 s
-    python benchmarks/chaos.py --peers 6 --minutes 20 --seed 3
+    python benchmarks/chaos.py                      # 4 peers, 10 minutes, a fault every 15-30 s
+    python benchmarks/chaos.py --peers 8 --minutes 20 --seed 3
 
 Faults: SIGKILL of a peer's main process (at a random moment, or inside a sync round), SIGSTOP of a
 peer's whole process group for longer than the sync deadline then SIGCONT, and restarts of killed
@@ -38,7 +38,7 @@ CONFIG = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peers", type=int, default=5)
+    parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--interval", type=float, nargs=2, default=(15.0, 30.0), metavar=("MIN", "MAX"),
                         help="seconds between faults, drawn uniformly")
