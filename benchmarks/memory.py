@@ -1,4 +1,5 @@
-"""Per-peer training memory: centralized (every expert trained) versus a SPES peer (n of E experts).
+"""Per-peer training memory: centralized (every expert trained), a full-replica DiLoCo peer, and a
+SPES peer (n of E experts).
 
 For each config the model is built on the ``meta`` device and its bytes of weights, gradients and
 AdamW state are computed from the shapes; for the tiny config the same numbers are also measured
@@ -47,6 +48,12 @@ def computed(name: str, peers: int) -> list[dict]:
     for setup, local in (("centralized", list(range(e))), (f"spes {e // peers}/{e}", list(range(e // peers)))):
         model = MoETransformer(cfg.model, cfg.moe, local_experts=local, device="meta")
         rows.append(_row(name, setup, expected_memory(model), "computed"))
+    # a DiLoCo peer trains a full replica and keeps the outer optimizer's anchor and Nesterov momentum
+    # (two more fp32 copies of every weight) on top of what centralized training needs
+    diloco = dict(rows[0], setup="diloco replica (nesterov)")
+    diloco["optimizer_bytes"] += 2 * diloco["weights_bytes"]
+    diloco["total_bytes"] += 2 * diloco["weights_bytes"]
+    rows.append(diloco)
     return rows
 
 
