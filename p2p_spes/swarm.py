@@ -502,7 +502,7 @@ class Swarm:
             uid = f"expert:{e}@{best}" if versions is not None else f"expert:{e}"
             for holder in (h for h in holders if h not in unreachable):
                 try:
-                    _, tensors = self.download(holder, uid, [t.detach() for t in self._expert_tensors(e)], attempts=2)
+                    _, tensors = self.download(holder, uid, self._expert_like(e), attempts=2)
                 except TransportError as exc:
                     log.warning("could not fetch expert %d from %s: %s", e, holder, exc)
                     continue
@@ -510,15 +510,23 @@ class Swarm:
                     log.warning("could not reach %s for expert %d: %s", holder, e, exc)
                     unreachable.add(holder)
                     continue
-                with torch.no_grad():
-                    for target, value in zip(self._expert_tensors(e), tensors):
-                        target.copy_(value.to(target.device))
+                self._write_expert(e, tensors)
                 fetched += 1
                 break
             else:
                 missed += bool(holders)
         self.stats["refresh_missed"] += missed
         return fetched, missed
+
+    def _expert_like(self, e: int) -> list[torch.Tensor]:
+        """Templates (shape, dtype) for receiving expert ``e``."""
+        return [t.detach() for t in self._expert_tensors(e)]
+
+    def _write_expert(self, e: int, tensors: list[torch.Tensor]) -> None:
+        """Overwrite our copy of expert ``e`` in place with received tensors."""
+        with torch.no_grad():
+            for target, value in zip(self._expert_tensors(e), tensors):
+                target.copy_(value.to(target.device))
 
     def _agree_on_copies(self, orphaned: list[int], versions: dict[str, dict]) -> int:
         """Bring every copy of an expert nobody trains to one version: the most common copy among the
@@ -535,14 +543,11 @@ class Swarm:
             sources = sorted(p for p, v in versions.items() if p != self.peer_id and v.get("copies", {}).get(str(e)) == best)
             for peer in sources:
                 try:
-                    _, tensors = self.download(peer, f"expert:{e}@{best}", [t.detach() for t in self._expert_tensors(e)],
-                                               attempts=2)
+                    _, tensors = self.download(peer, f"expert:{e}@{best}", self._expert_like(e), attempts=2)
                 except Exception as exc:
                     log.warning("could not fetch the agreed copy of orphaned expert %d from %s: %s", e, peer, exc)
                     continue
-                with torch.no_grad():
-                    for target, value in zip(self._expert_tensors(e), tensors):
-                        target.copy_(value.to(target.device))
+                self._write_expert(e, tensors)
                 fetched += 1
                 break
             else:
