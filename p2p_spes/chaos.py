@@ -189,9 +189,9 @@ def analyse(run_dir: Path, num_peers: int, faults: list[Fault], deadline: float,
       overlaps; its bound is the sync ``deadline`` (:func:`p2p_spes.swarm.sync_deadline`) plus one
       round (the median time between two rounds of a peer).
     * Peers whose shared group succeeded with the same members must hold the same shared digest,
-      and peers whose whole round was clean (every group and every refresh succeeded) with the
-      same shared group must also hold the same expert digests, orphaned experts (no live holder)
-      included: anything else means a partial average was applied or a copy diverged. Rounds in
+      and peers whose whole round was clean (every group and every refresh succeeded, every member's
+      digests arrived) with the same shared group must also hold the same expert digests, orphaned
+      experts (no live holder) included: anything else means a partial average was applied or a copy diverged. Rounds in
       which some expert had no live holder are counted in ``orphan_rounds``.
     """
     per_peer = {i: read_metrics(run_dir / f"peer{i}") for i in range(num_peers)}
@@ -229,7 +229,7 @@ def analyse(run_dir: Path, num_peers: int, faults: list[Fault], deadline: float,
         checks += 1
         if len({r["shared_digest"] for _, r in members}) != 1:
             failures.append(f"round {round_no}: members of shared group {gid} hold different shared parameters")
-        clean = [r for _, r in members if not (r["groups_failed"] or r["refresh_missed"])]
+        clean = [r for _, r in members if not (r["groups_failed"] or r["refresh_missed"] or r.get("versions_missing"))]
         if len(clean) >= 2:
             checks += 1
             if len({json.dumps(r["expert_digests"], sort_keys=True) for r in clean}) != 1:

@@ -43,7 +43,7 @@ class SwarmSync:
             "downloaded_bytes": report["downloaded_bytes"], "served_bytes": report["served_bytes"],
             "reducer_in_bytes": report["reducer_in_bytes"], "reducer_out_bytes": report["reducer_out_bytes"],
             "refreshed": report["refreshed"], "refresh_missed": report["refresh_missed"], "orphaned": report["orphaned"],
-            "orphans_agreed": report["orphans_agreed"],
+            "orphans_agreed": report["orphans_agreed"], "versions_missing": report["versions_missing"],
             "merge_alpha": report.get("merge_alpha"),
             "shared_digest": report["shared_digest"], "expert_digests": report["expert_digests"],
             "groups": groups,

@@ -477,8 +477,9 @@ class Swarm:
         self._anchor[uid] = anchor
 
     def _refresh_experts(self, peers: dict[str, PeerRecord], experts, versions: dict[str, dict] | None = None,
-                         any_copy: bool = False) -> tuple[int, int]:
-        """Download each of ``experts`` once from a holder; with ``versions`` only the agreed digest.
+                         preferred: dict[str, dict] | None = None, any_copy: bool = False) -> tuple[int, int]:
+        """Download each of ``experts`` once from a holder; with ``versions`` only the agreed digest,
+        counted among the ``preferred`` versions when any of them has the expert.
 
         With ``any_copy`` (joining), an expert nobody holds any more is taken from another peer's
         frozen copy, so an expert is not lost while any copy exists. Returns (fetched, missed): missed
@@ -492,13 +493,16 @@ class Swarm:
             if any_copy:  # holders first, then anyone's frozen copy
                 holders += sorted(p for p in peers if p != self.peer_id and p not in holders)
             if versions is not None:
-                digests = Counter(versions[p]["experts"].get(str(e)) for p in holders if p in versions)
-                digests.pop(None, None)
+                digests = Counter()
+                for pool in (preferred or {}, versions):  # holders as the versions name them: the same for everyone
+                    digests = Counter(v["experts"][str(e)] for p, v in pool.items() if p != self.peer_id and str(e) in v["experts"])
+                    if digests:
+                        break
                 if not digests:
                     missed += bool(holders)
                     continue
                 best = max(digests.items(), key=lambda kv: (kv[1], kv[0]))[0]
-                holders = sorted(p for p in holders if versions.get(p, {}).get("experts", {}).get(str(e)) == best)
+                holders = sorted(p for p, v in versions.items() if p != self.peer_id and v["experts"].get(str(e)) == best)
             uid = f"expert:{e}@{best}" if versions is not None else f"expert:{e}"
             for holder in (h for h in holders if h not in unreachable):
                 try:
@@ -592,12 +596,16 @@ class Swarm:
         # shared group is dead or late, and waiting for it would only slow everyone down
         shared_members = set(shared_res.members) if shared_res.ok else set(peers)
         versions = self._wait_versions(round_no, shared_members)
+        report["versions_missing"] = len(shared_members - set(versions))
         if not report["groups"]["shared"]["ok"] and not report["groups"]["shared"].get("refused"):
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
+        # choose versions from the shared group's members first: a late peer (thawed, or out of its group)
+        # publishes a digest some members see and others do not, and must not tip anyone's choice
+        agreed = {p: v for p, v in versions.items() if p in shared_members} if shared_res.ok else versions
         frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
-        report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions)
+        report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions, agreed)
         report["orphaned"] = orphaned
-        report["orphans_agreed"] = self._agree_on_copies(orphaned, versions)
+        report["orphans_agreed"] = self._agree_on_copies(orphaned, agreed)
 
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
