@@ -285,7 +285,7 @@ class Swarm:
             self.peer_id, list(experts), int(status.pop("step", 0)), int(status.pop("round", -1)),
             self.fingerprint, self.maddrs,
             extra={"version": __version__, "time": get_dht_time(), "num_experts": self.cfg.moe.num_experts,
-                   "replicas": self.cfg.swarm.replicas, **status, **{k: int(v) for k, v in self.stats.items()}},
+                   "replicas": self.cfg.swarm.replicas, "residency": self.cfg.swarm.residency, **status, **{k: int(v) for k, v in self.stats.items()}},
         ).to_value()
 
     async def _heartbeat_loop(self) -> None:
@@ -304,6 +304,10 @@ class Swarm:
     # State served to others ----------------------------------------------------------------
     def _shared_items(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if ".experts." not in n]
+
+    def held_experts(self) -> list[int]:
+        """The experts with weights in memory here: all of them, or only our own in partial residency."""
+        return self.model.expert_modules()[0].resident_ids
 
     def _expert_tensors(self, expert: int) -> list[torch.Tensor]:
         """Expert ``expert``'s w1, v1, w2 of every layer (views into the model's storage)."""
@@ -340,7 +344,7 @@ class Swarm:
             expert = int(uid.split(":", 1)[1])
         except ValueError:
             return None
-        if not 0 <= expert < self.cfg.moe.num_experts or expert in self.model.local_experts:
+        if expert not in self.held_experts() or expert in self.model.local_experts:
             return None
         tensors = [t.detach().cpu().clone() for t in self._expert_tensors(expert)]
         shared = self.current("shared")
@@ -428,7 +432,7 @@ class Swarm:
             for (_, p), value in zip(self._shared_items(), shared):
                 p.copy_(value.to(p.device))
         self._fetch_momentum(source, "shared")
-        wanted = [e for e in range(self.cfg.moe.num_experts) if e not in set(keep)]
+        wanted = [e for e in self.held_experts() if e not in set(keep)]
         fetched, _ = self._refresh_experts(peers, wanted, any_copy=True)
         self._set_anchors()
         self._fetch_anchor(source, "shared")
@@ -562,10 +566,11 @@ class Swarm:
 
         self._take_snapshot(round_no, step)
         # experts no live peer trains: every peer keeps a copy, and the copies must agree
+        held = self.held_experts()
         orphaned = [e for e in range(self.cfg.moe.num_experts) if not any(e in r.experts for r in peers.values())]
         mine = {"ok": report["groups"]["shared"]["ok"], "shared": self.current("shared")["digest"],
                 "experts": {str(e): self.current(f"expert:{e}")["digest"] for e in self.model.local_experts},
-                "copies": {str(e): tensor_digest(self._expert_tensors(e)) for e in orphaned}}
+                "copies": {str(e): tensor_digest(self._expert_tensors(e)) for e in orphaned if e in held}}
         self.call(self._store(version_key(self.run_id, round_no), mine, ttl=sw.record_ttl))
         # wait for the digests of the peers that took part in this round; a peer that did not join the
         # shared group is dead or late, and waiting for it would only slow everyone down
@@ -573,10 +578,10 @@ class Swarm:
         versions = self._wait_versions(round_no, shared_members)
         if not report["groups"]["shared"]["ok"]:
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
-        frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
+        frozen = [e for e in held if e not in self.model.local_experts]  # none in partial residency
         report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions)
         report["orphaned"] = orphaned
-        report["orphans_agreed"] = self._agree_on_copies(orphaned, versions)
+        report["orphans_agreed"] = self._agree_on_copies([e for e in orphaned if e in held], versions)
 
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
@@ -593,7 +598,7 @@ class Swarm:
         report["bytes_received"] = sum(g.get("bytes_received", 0) for g in report["groups"].values())
         report["shared_digest"] = tensor_digest(p.detach() for _, p in self._shared_items())
         report["expert_digests"] = {
-            str(e): tensor_digest(self._expert_tensors(e)) for e in range(self.cfg.moe.num_experts)
+            str(e): tensor_digest(self._expert_tensors(e)) for e in self.held_experts()
         }
         self.stats["rounds_joined" if report["groups"]["shared"]["ok"] else "rounds_failed"] += 1
         self.stats["bytes_sent"] += report["bytes_sent"]
