@@ -140,6 +140,10 @@ class SwarmConfig:
     # "full": every expert in memory (SPES); "partial": only the peer's own experts (tokens routed
     # elsewhere skip them, see p2p_spes/moe.py). A per-peer choice: a swarm may mix both.
     residency: Literal["full", "partial"] = "full"
+    # Self-healing: the most experts this peer trains, counting those it takes over from peers that
+    # left (None: no limit but moe.num_experts). Each one costs gradient + AdamW memory (full
+    # residency) or that plus its weights (partial).
+    max_experts_per_peer: Optional[int] = None
     compression: Literal["none", "fp16", "uint8"] = "none"
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
@@ -409,6 +413,10 @@ def validate(config: Config) -> None:
         raise ConfigError("swarm.sync_steps, swarm.replicas, swarm.matchmaking_time and swarm.averaging_timeout must be positive")
     if sw.experts_per_peer is not None and not 0 < sw.experts_per_peer <= moe.num_experts:
         raise ConfigError(f"swarm.experts_per_peer ({sw.experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]")
+    if sw.max_experts_per_peer is not None and not 0 < sw.max_experts_per_peer <= moe.num_experts:
+        raise ConfigError(
+            f"swarm.max_experts_per_peer ({sw.max_experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]"
+        )
     if sw.residency == "partial" and sw.merge_interval:
         raise ConfigError(
             f"swarm.residency=partial cannot apply the SPES warm-up merge (swarm.merge_interval={sw.merge_interval}): "

@@ -12,6 +12,7 @@ from typing import Any
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state
 from p2p_spes.config import Config
 from p2p_spes.errors import CheckpointError
+from p2p_spes.healing import take_on_experts
 from p2p_spes.swarm import Swarm
 from p2p_spes.train import Trainer
 
@@ -48,6 +49,24 @@ class SwarmSync:
         })
         if not groups["shared"]["ok"]:
             self._skip_ahead(trainer, adopted=bool(report.get("adopted_shared_from")))
+        self._heal(trainer)
+
+    def _heal(self, trainer: Trainer) -> None:
+        """At a sync boundary, take over the under-replicated experts the plan gives us (healing.py)."""
+        mine = [e for e in self.swarm.takeover_plan().get(self.swarm.peer_id, []) if e not in trainer.model.local_experts]
+        weights = {}
+        if trainer.model.resident_only:  # the weights are not here: download them first
+            for e in mine:
+                tensors = self.swarm.fetch_copy(e)
+                if tensors is not None:
+                    weights[e] = tensors
+            mine = sorted(weights)
+        if not mine:
+            return
+        trainer.optimizer = take_on_experts(trainer.model, trainer.optimizer, mine, trainer.cfg.train)
+        self.swarm.took_on(mine, weights)
+        trainer.log_record({"step": trainer.step, "took_over": mine, "local_experts": trainer.model.local_experts,
+                            "bytes_received_total": int(self.swarm.stats["bytes_received"])})
 
     def _skip_ahead(self, trainer: Trainer, adopted: bool) -> None:
         """After a missed round, rejoin the others like a newcomer if we fell behind them.
@@ -159,6 +178,8 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "bytes_served": int(swarm.stats["bytes_served"]),
                 "refresh_missed": int(swarm.stats["refresh_missed"]),
                 "steps_skipped": int(swarm.stats["steps_skipped"]),
+                "experts_taken_over": int(swarm.stats["experts_taken_over"]),
+                "residency": cfg.swarm.residency,
                 "last_round": swarm.rounds[-1] if swarm.rounds else None,
             }
             summary = trainer.write_summary()

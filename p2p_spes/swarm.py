@@ -40,6 +40,7 @@ from p2p_spes import __version__
 from p2p_spes.allreduce import GroupAllReduce, GroupResult
 from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
+from p2p_spes.healing import plan_takeover
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.placement import least_covered
 from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, tensor_digest, unpack
@@ -285,7 +286,8 @@ class Swarm:
             self.peer_id, list(experts), int(status.pop("step", 0)), int(status.pop("round", -1)),
             self.fingerprint, self.maddrs,
             extra={"version": __version__, "time": get_dht_time(), "num_experts": self.cfg.moe.num_experts,
-                   "replicas": self.cfg.swarm.replicas, "residency": self.cfg.swarm.residency, **status, **{k: int(v) for k, v in self.stats.items()}},
+                   "replicas": self.cfg.swarm.replicas, "residency": self.cfg.swarm.residency,
+                   "max_experts": self.cfg.swarm.max_experts_per_peer or self.cfg.moe.num_experts, **status, **{k: int(v) for k, v in self.stats.items()}},
         ).to_value()
 
     async def _heartbeat_loop(self) -> None:
@@ -689,6 +691,46 @@ class Swarm:
             if set(peers) <= set(versions) or time.monotonic() > deadline:
                 return versions
             time.sleep(0.2)
+
+    # Self-healing coverage -----------------------------------------------------------------
+    def takeover_plan(self) -> dict[str, list[int]]:
+        """The experts live peers should take on now (the same plan on every peer; see healing.py)."""
+        peers = self.live_peers()
+        peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self._record())
+        capacity = {p: int(r.extra["max_experts"]) for p, r in peers.items() if isinstance(r.extra.get("max_experts"), int)}
+        return plan_takeover({p: r.experts for p, r in peers.items()}, capacity, self.cfg.moe.num_experts,
+                             self.cfg.swarm.replicas)
+
+    def fetch_copy(self, expert: int) -> list[torch.Tensor] | None:
+        """Expert ``expert``'s latest weights from a live holder, else from a full peer's frozen copy."""
+        peers = {p: r for p, r in self.live_peers().items() if p != self.peer_id}
+        holders = sorted(p for p, r in peers.items() if expert in r.experts)
+        copies = sorted(p for p, r in peers.items() if p not in holders and r.extra.get("residency", "full") == "full")
+        store = self.model.expert_modules()[0]
+        like = [torch.empty(store.ffn_dim, store.d_model, dtype=store.local_w1.dtype)
+                for _ in self.model.expert_modules() for _ in ("w1", "v1", "w2")]
+        for peer in holders + copies:
+            try:
+                _, tensors = self.download(peer, f"expert:{expert}", like, attempts=2)
+                return tensors
+            except Exception as exc:
+                log.warning("could not fetch expert %d from %s to take it over: %s", expert, peer, exc)
+        return None
+
+    def took_on(self, experts: list[int], weights: dict[int, list[torch.Tensor]]) -> None:
+        """After the model made ``experts`` local: load downloaded weights, serve them, announce."""
+        with torch.no_grad():
+            for e, tensors in weights.items():
+                for target, value in zip(self._expert_tensors(e), tensors):
+                    target.copy_(value.to(target.device))
+        if self.cfg.swarm.outer_optimizer != "average":
+            for e in experts:
+                self._anchor[f"expert:{e}"] = flatten(self._expert_tensors(e))
+        last = self.rounds[-1] if self.rounds else {"round": -1, "step": 0}
+        self._take_snapshot(last["round"], last["step"])
+        self.stats["experts_taken_over"] += len(experts)
+        self.announce()
+        log.warning("took over experts %s (now training %s)", experts, self.model.local_experts)
 
     # Leaving -------------------------------------------------------------------------------
     def linger(self) -> None:
