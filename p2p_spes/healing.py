@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from p2p_spes.config import TrainConfig
+from p2p_spes.config import Config, TrainConfig
 from p2p_spes.experts import MATRICES
 from p2p_spes.optim import build_optimizer
 
@@ -51,6 +51,20 @@ def plan_takeover(
             owners[e].add(taker)
             load[taker] += 1
     return plan
+
+
+def initial_expert(cfg: Config, expert: int) -> list[torch.Tensor]:
+    """Expert ``expert``'s seeded initial weights (per layer w1, v1, w2), as every peer starts them.
+
+    The last resort of a partial swarm: an expert that no live peer holds and of which no full peer
+    keeps a copy either was never trained or is lost; restarting it from its initial value keeps the
+    model complete. Builds a model with only that expert resident (shared weights + one expert).
+    """
+    from p2p_spes.model import MoETransformer
+
+    model = MoETransformer(cfg.model, cfg.moe, local_experts=[expert], resident_only=True)
+    model.init_weights(cfg.train.seed)
+    return [getattr(store, f"local_{name}")[0].detach().clone() for store in model.expert_modules() for name in MATRICES]
 
 
 def take_on_experts(

@@ -179,6 +179,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "refresh_missed": int(swarm.stats["refresh_missed"]),
                 "steps_skipped": int(swarm.stats["steps_skipped"]),
                 "experts_taken_over": int(swarm.stats["experts_taken_over"]),
+                "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),
                 "residency": cfg.swarm.residency,
                 "last_round": swarm.rounds[-1] if swarm.rounds else None,
             }

@@ -40,7 +40,7 @@ from p2p_spes import __version__
 from p2p_spes.allreduce import GroupAllReduce, GroupResult
 from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
-from p2p_spes.healing import plan_takeover
+from p2p_spes.healing import initial_expert, plan_takeover
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.placement import least_covered
 from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, tensor_digest, unpack
@@ -702,10 +702,18 @@ class Swarm:
                              self.cfg.swarm.replicas)
 
     def fetch_copy(self, expert: int) -> list[torch.Tensor] | None:
-        """Expert ``expert``'s latest weights from a live holder, else from a full peer's frozen copy."""
+        """Expert ``expert``'s latest weights from a live holder, else from a full peer's frozen copy.
+
+        When no live peer has any copy at all (a partial swarm whose only holder left, or an expert
+        nobody took yet), the expert restarts from its seeded initial value, loudly logged.
+        """
         peers = {p: r for p, r in self.live_peers().items() if p != self.peer_id}
         holders = sorted(p for p, r in peers.items() if expert in r.experts)
         copies = sorted(p for p, r in peers.items() if p not in holders and r.extra.get("residency", "full") == "full")
+        if not holders and not copies:
+            log.warning("no live peer has a copy of expert %d: restarting it from its initial weights", expert)
+            self.stats["experts_reinitialised"] += 1
+            return initial_expert(self.cfg, expert)
         store = self.model.expert_modules()[0]
         like = [torch.empty(store.ffn_dim, store.d_model, dtype=store.local_w1.dtype)
                 for _ in self.model.expert_modules() for _ in ("w1", "v1", "w2")]

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.transport import tensor_digest
 from tests.test_swarm import SMALL, last_step, rounds
 
 # wider experts than test_swarm's so that expert traffic is visible next to the shared parameters
@@ -32,14 +36,58 @@ def downloads(run_dir: Path, summary: dict) -> int:
     return summary["bytes_received"] - in_groups
 
 
+def exported_expert_digests(hf_dir: Path, num_experts: int) -> dict[str, str]:
+    """Each expert's digest over our layout (per layer w1, v1, w2) from a Hugging Face export."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    out = {}
+    for e in range(num_experts):
+        tensors = []
+        for i in range(LAYERS):
+            prefix = f"model.layers.{i}.mlp.experts.{e}"
+            tensors += [weights[f"{prefix}.gate_proj.weight"], weights[f"{prefix}.up_proj.weight"],
+                        weights[f"{prefix}.down_proj.weight"].t().contiguous()]
+        out[str(e)] = tensor_digest(tensors)
+    return out
+
+
 def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
-    swarm = LocalSwarm(None, BASE + PARTIAL + ["train.max_steps=60"], peers=3, run_dir=tmp_path)
+    swarm = LocalSwarm(None, BASE + PARTIAL + ["train.max_steps=100"], peers=3, run_dir=tmp_path)
     try:
         swarm.start()
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (
+            (tmp_path / "peer0" / "metrics.jsonl").exists() and len(rounds(tmp_path / "peer0")) >= 2
+        ):
+            time.sleep(0.3)
+        # no peer holds every expert, yet the full model can be assembled from the holders
+        export = subprocess.run(
+            [sys.executable, "-m", "p2p_spes", "export", "--from-swarm", "--run-id", "local", "--out",
+             str(tmp_path / "hf"), "--initial-peers", *swarm.wait_for_maddrs(0)],
+            capture_output=True, text=True, timeout=240, start_new_session=True,
+        )
         codes = swarm.wait(timeout=400)
     finally:
         swarm.stop()
     assert codes == [0, 0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in range(3)]
+    assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-3000:]
+    assembled_round = int(re.search(r"assembled round (\d+)", export.stdout).group(1))
+    assert "6 experts from a holder" in export.stdout
+    published: dict[str, set[str]] = {}  # every version of each expert its holder published from that round on
+    for i in range(3):
+        for n, r in rounds(tmp_path / f"peer{i}").items():
+            if n >= assembled_round:
+                for e, digest in r["expert_digests"].items():
+                    published.setdefault(e, set()).add(digest)
+    for e, digest in exported_expert_digests(tmp_path / "hf", 6).items():
+        assert digest in published[e], f"expert {e} in the assembled export is not a version its holder published"
+    # a partial peer's own checkpoint is not a full model: exporting it is refused with the way out
+    refused = subprocess.run(
+        [sys.executable, "-m", "p2p_spes", "export", "--checkpoint", str(tmp_path / "peer0"), "--out", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=120, start_new_session=True,
+    )
+    assert refused.returncode == 2 and "--from-swarm" in refused.stderr
     summaries = swarm.summaries()
     assert sorted(e for s in summaries for e in s["local_experts"]) == list(range(6))
     for i, s in enumerate(summaries):
@@ -55,8 +103,9 @@ def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
         for r in done.values():
             assert set(r["groups"]) == {"shared"} | {f"expert{e}" for e in own}  # averaged: shared + own
             assert r["refreshed"] == 0 and set(r["expert_digests"]) == {str(e) for e in own}
-        # outside the groups it downloaded at most the catch-up at join: shared weights and its experts
-        assert downloads(run_dir, s) <= 1.02 * (SHARED_BYTES + len(own) * EXPERT_BYTES)
+        # outside the groups it downloaded at most the catch-up at join (shared weights and its experts)
+        # and once more per round it missed (the result the others agreed on): no other expert, ever
+        assert downloads(run_dir, s) <= 1.02 * (1 + s["rounds_failed"]) * (SHARED_BYTES + len(own) * EXPERT_BYTES)
         steps = [r for r in records(run_dir) if "skip_rate" in r]
         assert steps and all(len(r["skip_rate"]) == LAYERS and all(0 <= x <= 1 for x in r["skip_rate"]) for r in steps)
         mean_skip = sum(sum(r["skip_rate"]) for r in steps) / (LAYERS * len(steps))
