@@ -89,7 +89,7 @@ def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
     )
     assert refused.returncode == 2 and "--from-swarm" in refused.stderr
     summaries = swarm.summaries()
-    assert sorted(e for s in summaries for e in s["local_experts"]) == list(range(6))
+    assert set(e for s in summaries for e in s["local_experts"]) == set(range(6))
     for i, s in enumerate(summaries):
         run_dir = tmp_path / f"peer{i}"
         own = s["local_experts"]
@@ -100,12 +100,15 @@ def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
         assert params["shared"] == SHARED_BYTES
         done = rounds(run_dir)
         assert len(done) >= 4
-        for r in done.values():
-            assert set(r["groups"]) == {"shared"} | {f"expert{e}" for e in own}  # averaged: shared + own
-            assert r["refreshed"] == 0 and set(r["expert_digests"]) == {str(e) for e in own}
+        for r in done.values():  # averaged: the shared group and its own experts (it may take some over)
+            held = {e for e in r["expert_digests"]}
+            assert set(r["groups"]) == {"shared"} | {f"expert{e}" for e in held} and held <= {str(e) for e in own}
+            assert r["refreshed"] == 0
         # outside the groups it downloaded at most the catch-up at join (shared weights and its experts)
         # and once more per round it missed (the result the others agreed on): no other expert, ever
-        assert downloads(run_dir, s) <= 1.02 * (1 + s["rounds_failed"]) * (SHARED_BYTES + len(own) * EXPERT_BYTES)
+        # (an expert it took over came from a holder, a full peer, or its seeded init if nobody had it)
+        allowed = (1 + s["rounds_failed"]) * (SHARED_BYTES + len(own) * EXPERT_BYTES) + s["experts_taken_over"] * EXPERT_BYTES
+        assert downloads(run_dir, s) <= 1.02 * allowed
         steps = [r for r in records(run_dir) if "skip_rate" in r]
         assert steps and all(len(r["skip_rate"]) == LAYERS and all(0 <= x <= 1 for x in r["skip_rate"]) for r in steps)
         mean_skip = sum(sum(r["skip_rate"]) for r in steps) / (LAYERS * len(steps))
