@@ -68,6 +68,7 @@ def collect(dht, run_id: str) -> dict[str, Any]:
             "rounds_failed": extra.get("rounds_failed", 0), "sync_seconds": extra.get("sync_seconds"),
             "last_seen_s": round(now - extra["time"], 1) if isinstance(extra.get("time"), float) else None,
             "version": extra.get("version"), "device": extra.get("device"), "fingerprint": record.fingerprint,
+            "residency": extra.get("residency", "full"), "experts_taken_over": extra.get("experts_taken_over", 0),
         })
     num_experts = max((r.get("num_experts", 0) for r in raw.values() if isinstance(r, dict)), default=0)
     replicas = max((r.get("replicas", 1) for r in raw.values() if isinstance(r, dict)), default=1)
@@ -97,6 +98,16 @@ def collect(dht, run_id: str) -> dict[str, Any]:
     }
 
 
+def _experts(peer: dict[str, Any]) -> str:
+    """The experts a peer trains, its residency when partial and how many it took over from others."""
+    text = str(peer["experts"])
+    if peer.get("residency") == "partial":
+        text += " partial"
+    if peer.get("experts_taken_over"):
+        text += f" (+{peer['experts_taken_over']} taken over)"
+    return text
+
+
 def render(snapshot: dict[str, Any], console) -> None:
     """Human-readable tables (rich) of what :func:`collect` returned."""
     from rich.table import Table
@@ -114,7 +125,7 @@ def render(snapshot: dict[str, Any], console) -> None:
         peers.add_column(col, justify="right" if col not in ("peer", "address", "experts", "version", "device") else "left")
     for p in snapshot["peers"]:
         peers.add_row(
-            p["peer_id"][-10:], _address(p["maddrs"]), str(p["experts"]), str(p["step"]), str(p["round"]),
+            p["peer_id"][-10:], _address(p["maddrs"]), _experts(p), str(p["step"]), str(p["round"]),
             "-" if p["loss"] is None else f"{p['loss']:.3f}", f"{p['tokens_per_s'] or 0:.0f}",
             f"{(p['bytes_sent'] or 0) / 1e6:.1f}", f"{(p['bytes_received'] or 0) / 1e6:.1f}",
             str(p["last_seen_s"]), str(p["version"]), str(p["device"]),

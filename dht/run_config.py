@@ -32,8 +32,8 @@ LOCAL_SETTINGS: tuple[tuple[str, str | None], ...] = (
     ("moe", "impl"), ("moe", "torch_kernel"), ("peer", "index"), ("experts", "placement"), ("experts", "local"),
     ("data", "train"), ("data", "validation"), ("data", "tokenizer"), ("data", "verify"),
     ("swarm", "initial_peers"), ("swarm", "host_maddrs"), ("swarm", "announce_maddrs"),
-    ("swarm", "identity_path"), ("swarm", "secret_file"), ("swarm", "client_mode"), ("swarm", "bootstrap_timeout"), ("swarm", "use_relay"),
-    ("swarm", "use_auto_relay"),
+    ("swarm", "identity_path"), ("swarm", "secret_file"), ("swarm", "client_mode"), ("swarm", "bootstrap_timeout"),
+    ("swarm", "use_relay"), ("swarm", "use_auto_relay"), ("swarm", "residency"), ("swarm", "max_experts_per_peer"),
 )
 
 

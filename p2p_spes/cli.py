@@ -7,16 +7,17 @@ import json
 import logging
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
 from p2p_spes import __version__
-from p2p_spes.errors import BackendError, CheckpointError, ConfigError, DataError, SwarmError
+from p2p_spes.errors import BackendError, CheckpointError, ConfigError, DataError, ResidencyError, SwarmError
 
 SECRET_HELP = "file holding a private run's shared secret (or set P2P_SPES_SECRET); swarm.secret_file"
-USER_ERRORS = (ConfigError, DataError, CheckpointError, BackendError, SwarmError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, BackendError, SwarmError, ResidencyError)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -225,7 +226,20 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from p2p_spes.export import export_hf
 
-    out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer)
+    if args.from_swarm == (args.checkpoint is not None):
+        raise ConfigError("give either --checkpoint DIR or --from-swarm --initial-peers MADDR ... --run-id ID")
+    if args.from_swarm:
+        from p2p_spes.assemble import export_from_swarm
+
+        if not args.initial_peers:
+            raise ConfigError("--from-swarm needs --initial-peers MADDR of a live peer or bootstrap of the run")
+        out, report = export_from_swarm(args.initial_peers, args.run_id, args.out, tokenizer=args.tokenizer,
+                                        timeout=args.fetch_timeout)
+        sources = Counter(v["kind"] for v in report["experts"].values())
+        print(f"assembled round {report['round']} (step {report['step']}): shared parameters from {report['shared']}, "
+              + ", ".join(f"{n} experts from a {k}" for k, n in sorted(sources.items())))
+    else:
+        out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer)
     print(f"exported OlmoeForCausalLM to {out}")
     return 0
 
@@ -358,8 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_config)
     export = sub.add_parser("export", help="export a checkpoint as a Hugging Face OlmoeForCausalLM directory")
     export.add_argument(
-        "--checkpoint", required=True, help="run directory (its newest checkpoint) or checkpoints/step_* directory"
+        "--checkpoint", default=None, help="run directory (its newest checkpoint) or checkpoints/step_* directory"
     )
+    export.add_argument("--from-swarm", action="store_true",
+                        help="assemble the full model from a live run's peers instead (each expert from a holder)")
+    export.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="with --from-swarm: any live peer")
+    export.add_argument("--run-id", default="p2p-spes", help="with --from-swarm: the run's id")
+    export.add_argument("--fetch-timeout", type=float, default=60.0, help="seconds to wait for the run's published config")
     export.add_argument("--out", required=True, help="output Hugging Face model directory")
     export.add_argument(
         "--tokenizer", default=None, help="tokenizer directory (default: the run's data.tokenizer, else embedded)"

@@ -137,6 +137,13 @@ class SwarmConfig:
     sync_steps: int = 50
     replicas: int = 1
     experts_per_peer: Optional[int] = None
+    # "full": every expert in memory (SPES); "partial": only the peer's own experts (tokens routed
+    # elsewhere skip them, see p2p_spes/moe.py). A per-peer choice: a swarm may mix both.
+    residency: Literal["full", "partial"] = "full"
+    # Self-healing: the most experts this peer trains, counting those it takes over from peers that
+    # left (None: no limit but moe.num_experts). Each one costs gradient + AdamW memory (full
+    # residency) or that plus its weights (partial).
+    max_experts_per_peer: Optional[int] = None
     compression: Literal["none", "fp16", "uint8"] = "none"
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
@@ -418,6 +425,17 @@ def validate(config: Config) -> None:
         raise ConfigError("swarm.sync_steps, swarm.replicas, swarm.matchmaking_time and swarm.averaging_timeout must be positive")
     if sw.experts_per_peer is not None and not 0 < sw.experts_per_peer <= moe.num_experts:
         raise ConfigError(f"swarm.experts_per_peer ({sw.experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]")
+    if sw.max_experts_per_peer is not None and not 0 < sw.max_experts_per_peer <= moe.num_experts:
+        raise ConfigError(
+            f"swarm.max_experts_per_peer ({sw.max_experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]"
+        )
+    if sw.residency == "partial" and sw.merge_interval:
+        raise ConfigError(
+            f"swarm.residency=partial cannot apply the SPES warm-up merge (swarm.merge_interval={sw.merge_interval}): "
+            "it needs every expert; set swarm.merge_interval=0, or swarm.residency=full"
+        )
+    if sw.residency == "partial" and moe.impl == "megablocks":
+        raise ConfigError("swarm.residency=partial needs moe.impl=torch (or auto): the MegaBlocks adapter keeps every expert")
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:
         raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")
     if sw.merge_interval < 0 or not 0 <= sw.merge_alpha_start < 1:

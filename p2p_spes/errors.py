@@ -19,3 +19,7 @@ class BackendError(RuntimeError):
 
 class SwarmError(RuntimeError):
     """The peer cannot join or stay in the run (unreachable bootstrap, different model, ...)."""
+
+
+class ResidencyError(ValueError):
+    """An operation needs expert weights that this peer does not hold (partial residency)."""

@@ -7,6 +7,9 @@ in a plain buffer. A fused ``(E*F, H)`` parameter with a gradient mask would sti
 
 Tokens are sorted by *slot* (local experts first, then frozen ones), so each of the two groups is
 one contiguous block that a grouped matmul (or a per-expert loop) handles without copying weights.
+
+With ``resident_only`` (partial residency, ``swarm.residency: partial``) the experts that are not
+local have no storage at all: their slot is -1 and the MoE layer skips tokens routed to them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from p2p_spes.errors import ResidencyError
 
 MATRICES = ("w1", "v1", "w2")
 
@@ -32,15 +37,18 @@ class SwiGLUExperts(nn.Module):
         kernel: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        resident_only: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts, self.d_model, self.ffn_dim = num_experts, d_model, ffn_dim
         self.kernel = kernel
+        self.resident_only = resident_only
         local = sorted(range(num_experts) if local_experts is None else set(local_experts))
         self._layout(local, device=device, dtype=dtype)
 
     def _layout(self, local: list[int], device=None, dtype=None) -> None:
-        frozen = [e for e in range(self.num_experts) if e not in set(local)]
+        others = [e for e in range(self.num_experts) if e not in set(local)]
+        frozen, absent = ([], others) if self.resident_only else (others, [])
         shape = (self.ffn_dim, self.d_model)
         for name in MATRICES:
             self.register_parameter(
@@ -49,11 +57,20 @@ class SwiGLUExperts(nn.Module):
             self.register_buffer(
                 f"frozen_{name}", torch.empty(len(frozen), *shape, device=device, dtype=dtype), persistent=False
             )
-        slot = torch.empty(self.num_experts, dtype=torch.long)
+        slot = torch.full((self.num_experts,), -1, dtype=torch.long)
         slot[local] = torch.arange(len(local))
-        slot[frozen] = torch.arange(len(local), self.num_experts)
+        slot[frozen] = torch.arange(len(local), len(local) + len(frozen))
         self.register_buffer("slot_of_expert", slot.to(device), persistent=False)
-        self.local_ids, self.frozen_ids = local, frozen
+        self.local_ids, self.frozen_ids, self.absent_ids = local, frozen, absent
+
+    @property
+    def resident_ids(self) -> list[int]:
+        """The experts with weights in memory here (all of them unless ``resident_only``)."""
+        return sorted(self.local_ids + self.frozen_ids)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.local_ids) + len(self.frozen_ids)
 
     @property
     def num_local(self) -> int:
@@ -61,6 +78,11 @@ class SwiGLUExperts(nn.Module):
 
     def stacked(self, name: str) -> torch.Tensor:
         """All experts' matrix ``name`` as (E, F, H) in expert order (a copy; for export and tests)."""
+        if self.absent_ids:
+            raise ResidencyError(
+                f"experts {self.absent_ids} are not resident on this peer (swarm.residency: partial); "
+                "export from a full peer or with `p2p-spes export --from-swarm`"
+            )
         local, frozen = getattr(self, f"local_{name}"), getattr(self, f"frozen_{name}")
         out = torch.empty(self.num_experts, self.ffn_dim, self.d_model, device=local.device, dtype=local.dtype)
         out[self.local_ids] = local.detach()
@@ -74,13 +96,39 @@ class SwiGLUExperts(nn.Module):
         getattr(self, f"local_{name}").copy_(value[self.local_ids])
         getattr(self, f"frozen_{name}").copy_(value[self.frozen_ids])
 
+    @torch.no_grad()
+    def load_resident(self, name: str, experts: Sequence[int], value: torch.Tensor) -> None:
+        """Overwrite matrix ``name`` of ``experts`` (those resident here) from an (n, F, H) tensor."""
+        value = value.reshape(len(experts), self.ffn_dim, self.d_model)
+        for row, e in enumerate(experts):
+            slot = int(self.slot_of_expert[e])
+            if slot < 0:
+                continue
+            group, idx = ("local", slot) if slot < self.num_local else ("frozen", slot - self.num_local)
+            getattr(self, f"{group}_{name}")[idx].copy_(value[row])
+
     def set_local_experts(self, local: Sequence[int]) -> None:
-        """Re-split the experts; weights are kept. Optimizer state of the old parameters is lost."""
-        values = {name: self.stacked(name) for name in MATRICES}
+        """Re-split the experts; weights are kept. Optimizer state of the old parameters is lost.
+
+        With ``resident_only`` an expert that becomes local here starts at zero: the caller must load
+        it (the swarm downloads it from a holder).
+        """
+        held = self.resident_ids
+        values = {name: self._resident_stack(name) for name in MATRICES}
         ref = self.local_w1 if self.num_local else self.frozen_w1
         self._layout(sorted(set(local)), device=ref.device, dtype=ref.dtype)
-        for name, value in values.items():
-            self.load_stacked(name, value)
+        for name in MATRICES:
+            getattr(self, f"local_{name}").data.zero_()
+            self.load_resident(name, held, values[name])
+
+    def _resident_stack(self, name: str) -> torch.Tensor:
+        held = self.resident_ids
+        local, frozen = getattr(self, f"local_{name}"), getattr(self, f"frozen_{name}")
+        out = torch.empty(len(held), self.ffn_dim, self.d_model, device=local.device, dtype=local.dtype)
+        for row, e in enumerate(held):
+            slot = int(self.slot_of_expert[e])
+            out[row] = local.detach()[slot] if slot < self.num_local else frozen[slot - self.num_local]
+        return out
 
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float, generator: torch.Generator | None = None) -> None:
@@ -92,6 +140,11 @@ class SwiGLUExperts(nn.Module):
 
     # MegaBlocks checkpoint layout ------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.absent_ids:  # partial residency: the resident experts only, and which ones they are
+            destination[prefix + "resident_experts"] = torch.tensor(self.resident_ids, dtype=torch.long)
+            for name in MATRICES:
+                destination[prefix + name] = self._resident_stack(name).reshape(-1, self.d_model)
+            return
         for name in MATRICES:
             destination[prefix + name] = self.stacked(name).reshape(-1, self.d_model)
 
@@ -99,6 +152,10 @@ class SwiGLUExperts(nn.Module):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
         expected = (self.num_experts * self.ffn_dim, self.d_model)
+        held = state_dict.get(prefix + "resident_experts")
+        if held is not None:  # written by a partial peer: only those experts are in it
+            held = [int(e) for e in held.tolist()]
+            expected = (len(held) * self.ffn_dim, self.d_model)
         for name in MATRICES:
             key = prefix + name
             if key not in state_dict:
@@ -110,9 +167,12 @@ class SwiGLUExperts(nn.Module):
                     f"size mismatch for {key}: checkpoint has {tuple(value.shape)}, model expects {expected}"
                 )
                 continue
-            self.load_stacked(name, value.to(self.local_w1.dtype))
+            if held is not None:
+                self.load_resident(name, held, value.to(self.local_w1.dtype))
+            else:
+                self.load_stacked(name, value.to(self.local_w1.dtype))
         if strict:
-            own = {prefix + name for name in MATRICES}
+            own = {prefix + name for name in MATRICES} | {prefix + "resident_experts"}
             for key in state_dict:
                 if key.startswith(prefix) and key not in own and "." not in key[len(prefix):]:
                     unexpected_keys.append(key)
@@ -128,6 +188,8 @@ class SwiGLUExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, counts_per_slot: torch.Tensor) -> torch.Tensor:
         """Apply each expert to its contiguous block of ``x_sorted`` (rows ordered by slot)."""
         counts = counts_per_slot.tolist()
+        if x_sorted.shape[0] == 0:
+            return x_sorted.new_zeros(0, self.d_model)
         n_local_rows = sum(counts[: self.num_local])
         out = []
         for group, rows, cnt in (

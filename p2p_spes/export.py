@@ -221,6 +221,13 @@ def export_hf(
     state = read_state(path)
     cfg = checkpoint_config(state, path)
     check_exportable(cfg)
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        if any(name.endswith("resident_experts") for name in f.keys()):
+            raise CheckpointError(
+                f"{path} was written by a partial-residency peer and holds only its own experts; export a full "
+                "peer's checkpoint, or assemble the model from the live run with `p2p-spes export --from-swarm "
+                "--initial-peers MADDR --run-id ID --out DIR`"
+            )
     tok = AutoTokenizer.from_pretrained(str(resolve_tokenizer(cfg, tokenizer)))
     if len(tok) > cfg.model.vocab_size:
         raise ConfigError(

@@ -78,12 +78,12 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig, local_experts, device) -> None:
+    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig, local_experts, device, resident_only: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device)
         self.self_attn = Attention(cfg, device=device)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device)
-        self.mlp = build_moe(moe_cfg, cfg.d_model, local_experts, device=device)
+        self.mlp = build_moe(moe_cfg, cfg.d_model, local_experts, device=device, resident_only=resident_only)
 
     def forward(self, x, cos, sin) -> tuple[torch.Tensor, RouterStats]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -114,12 +114,18 @@ class MoETransformer(nn.Module):
         moe_cfg: MoEConfig,
         local_experts: Sequence[int] | None = None,
         device: torch.device | str | None = None,
+        resident_only: bool = False,
     ) -> None:
+        """``resident_only``: partial residency, only ``local_experts`` have weights (see moe.py)."""
         super().__init__()
         self.cfg, self.moe_cfg = cfg, moe_cfg
+        self.resident_only = resident_only
+        self.skip_rates: list[float] = []  # per layer, from the last forward
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device)
-        self.layers = nn.ModuleList(Block(cfg, moe_cfg, local_experts, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, moe_cfg, local_experts, device, resident_only) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device)
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
@@ -173,6 +179,7 @@ class MoETransformer(nn.Module):
         for layer in self.layers:
             x, stats = layer(x, cos, sin)
             all_stats.append(stats)
+        self.skip_rates = [s.skip_rate for s in all_stats]
         return self.lm_head(self.norm(x)), all_stats
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor, z_loss_weight: float = 1e-5) -> LossOutput:

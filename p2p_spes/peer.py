@@ -12,6 +12,7 @@ from typing import Any
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state
 from p2p_spes.config import Config
 from p2p_spes.errors import CheckpointError
+from p2p_spes.healing import take_on_experts
 from p2p_spes.swarm import Swarm
 from p2p_spes.train import Trainer
 
@@ -50,6 +51,24 @@ class SwarmSync:
         })
         if not groups["shared"]["ok"] and not groups["shared"].get("refused"):
             self._skip_ahead(trainer, adopted=bool(report.get("adopted_shared_from")))
+        self._heal(trainer)
+
+    def _heal(self, trainer: Trainer) -> None:
+        """At a sync boundary, take over the under-replicated experts the plan gives us (healing.py)."""
+        mine = self.swarm.experts_to_take()
+        weights = {}
+        if trainer.model.resident_only:  # the weights are not here: download them first
+            for e in mine:
+                tensors = self.swarm.fetch_copy(e)
+                if tensors is not None:
+                    weights[e] = tensors
+            mine = sorted(weights)
+        if not mine:
+            return
+        trainer.optimizer = take_on_experts(trainer.model, trainer.optimizer, mine, trainer.cfg.train)
+        self.swarm.took_on(mine, weights)
+        trainer.log_record({"step": trainer.step, "took_over": mine, "local_experts": trainer.model.local_experts,
+                            "bytes_received_total": int(self.swarm.stats["bytes_received"])})
 
     def _skip_ahead(self, trainer: Trainer, adopted: bool) -> None:
         """After a missed round, rejoin the others like a newcomer if we fell behind them.
@@ -162,6 +181,9 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "refresh_missed": int(swarm.stats["refresh_missed"]),
                 "steps_skipped": int(swarm.stats["steps_skipped"]),
                 "updates_refused": int(swarm.stats["updates_refused"]),
+                "experts_taken_over": int(swarm.stats["experts_taken_over"]),
+                "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),
+                "residency": cfg.swarm.residency,
                 "last_round": swarm.rounds[-1] if swarm.rounds else None,
             }
             summary = trainer.write_summary()

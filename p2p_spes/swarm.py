@@ -43,6 +43,7 @@ from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import GroupAllReduce, GroupResult
 from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
+from p2p_spes.healing import initial_expert, plan_takeover
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.placement import least_covered
 from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, tensor_digest, unpack
@@ -162,6 +163,8 @@ class Swarm:
         self._lock = threading.Lock()
         self._heartbeat: asyncio.Future | None = None
         self.rounds: list[dict[str, Any]] = []
+        self._last_versions: dict[str, dict] = {}  # the digests published in our last round, by peer
+        self._planned_before: set[int] = set()  # experts the takeover plan gave us at the last boundary
         self._claimed: list[int] = []
         self.run_config = run_config_record(cfg)  # published once the model check passed
         self._published: list[tuple[str, dict[str, Any]]] = []
@@ -292,7 +295,8 @@ class Swarm:
             self.peer_id, list(experts), int(status.pop("step", 0)), int(status.pop("round", -1)),
             self.fingerprint, self.maddrs,
             extra={"version": __version__, "time": get_dht_time(), "num_experts": self.cfg.moe.num_experts,
-                   "replicas": self.cfg.swarm.replicas, **status, **{k: int(v) for k, v in self.stats.items()}},
+                   "replicas": self.cfg.swarm.replicas, "residency": self.cfg.swarm.residency,
+                   "max_experts": self.cfg.swarm.max_experts_per_peer or self.cfg.moe.num_experts, **status, **{k: int(v) for k, v in self.stats.items()}},
         ).to_value()
 
     async def _heartbeat_loop(self) -> None:
@@ -311,6 +315,10 @@ class Swarm:
     # State served to others ----------------------------------------------------------------
     def _shared_items(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if ".experts." not in n]
+
+    def held_experts(self) -> list[int]:
+        """The experts with weights in memory here: all of them, or only our own in partial residency."""
+        return self.model.expert_modules()[0].resident_ids
 
     def _expert_tensors(self, expert: int) -> list[torch.Tensor]:
         """Expert ``expert``'s w1, v1, w2 of every layer (views into the model's storage)."""
@@ -347,7 +355,7 @@ class Swarm:
             expert = int(uid.split(":", 1)[1])
         except ValueError:
             return None
-        if not 0 <= expert < self.cfg.moe.num_experts or expert in self.model.local_experts:
+        if expert not in self.held_experts() or expert in self.model.local_experts:
             return None
         tensors = [t.detach().cpu().clone() for t in self._expert_tensors(expert)]
         shared = self.current("shared")
@@ -442,7 +450,7 @@ class Swarm:
             for (_, p), value in zip(self._shared_items(), shared):
                 p.copy_(value.to(p.device))
         self._fetch_momentum(source, "shared")
-        wanted = [e for e in range(self.cfg.moe.num_experts) if e not in set(keep)]
+        wanted = [e for e in self.held_experts() if e not in set(keep)]
         fetched, _ = self._refresh_experts(peers, wanted, any_copy=True)
         self._set_anchors()
         self._fetch_anchor(source, "shared")
@@ -587,10 +595,11 @@ class Swarm:
 
         self._take_snapshot(round_no, step)
         # experts no live peer trains: every peer keeps a copy, and the copies must agree
+        held = self.held_experts()
         orphaned = [e for e in range(self.cfg.moe.num_experts) if not any(e in r.experts for r in peers.values())]
         mine = {"ok": report["groups"]["shared"]["ok"], "shared": self.current("shared")["digest"],
                 "experts": {str(e): self.current(f"expert:{e}")["digest"] for e in self.model.local_experts},
-                "copies": {str(e): tensor_digest(self._expert_tensors(e)) for e in orphaned}}
+                "copies": {str(e): tensor_digest(self._expert_tensors(e)) for e in orphaned if e in held}}
         self.call(self._store(version_key(self.run_id, round_no), mine, ttl=sw.record_ttl))
         # wait for the digests of the peers that took part in this round; a peer that did not join the
         # shared group is dead or late, and waiting for it would only slow everyone down
@@ -602,10 +611,11 @@ class Swarm:
         # choose versions from the shared group's members first: a late peer (thawed, or out of its group)
         # publishes a digest some members see and others do not, and must not tip anyone's choice
         agreed = {p: v for p, v in versions.items() if p in shared_members} if shared_res.ok else versions
-        frozen = [e for e in range(self.cfg.moe.num_experts) if e not in self.model.local_experts]
+        self._last_versions = versions
+        frozen = [e for e in held if e not in self.model.local_experts]  # none in partial residency
         report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions, agreed)
         report["orphaned"] = orphaned
-        report["orphans_agreed"] = self._agree_on_copies(orphaned, agreed)
+        report["orphans_agreed"] = self._agree_on_copies([e for e in orphaned if e in held], agreed)
 
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
@@ -622,7 +632,7 @@ class Swarm:
         report["bytes_received"] = sum(g.get("bytes_received", 0) for g in report["groups"].values())
         report["shared_digest"] = tensor_digest(p.detach() for _, p in self._shared_items())
         report["expert_digests"] = {
-            str(e): tensor_digest(self._expert_tensors(e)) for e in range(self.cfg.moe.num_experts)
+            str(e): tensor_digest(self._expert_tensors(e)) for e in self.held_experts()
         }
         self.stats["rounds_joined" if report["groups"]["shared"]["ok"] else "rounds_failed"] += 1
         # everything this round moved, expert refresh and what others downloaded from us included
@@ -741,6 +751,70 @@ class Swarm:
             if set(peers) <= set(versions) or time.monotonic() > deadline:
                 return versions
             time.sleep(0.2)
+
+    # Self-healing coverage -----------------------------------------------------------------
+    def takeover_plan(self) -> dict[str, list[int]]:
+        """The experts live peers should take on now (the same plan on every peer; see healing.py).
+
+        A peer counts as holding what its live record says and what it averaged in the last round
+        (its published digests): a record that lapsed under load does not make its experts look lost.
+        """
+        peers = self.live_peers()
+        peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self._record())
+        held = {p: set(r.experts) for p, r in peers.items()}
+        for p, v in self._last_versions.items():
+            if p in held:
+                held[p] |= {int(e) for e in v["experts"]}
+        capacity = {p: int(r.extra["max_experts"]) for p, r in peers.items() if isinstance(r.extra.get("max_experts"), int)}
+        return plan_takeover({p: sorted(es) for p, es in held.items()}, capacity, self.cfg.moe.num_experts,
+                             self.cfg.swarm.replicas)
+
+    def experts_to_take(self) -> list[int]:
+        """Our part of the plan, once it gave them to us at two sync boundaries in a row: one slow
+        heartbeat or one late record must not make us take over a live peer's experts."""
+        planned = [e for e in self.takeover_plan().get(self.peer_id, []) if e not in self.model.local_experts]
+        confirmed = [e for e in planned if e in self._planned_before]
+        self._planned_before = set(planned) - set(confirmed)
+        return confirmed
+
+    def fetch_copy(self, expert: int) -> list[torch.Tensor] | None:
+        """Expert ``expert``'s latest weights from a live holder, else from a full peer's frozen copy.
+
+        When no live peer has any copy at all (a partial swarm whose only holder left, or an expert
+        nobody took yet), the expert restarts from its seeded initial value, loudly logged.
+        """
+        peers = {p: r for p, r in self.live_peers().items() if p != self.peer_id}
+        holders = sorted(p for p, r in peers.items() if expert in r.experts)
+        copies = sorted(p for p, r in peers.items() if p not in holders and r.extra.get("residency", "full") == "full")
+        if not holders and not copies:
+            log.warning("no live peer has a copy of expert %d: restarting it from its initial weights", expert)
+            self.stats["experts_reinitialised"] += 1
+            return initial_expert(self.cfg, expert)
+        store = self.model.expert_modules()[0]
+        like = [torch.empty(store.ffn_dim, store.d_model, dtype=store.local_w1.dtype)
+                for _ in self.model.expert_modules() for _ in ("w1", "v1", "w2")]
+        for peer in holders + copies:
+            try:
+                _, tensors = self.download(peer, f"expert:{expert}", like, attempts=2)
+                return tensors
+            except Exception as exc:
+                log.warning("could not fetch expert %d from %s to take it over: %s", expert, peer, exc)
+        return None
+
+    def took_on(self, experts: list[int], weights: dict[int, list[torch.Tensor]]) -> None:
+        """After the model made ``experts`` local: load downloaded weights, serve them, announce."""
+        with torch.no_grad():
+            for e, tensors in weights.items():
+                for target, value in zip(self._expert_tensors(e), tensors):
+                    target.copy_(value.to(target.device))
+        if self.cfg.swarm.outer_optimizer != "average":
+            for e in experts:
+                self._anchor[f"expert:{e}"] = flatten(self._expert_tensors(e))
+        last = self.rounds[-1] if self.rounds else {"round": -1, "step": 0}
+        self._take_snapshot(last["round"], last["step"])
+        self.stats["experts_taken_over"] += len(experts)
+        self.announce()
+        log.warning("took over experts %s (now training %s)", experts, self.model.local_experts)
 
     # Leaving -------------------------------------------------------------------------------
     def linger(self) -> None:

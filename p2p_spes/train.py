@@ -79,7 +79,8 @@ class Trainer:
         self.hooks = list(hooks or [])
 
         local = cfg.local_experts() if local_experts is None else sorted(local_experts)
-        self.model = MoETransformer(cfg.model, cfg.moe, local_experts=local, device=self.device)
+        self.model = MoETransformer(cfg.model, cfg.moe, local_experts=local, device=self.device,
+                                    resident_only=cfg.swarm.residency == "partial")
         self.model.init_weights(tr.seed)
         if tr.init_from:
             self.load_initial_weights(tr.init_from)
@@ -176,6 +177,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         t0 = time.perf_counter()
         parts: dict[str, float] = {}
+        skips = [0.0] * self.cfg.model.num_layers
         for _ in range(tr.grad_accum):
             x, y = self.loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -184,6 +186,7 @@ class Trainer:
             (out.loss / tr.grad_accum).backward()
             for k, v in out.as_floats().items():
                 parts[k] = parts.get(k, 0.0) + v / tr.grad_accum
+            skips = [a + b / tr.grad_accum for a, b in zip(skips, self.model.skip_rates)]
         params = [p for _, p in trainable_parameters(self.model)]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tr.grad_clip if tr.grad_clip > 0 else math.inf))
         self.optimizer.step()
@@ -198,6 +201,8 @@ class Trainer:
             "step": self.step, **parts, "lr": lr, "grad_norm": grad_norm,
             "tokens": self.tokens, "tokens_per_s": step_tokens / elapsed, "step_time_s": elapsed,
         }
+        if self.model.resident_only:  # fraction of top-k assignments dropped, per layer
+            self.last_metrics["skip_rate"] = [round(r, 4) for r in skips]
         return self.last_metrics
 
     @torch.no_grad()
