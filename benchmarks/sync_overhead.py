@@ -1,13 +1,15 @@
-"""How much of a peer's wall time goes to syncing, at two sync intervals (4:1, like 100 and 25).
+"""How much of a peer's wall time goes to syncing, at sync_steps 100 and 25, blocking or overlapped.
 
-    python benchmarks/sync_overhead.py                          # sync every 40 and every 10 steps, ~5 min
-    python benchmarks/sync_overhead.py --intervals 100 25 --steps 200
+    python benchmarks/sync_overhead.py                      # 100 and 25, each blocking and overlapped, ~10 min
+    python benchmarks/sync_overhead.py --intervals 40 10 --steps 200
 
-A 2-peer loopback swarm per interval; from each peer's metrics (every step logged with its wall
-clock and compute time, every round with its duration): the fraction of wall time spent inside sync
-rounds, and the compute time of the step right after a round against the steps between rounds (to
-see whether a round slows the next step). Averaging blocks training today: a peer computes nothing
-while its round runs, so the sync fraction is time lost. Writes ``benchmarks/results/sync_overhead.json``.
+A 2-peer loopback swarm per (interval, mode); from each peer's metrics (every step logged with its
+wall clock and compute time, every round with its duration): the share of wall time not spent in
+training steps (rounds, and anything else outside a step), the wall time per step against the
+blocking run at the same interval, and the compute time of the steps a round ran beside (overlap)
+or right after (blocking) against the others. A blocking round stops training for its duration;
+``swarm.overlap=true`` runs it in the background (p2p_spes/peer.py). Writes
+``benchmarks/results/sync_overhead.json``.
 """
 
 from __future__ import annotations
@@ -36,56 +38,68 @@ CONFIG = [
 ]
 
 
-def measure(interval: int, steps: int, run_dir: Path) -> dict[str, float]:
-    swarm = LocalSwarm(None, CONFIG + [f"swarm.sync_steps={interval}", f"train.max_steps={steps}"], peers=2,
-                       run_dir=run_dir / f"every{interval}", run_id=f"overhead-{interval}")
+def measure(interval: int, overlap: bool, steps: int, run_dir: Path) -> dict[str, float]:
+    name = f"every{interval}-{'overlap' if overlap else 'blocking'}"
+    swarm = LocalSwarm(None, CONFIG + [f"swarm.sync_steps={interval}", f"train.max_steps={steps}",
+                                       f"swarm.overlap={str(overlap).lower()}"], peers=2,
+                       run_dir=run_dir / name, run_id=f"overhead-{name}")
     try:
         swarm.start(stagger=1.0)
-        codes = swarm.wait(timeout=900)
+        codes = swarm.wait(timeout=1800)
     finally:
         swarm.stop()
     if codes != [0, 0]:
-        raise SystemExit(f"a peer failed ({codes}); logs in {run_dir}")
-    fractions, after, between, rounds = [], [], [], []
+        raise SystemExit(f"a peer failed ({codes}); logs in {run_dir / name}")
+    overheads, per_step, during, between, rounds, joined = [], [], [], [], [], 0
     for i in range(2):
-        records = read_metrics(run_dir / f"every{interval}" / f"peer{i}")
+        records = read_metrics(run_dir / name / f"peer{i}")
         syncs = [r for r in records if "sync_round" in r and r["step"] > interval]  # after joining
         steps_ = [r for r in records if "step_time_s" in r and r["step"] > interval]
         if not syncs or not steps_:
             continue
         wall = steps_[-1]["time"] - steps_[0]["time"]
-        fractions.append(sum(r["sync_seconds"] for r in syncs) / wall)
+        compute = sum(r["step_time_s"] for r in steps_[1:])
+        overheads.append(1 - compute / wall)
+        per_step.append(wall / (len(steps_) - 1))
         rounds += [r["sync_seconds"] for r in syncs]
+        joined += sum(r["shared_ok"] for r in syncs)
+        # the steps a round ran beside (logged when it ended, overlapped_steps after it began) or,
+        # blocking, the one step right after it, against all others
+        if overlap:
+            busy = {s for r in syncs for s in range(r["step"] - r["overlapped_steps"] + 1, r["step"] + 1)}
+        else:
+            busy = {r["step"] + 1 for r in syncs}
         for r in steps_:
-            (after if r["step"] % interval == 1 else between).append(r["step_time_s"])
+            (during if r["step"] in busy else between).append(r["step_time_s"])
     return {
-        "sync_fraction": statistics.fmean(fractions), "round_seconds": statistics.median(rounds),
-        "step_after_sync_s": statistics.median(after), "step_between_s": statistics.median(between),
+        "overhead_fraction": statistics.fmean(overheads), "wall_s_per_step": statistics.fmean(per_step),
+        "round_seconds": statistics.median(rounds), "rounds_joined": joined,
+        "step_during_round_s": statistics.median(during), "step_between_s": statistics.median(between),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--intervals", type=int, nargs=2, default=(40, 10), help="the two sync_steps to compare")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--intervals", type=int, nargs="+", default=(100, 25), help="the sync_steps to compare")
+    parser.add_argument("--steps", type=int, default=400)
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="p2p-spes-overhead-"))
-    table = Table(title="sync overhead, 2 loopback peers (averaging blocks training)")
-    for col in ("sync_steps", "share of wall time in sync", "median round s", "step after a round s",
-                "step between rounds s", "after / between"):
+    table = Table(title="sync overhead, 2 loopback peers: blocking rounds vs rounds overlapped with training")
+    for col in ("sync_steps", "rounds", "wall time not computing", "wall s / step", "vs blocking", "median round s",
+                "step during round s", "step otherwise s"):
         table.add_column(col, justify="right")
-    rows = {}
+    rows: dict[str, dict[str, float]] = {}
     for interval in args.intervals:
-        got = measure(interval, args.steps, run_dir)
-        rows[interval] = got
-        table.add_row(str(interval), f"{got['sync_fraction']:.1%}", f"{got['round_seconds']:.2f}",
-                      f"{got['step_after_sync_s']:.3f}", f"{got['step_between_s']:.3f}",
-                      f"{got['step_after_sync_s'] / got['step_between_s']:.2f}x")
-    console = Console(width=120)
+        for overlap in (False, True):
+            got = measure(interval, overlap, args.steps, run_dir)
+            rows[f"{interval}-{'overlap' if overlap else 'blocking'}"] = got
+            base = rows[f"{interval}-blocking"]
+            table.add_row(f"{interval} {'overlap' if overlap else 'blocking'}", str(got["rounds_joined"]),
+                          f"{got['overhead_fraction']:.1%}", f"{got['wall_s_per_step']:.3f}",
+                          f"{got['wall_s_per_step'] / base['wall_s_per_step']:.2f}x", f"{got['round_seconds']:.2f}",
+                          f"{got['step_during_round_s']:.3f}", f"{got['step_between_s']:.3f}")
+    console = Console(width=140)
     console.print(table)
-    a, b = args.intervals
-    console.print(f"syncing every {b} instead of every {a} steps costs {rows[b]['sync_fraction'] / rows[a]['sync_fraction']:.1f}x "
-                  "the share of wall time")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"command": "python benchmarks/sync_overhead.py " + " ".join(sys.argv[1:]),
                                    "config": CONFIG, "steps": args.steps, "results": rows}, indent=1))

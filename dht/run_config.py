@@ -34,6 +34,7 @@ LOCAL_SETTINGS: tuple[tuple[str, str | None], ...] = (
     ("swarm", "initial_peers"), ("swarm", "host_maddrs"), ("swarm", "announce_maddrs"),
     ("swarm", "identity_path"), ("swarm", "secret_file"), ("swarm", "client_mode"), ("swarm", "bootstrap_timeout"),
     ("swarm", "use_relay"), ("swarm", "use_auto_relay"), ("swarm", "residency"), ("swarm", "max_experts_per_peer"),
+    ("swarm", "overlap"),
 )
 
 

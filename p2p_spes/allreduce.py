@@ -177,12 +177,16 @@ class GroupAllReduce:
         """Join the group's DHT record and return the agreed member list (see module docstring)."""
         arrival = get_dht_time()
         ttl = self.matchmaking_time + self.timeout + 30
-        await self.dht.store(key, {"peer_id": self.peer_id, "w": float(weight), "t": arrival},
-                             expiration_time=arrival + ttl, subkey=self.owner, return_future=True)
         give_up = time.monotonic() + self.matchmaking_time + 10
+        # every DHT request is bounded: one that never answers fails the round (asyncio.TimeoutError)
+        await asyncio.wait_for(self.dht.store(key, {"peer_id": self.peer_id, "w": float(weight), "t": arrival},
+                                              expiration_time=arrival + ttl, subkey=self.owner, return_future=True),
+                               self.matchmaking_time + 10)
 
         async def read() -> dict[str, float]:
-            records = signed_values(await self.dht.get(key, latest=True, return_future=True))
+            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True),
+                                           max(give_up - time.monotonic(), 0.0) + 5)
+            records = signed_values(found)
             times = {p: v["t"] for p, v in records.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
             times.setdefault(self.peer_id, arrival)
             return times
@@ -203,7 +207,13 @@ class GroupAllReduce:
     async def run(self, round_no: int, group: str, tensor: torch.Tensor, weight: float, expected: set[str]) -> GroupResult:
         """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``."""
         t0 = time.monotonic()
-        members = await self._members(group_key(self.run_id, round_no, group), set(expected) | {self.peer_id}, weight)
+        try:
+            members = await self._members(group_key(self.run_id, round_no, group), set(expected) | {self.peer_id}, weight)
+        except asyncio.TimeoutError:
+            result = GroupResult(None, [])
+            result.error, result.seconds = "the DHT did not answer during matchmaking", time.monotonic() - t0
+            log.warning("round %d group %s failed: %s", round_no, group, result.error)
+            return result
         result = GroupResult(None, members)
         if self.peer_id not in members:
             result.error = "arrived after the group closed"

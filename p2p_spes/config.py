@@ -145,6 +145,9 @@ class SwarmConfig:
     # residency) or that plus its weights (partial).
     max_experts_per_peer: Optional[int] = None
     compression: Literal["none", "fp16", "uint8"] = "none"
+    # run each sync round in the background while training goes on (two extra weight copies);
+    # the round's change is added to the live weights when it ends (p2p_spes/peer.py SwarmSync)
+    overlap: bool = False
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
     heartbeat: float = 5.0

@@ -4,9 +4,13 @@ Every peer computes the same plan from the same live peer records (their expert 
 published capacity), so normally exactly the planned peers take an expert on: the ones with the
 most spare capacity, ties broken by a hash of (peer id, expert). Peers whose views of the DHT differ
 for a moment may both take the same expert; over-replication is harmless (the holders average it in
-its group) and is not shed. A peer acts on its part of the plan only when two sync boundaries in a
-row gave it the same expert (``Swarm.experts_to_take``), and counts a peer's last-round digests as
-proof that it holds its experts, so one late heartbeat does not move a live peer's experts.
+its group) and is not shed. While a run is still filling up (fewer live peers than it takes to
+cover every expert at the configured experts per peer) only experts that lost a holder are planned:
+fewer holders now than this peer has seen them have; an expert nobody claimed yet is left to the
+peers that join. Once enough peers are live, any gap (two joins that raced) is planned too. A peer acts on its part of the plan only when two
+sync boundaries in a row gave it the same expert (``Swarm.experts_to_take``), and counts a peer's
+last-round digests as proof that it holds its experts, so one late heartbeat does not move a live
+peer's experts.
 
 Taking an expert on makes it trainable here: the expert moves from the frozen buffers (full
 residency: the peer already has the agreed copy) or from nowhere (partial residency: the swarm
@@ -17,7 +21,7 @@ over row by row; the new expert's moments start at zero.
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -32,18 +36,21 @@ def _tiebreak(peer_id: str, expert: int) -> int:
 
 
 def plan_takeover(
-    held: Mapping[str, Sequence[int]], capacity: Mapping[str, int], num_experts: int, replicas: int
+    held: Mapping[str, Sequence[int]], capacity: Mapping[str, int], num_experts: int, replicas: int,
+    experts: Iterable[int] | None = None,
 ) -> dict[str, list[int]]:
     """Which peer takes which under-replicated expert: {peer id: experts to take on}.
 
     ``held`` maps each live peer to the experts it trains; ``capacity`` to the most experts it will
-    train (a peer missing from it takes nothing). Experts with the fewest holders go first; each
-    goes to the peer with the most spare capacity that does not hold it yet.
+    train (a peer missing from it takes nothing); ``experts`` limits the plan to these (default
+    all). Experts with the fewest holders go first; each goes to the peer with the most spare
+    capacity that does not hold it yet.
     """
     load = {p: len(set(es)) for p, es in held.items()}
     owners = {e: {p for p, es in held.items() if e in es} for e in range(num_experts)}
+    considered = range(num_experts) if experts is None else sorted(set(experts) & set(range(num_experts)))
     plan: dict[str, list[int]] = {}
-    for e in sorted(range(num_experts), key=lambda e: (len(owners[e]), e)):
+    for e in sorted(considered, key=lambda e: (len(owners[e]), e)):
         while len(owners[e]) < replicas:
             candidates = [p for p in held if p in capacity and p not in owners[e] and load[p] < capacity[p]]
             if not candidates:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import signal
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state
 from p2p_spes.config import Config
@@ -19,24 +23,97 @@ from p2p_spes.train import Trainer
 log = logging.getLogger(__name__)
 
 
-class SwarmSync:
-    """Trainer hook: publish status every step and run a sync round every ``sync_steps``."""
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer (frozen experts are buffers), in an order a deep copy shares."""
+    return [*model.parameters(), *model.buffers()]
 
-    def __init__(self, swarm: Swarm, sync_steps: int, tokens: int = 0) -> None:
-        self.swarm, self.sync_steps = swarm, sync_steps
+
+class _Background:
+    """One sync round running on a daemon thread (a stuck round must not keep the process alive)."""
+
+    def __init__(self, fn) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="p2p-spes-sync")
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.result = fn()
+        except BaseException as exc:  # re-raised in the training thread by wait()
+            self.error = exc
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> Any:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class SwarmSync:
+    """Trainer hook: publish status every step and run a sync round every ``sync_steps``.
+
+    With ``overlap`` the round runs in the background on a copy of the weights taken at the
+    boundary (step t) while training goes on; when it ends, the round's change is added to the live
+    weights: theta = theta_live + (theta_round - theta_t), i.e. the averaged result plus the local
+    progress made meanwhile (the delayed outer update of Streaming DiLoCo). It costs two extra copies
+    of the weights (not of the optimizer state). A round still running at the next boundary, or at
+    the last step, is waited for.
+    """
+
+    def __init__(self, swarm: Swarm, sync_steps: int, tokens: int = 0, overlap: bool = False) -> None:
+        self.swarm, self.sync_steps, self.overlap = swarm, sync_steps, overlap
         self.tokens_at_last_sync = tokens  # a resumed peer weighs only what it trained since
+        self._pending: tuple[_Background, torch.nn.Module, list[torch.Tensor]] | None = None
 
     def __call__(self, trainer: Trainer) -> None:
         m = trainer.last_metrics
         self.swarm.update_status(step=trainer.step, loss=round(m.get("loss", float("nan")), 4),
                                  tokens=trainer.tokens, tokens_per_s=round(m.get("tokens_per_s", 0.0), 1))
-        if trainer.step % self.sync_steps:
+        boundary = trainer.step % self.sync_steps == 0
+        last = trainer.step >= trainer.cfg.train.max_steps
+        if self._pending is not None and (boundary or last or self._pending[0].done()):
+            self.finish(trainer)
+        if not boundary:
             return
-        report = self.swarm.sync(trainer.step // self.sync_steps, trainer.step, trainer.tokens - self.tokens_at_last_sync)
+        round_no, weight = trainer.step // self.sync_steps, trainer.tokens - self.tokens_at_last_sync
         self.tokens_at_last_sync = trainer.tokens
+        if self.overlap and not last:
+            self._start(trainer, round_no, weight)
+        else:
+            self._after(trainer, self.swarm.sync(round_no, trainer.step, weight))
+
+    def _start(self, trainer: Trainer, round_no: int, weight: int) -> None:
+        shadow = copy.deepcopy(trainer.model)
+        base = [t.detach().clone() for t in _weights(shadow)]
+        self.swarm.model = shadow  # the round reads, averages, serves and writes the copy
+        step = trainer.step
+        self._pending = (_Background(lambda: self.swarm.sync(round_no, step, weight)), shadow, base)
+
+    def finish(self, trainer: Trainer) -> None:
+        """Wait for a background round, if any, and add its change to the live weights."""
+        if self._pending is None:
+            return
+        job, shadow, base = self._pending
+        self._pending = None
+        try:
+            report = job.wait()
+        finally:
+            self.swarm.model = trainer.model
+        with torch.no_grad():
+            for live, after, before in zip(_weights(trainer.model), _weights(shadow), base):
+                if live.is_floating_point():
+                    live.add_(after.to(live.device) - before.to(live.device))
+        self._after(trainer, report)
+
+    def _after(self, trainer: Trainer, report: dict[str, Any]) -> None:
         groups = report["groups"]
         trainer.log_record({
             "sync_round": report["round"], "step": trainer.step, "sync_seconds": round(report["seconds"], 3),
+            "overlapped_steps": trainer.step - report["step"],
             "shared_ok": groups["shared"]["ok"], "shared_members": groups["shared"]["members"],
             "shared_group": groups["shared"]["group_id"], "adopted_shared_from": report.get("adopted_shared_from"),
             "groups_failed": sorted(g for g, v in groups.items() if not v["ok"]),
@@ -56,6 +133,8 @@ class SwarmSync:
     def _heal(self, trainer: Trainer) -> None:
         """At a sync boundary, take over the under-replicated experts the plan gives us (healing.py)."""
         mine = self.swarm.experts_to_take()
+        if not mine:
+            return
         weights = {}
         if trainer.model.resident_only:  # the weights are not here: download them first
             for e in mine:
@@ -153,6 +232,8 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         partition = data_partition(swarm, cfg, saved["loader"].get("peer_index") if saved else None)
         swarm.update_status(data_partition=partition)
         swarm.claim(experts)
+        if not saved:
+            experts = swarm.settle_claim(experts)
         trainer = Trainer(cfg, run_dir=run_dir, local_experts=experts, data_partition=partition)
         if checkpoint is not None:
             trainer.resume(checkpoint)
@@ -166,9 +247,11 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         swarm.update_status(step=trainer.step, round=-1 if meta is None else meta["round"])
         swarm.announce()
         print(f"training experts {experts} of {cfg.moe.num_experts}, data partition {partition}", flush=True)
-        trainer.hooks.append(SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens))
+        sync = SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens, overlap=cfg.swarm.overlap)
+        trainer.hooks.append(sync)
         try:
             trainer.run(progress=progress)
+            sync.finish(trainer)
             swarm.linger()
         finally:  # also on Ctrl-C / SIGTERM, so the launcher's table shows what was done
             trainer.summary_extras = {

@@ -75,6 +75,7 @@ def _patch_child_spawns() -> None:
 
 
 _FORK_HOOK_INSTALLED = False
+DHT_REQUEST_TIMEOUT = 20.0  # seconds; a DHT get/store that takes longer is given up on
 
 
 def version_window(sw) -> float:
@@ -165,6 +166,7 @@ class Swarm:
         self.rounds: list[dict[str, Any]] = []
         self._last_versions: dict[str, dict] = {}  # the digests published in our last round, by peer
         self._planned_before: set[int] = set()  # experts the takeover plan gave us at the last boundary
+        self._most_holders: Counter = Counter()  # per expert, the most holders we have seen it have
         self._claimed: list[int] = []
         self.run_config = run_config_record(cfg)  # published once the model check passed
         self._published: list[tuple[str, dict[str, Any]]] = []
@@ -206,13 +208,22 @@ class Swarm:
             ) from None
 
     async def _get(self, key: str) -> dict[str, Any]:
-        return signed_values(await self.dht.get(key, latest=True, return_future=True))
+        """The signed values under ``key`` (bounded: a DHT request that never answers reads as empty)."""
+        try:
+            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_REQUEST_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("DHT read of %s timed out after %.0f s", key, DHT_REQUEST_TIMEOUT)
+            return {}
+        return signed_values(found)
 
     async def _store(self, key: str, value: dict[str, Any], ttl: float) -> None:
         """Write our own record under ``key``: signed, under our owner subkey, naming our peer id."""
         now = get_dht_time()
-        await self.dht.store(key, {**value, "peer_id": self.peer_id}, expiration_time=now + ttl,
-                             subkey=self.identity.owner, return_future=True)
+        try:
+            await asyncio.wait_for(self.dht.store(key, {**value, "peer_id": self.peer_id}, expiration_time=now + ttl,
+                                                  subkey=self.identity.owner, return_future=True), DHT_REQUEST_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("DHT write of %s timed out after %.0f s", key, DHT_REQUEST_TIMEOUT)
 
     # Membership ----------------------------------------------------------------------------
     def live_peers(self) -> dict[str, PeerRecord]:
@@ -274,7 +285,37 @@ class Swarm:
     def claim(self, experts: list[int]) -> None:
         """Publish our experts at once, so peers joining right after us see them covered."""
         self._claimed = list(experts)
+        with self._lock:
+            self.status.setdefault("claimed_at", get_dht_time())
         self.announce()
+
+    def settle_claim(self, experts: list[int], attempts: int = 3) -> list[int]:
+        """Resolve racing joins: peers that claimed at the same moment may have picked the same experts
+        and left others without a holder. A peer whose expert an earlier claimant (by claim time, then
+        peer id) also holds re-picks from the others' claims while some expert lacks holders; bounded
+        to ``attempts`` looks, one short wait each."""
+        cfg = self.cfg
+        if cfg.experts.placement in ("spes", "explicit"):
+            return experts
+        count, replicas = len(experts), cfg.swarm.replicas
+        for _ in range(attempts):
+            time.sleep(min(cfg.swarm.heartbeat, 1.5))
+            others = {p: r for p, r in self.live_peers().items() if p != self.peer_id}
+            ours = (self.status["claimed_at"], self.peer_id)
+            holders = Counter(e for r in others.values() for e in r.experts)
+            earlier = {e for p, r in others.items()
+                       if (float(r.extra.get("claimed_at", float("inf"))), p) < ours for e in r.experts}
+            clash = [e for e in experts if e in earlier and holders[e] >= replicas]
+            short = [e for e in range(cfg.moe.num_experts) if holders[e] < replicas and e not in experts]
+            if not clash or not short:
+                return experts
+            chosen = least_covered(holders, cfg.moe.num_experts, count, self.peer_id, replicas)
+            if chosen == sorted(experts):
+                return experts
+            log.info("experts %s were claimed first by another peer: training %s instead", clash, chosen)
+            experts = chosen
+            self.claim(experts)
+        return experts
 
     def attach(self, model) -> None:
         self.model = model
@@ -763,11 +804,18 @@ class Swarm:
         peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self._record())
         held = {p: set(r.experts) for p, r in peers.items()}
         for p, v in self._last_versions.items():
-            if p in held:
-                held[p] |= {int(e) for e in v["experts"]}
+            held.setdefault(p, set()).update(int(e) for e in v["experts"])
+        holders = Counter(e for es in held.values() for e in es)
+        for e, n in holders.items():
+            self._most_holders[e] = max(self._most_holders[e], n)
+        experts = [e for e, most in self._most_holders.items() if holders[e] < most]  # lost a holder
+        cfg = self.cfg
+        per_peer = cfg.swarm.experts_per_peer or cfg.moe.num_experts // cfg.peer.count
+        if len(held) * per_peer >= cfg.moe.num_experts * cfg.swarm.replicas:
+            experts = list(range(cfg.moe.num_experts))  # enough peers to cover all: a gap is a racing join's
         capacity = {p: int(r.extra["max_experts"]) for p, r in peers.items() if isinstance(r.extra.get("max_experts"), int)}
-        return plan_takeover({p: sorted(es) for p, es in held.items()}, capacity, self.cfg.moe.num_experts,
-                             self.cfg.swarm.replicas)
+        return plan_takeover({p: sorted(es) for p, es in held.items()}, capacity, cfg.moe.num_experts,
+                             cfg.swarm.replicas, experts=experts)
 
     def experts_to_take(self) -> list[int]:
         """Our part of the plan, once it gave them to us at two sync boundaries in a row: one slow

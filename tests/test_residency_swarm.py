@@ -54,12 +54,12 @@ def exported_expert_digests(hf_dir: Path, num_experts: int) -> dict[str, str]:
 
 
 def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
-    swarm = LocalSwarm(None, BASE + PARTIAL + ["train.max_steps=100"], peers=3, run_dir=tmp_path)
+    swarm = LocalSwarm(None, BASE + PARTIAL + ["train.max_steps=140"], peers=3, run_dir=tmp_path)
     try:
         swarm.start()
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not (
-            (tmp_path / "peer0" / "metrics.jsonl").exists() and len(rounds(tmp_path / "peer0")) >= 2
+        while time.monotonic() < deadline and not all(
+            (tmp_path / f"peer{i}" / "metrics.jsonl").exists() and len(rounds(tmp_path / f"peer{i}")) >= 3 for i in range(3)
         ):
             time.sleep(0.3)
         # no peer holds every expert, yet the full model can be assembled from the holders
@@ -136,6 +136,7 @@ def test_mixed_swarm_stays_consistent_and_a_dead_holders_experts_are_taken_over(
             time.sleep(0.3)
         assert len(rounds(tmp_path / "peer2")) >= 2, (tmp_path / "peer2.log").read_text()[-2000:]
         killed_step = last_step(tmp_path / "peer2")
+        victim_experts = {int(e) for e in rounds(tmp_path / "peer2")[max(rounds(tmp_path / "peer2"))]["expert_digests"]}
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
         # the inspector shows the coverage heal: the partial peer's takeover, and no expert left uncovered
@@ -144,7 +145,8 @@ def test_mixed_swarm_stays_consistent_and_a_dead_holders_experts_are_taken_over(
             healed, deadline = None, time.monotonic() + 180
             while healed is None and time.monotonic() < deadline:
                 snap = collect(dht, "local")
-                if any(p["experts_taken_over"] >= 2 for p in snap["peers"]) and all(c["holders"] for c in snap["coverage"]):
+                covered = all(snap["coverage"][e]["holders"] for e in victim_experts)
+                if any(p["experts_taken_over"] for p in snap["peers"]) and covered:
                     healed = snap
                 time.sleep(1.0)
         finally:
@@ -153,18 +155,17 @@ def test_mixed_swarm_stays_consistent_and_a_dead_holders_experts_are_taken_over(
     finally:
         swarm.stop()
     assert codes == [0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in (0, 1)]
-    assert healed is not None, "the inspector never showed a takeover with every expert covered"
-    assert [p["residency"] for p in healed["peers"] if p["experts_taken_over"] >= 2] == ["partial"]
+    assert healed is not None, "the inspector never showed a takeover covering the dead peer's experts"
+    assert [p["residency"] for p in healed["peers"] if p["experts_taken_over"]] == ["partial"]
     s0, s1 = swarm.summaries()[:2]
     taken = [r for r in records(tmp_path / "peer1") if "took_over" in r]
     assert taken, (tmp_path / "peer1.log").read_text()[-3000:]
     took = sorted(e for r in taken for e in r["took_over"])
     first_own = set(s1["local_experts"]) - set(took)
-    # it took over every expert that the full peer and its own first choice left uncovered (the dead
-    # peer's two, and any the racing joins left without a holder)
-    assert len(took) >= 2 and took == sorted(set(range(6)) - set(s0["local_experts"]) - first_own)
-    assert taken[-1]["step"] > killed_step
-    assert s1["experts_taken_over"] == len(took) and set(s0["local_experts"]) | set(s1["local_experts"]) == set(range(6))
+    # it took over exactly the dead peer's experts that neither the full peer nor its own first choice hold
+    assert took and took == sorted(victim_experts - set(s0["local_experts"]) - first_own)
+    assert taken[0]["step"] > killed_step
+    assert s1["experts_taken_over"] == len(took) and victim_experts <= set(s0["local_experts"]) | set(s1["local_experts"])
     # the partial peer holds exactly its experts, those it took over included
     assert s1["memory"]["parameters"]["local_experts"] == len(s1["local_experts"]) * EXPERT_BYTES
     assert s1["memory"]["parameters"]["frozen_experts"] == 0

@@ -85,10 +85,62 @@ def test_nesterov_outer_step_follows_diloco():
     assert Swarm._outer_step(state, "shared", averaged) is averaged
 
 
+class _SlowRound:
+    """A stand-in for Swarm whose round sets every weight of the model it is given to 1.0, slowly."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.stats, self.seen = model, {"steps_skipped": 0}, []
+
+    def update_status(self, **fields) -> None:
+        pass
+
+    def experts_to_take(self) -> list[int]:
+        return []
+
+    def sync(self, round_no: int, step: int, weight: float) -> dict:
+        self.seen.append(self.model)
+        time.sleep(0.3)
+        with torch.no_grad():
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                t.fill_(1.0)
+        ok = {"ok": True, "members": 2, "group_id": "g"}
+        return {"round": round_no, "step": step, "seconds": 0.3, "groups": {"shared": ok}, "bytes_sent": 0,
+                "bytes_received": 0, "downloaded_bytes": 0, "served_bytes": 0, "reducer_in_bytes": 0,
+                "reducer_out_bytes": 0, "refreshed": 0, "refresh_missed": 0, "orphaned": [], "orphans_agreed": 0,
+                "versions_missing": 0, "shared_digest": "d", "expert_digests": {}}
+
+
+def test_overlapped_round_adds_its_change_to_the_progress_made_meanwhile():
+    from p2p_spes.peer import SwarmSync
+
+    model = torch.nn.Linear(3, 2)
+    logged = []
+    trainer = SimpleNamespace(model=model, step=10, tokens=100, last_metrics={"loss": 1.0},
+                              cfg=SimpleNamespace(train=SimpleNamespace(max_steps=40)), log_record=logged.append)
+    swarm = _SlowRound(model)
+    hook = SwarmSync(swarm, sync_steps=10, overlap=True)
+    at_boundary = [p.detach().clone() for p in model.parameters()]
+    hook(trainer)  # step 10: the round starts in the background, on a copy
+    assert swarm.seen[0] is not model and swarm.model is not model
+    with torch.no_grad():  # training goes on meanwhile
+        for p in model.parameters():
+            p.add_(0.5)
+    trainer.step = 11
+    time.sleep(0.6)
+    hook(trainer)  # the round is over: theta = live + (round result - theta at the boundary)
+    assert swarm.model is model and logged and logged[0]["overlapped_steps"] == 1
+    for p, before in zip(model.parameters(), at_boundary):
+        torch.testing.assert_close(p, before + 0.5 + (1.0 - before))
+    trainer.step = 40  # the last step's round runs in the foreground, on the live weights
+    hook(trainer)
+    assert swarm.seen[-1] is model and all(bool((p == 1.0).all()) for p in model.parameters())
+
+
 def test_swarm_trains_syncs_merges_and_ends_identical(tmp_path):
-    # the shared group of three runs the robust centered_clip rule: members still end bit-identical
+    # the shared group of three runs the robust centered_clip rule, and its rounds overlap training:
+    # members still end bit-identical
     swarm = LocalSwarm(None, SMALL + ["train.max_steps=90", "swarm.merge_interval=20", "swarm.outer_optimizer=nesterov",
-                                      "swarm.aggregation=centered_clip"],
+                                      "swarm.aggregation=centered_clip", "swarm.overlap=true"],
                        peers=3, run_dir=tmp_path)
     try:
         swarm.start()
