@@ -246,8 +246,6 @@ class GroupAllReduce:
                         weight=float(weight) if j == 0 else 0.0, tensor_part=c,
                     )
 
-
-
             reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self._contribute_name, messages(),
                                                          averaging_pb2.AveragingData)
             if reply.code != OK:
@@ -257,7 +255,6 @@ class GroupAllReduce:
             if peer == self.peer_id:
                 await part.done.wait()
                 return part.result
-
 
             stream = await self.p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer), self._fetch_name, averaging_pb2.AveragingData(group_id=keys[i]),

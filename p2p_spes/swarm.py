@@ -624,8 +624,11 @@ class Swarm:
         shared_res = self.call(self.reducer.run(round_no, "shared", flat, weight, set(peers)))
         report["groups"]["shared"] = self._apply(shared_res, [p for _, p in shared_items], "shared", flat)
 
+        # a peer that missed the shared group is dead, frozen or late: waiting for it in every expert
+        # group would cost one join window per expert, so the expert groups expect only its members
+        present = set(shared_res.members) if shared_res.ok else set(peers)
         for e in self.model.local_experts:
-            holders = {p for p, r in peers.items() if e in r.experts}
+            holders = {p for p, r in peers.items() if e in r.experts and p in present} | {self.peer_id}
             tensors = self._expert_tensors(e)
             flat = flatten(tensors)
             if len(holders) <= 1:  # a lone holder's copy is the truth

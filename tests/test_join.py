@@ -133,8 +133,13 @@ def test_bootstrap_keeps_its_multiaddr_and_a_volunteer_trains_with_the_config_it
 
 
 def test_volunteer_joins_a_live_run_the_inspector_sees_it_and_ctrl_c_leaves_cleanly(tmp_path):
-    """Only a peer's multiaddr; the inspector's JSON lists both peers, then the coverage changes on leaving."""
-    overrides = SMALL + ["train.max_steps=100000", "swarm.heartbeat=1", "swarm.experts_per_peer=3"]
+    """Only a peer's multiaddr; the inspector's JSON lists both peers, then the coverage changes on leaving.
+
+    ``max_experts_per_peer=3`` leaves the stayer no spare capacity, so it cannot heal the gap
+    (test_healing covers that) and the departed peer's experts stay flagged.
+    """
+    overrides = SMALL + ["train.max_steps=100000", "swarm.heartbeat=1", "swarm.experts_per_peer=3",
+                         "swarm.max_experts_per_peer=3"]
     swarm = LocalSwarm(None, overrides, peers=1, run_dir=tmp_path / "swarm", run_id="watch")
     dht = volunteer = None
     try:
@@ -146,7 +151,7 @@ def test_volunteer_joins_a_live_run_the_inspector_sees_it_and_ctrl_c_leaves_clea
         def both_synced():
             snap = collect(dht, "watch")
             done = len(snap["peers"]) == 2 and any(r["participants"] == 2 for r in snap["rounds"])
-            return snap if done else None
+            return snap if done and all(p["rounds_joined"] >= 1 for p in snap["peers"]) else None
 
         snap = wait_for(both_synced, 240, "the volunteer in a sync round, seen by the inspector", volunteer,
                         tmp_path / "vol" / "peer.log")
