@@ -26,6 +26,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from hivemind.p2p import PeerID
@@ -204,8 +205,12 @@ class GroupAllReduce:
         cutoff = min(times.values()) + self.matchmaking_time
         return sorted(p for p, t in times.items() if t <= cutoff)
 
-    async def run(self, round_no: int, group: str, tensor: torch.Tensor, weight: float, expected: set[str]) -> GroupResult:
-        """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``."""
+    async def run(self, round_no: int, group: str, tensor: torch.Tensor, weight: float, expected: set[str],
+                  on_members: Callable[[], None] | None = None) -> GroupResult:
+        """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``.
+
+        ``on_members`` is called once the membership is decided (or matchmaking failed).
+        """
         t0 = time.monotonic()
         try:
             members = await self._members(group_key(self.run_id, round_no, group), set(expected) | {self.peer_id}, weight)
@@ -214,6 +219,9 @@ class GroupAllReduce:
             result.error, result.seconds = "the DHT did not answer during matchmaking", time.monotonic() - t0
             log.warning("round %d group %s failed: %s", round_no, group, result.error)
             return result
+        finally:
+            if on_members is not None:
+                on_members()
         result = GroupResult(None, members)
         if self.peer_id not in members:
             result.error = "arrived after the group closed"

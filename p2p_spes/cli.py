@@ -57,6 +57,41 @@ def _config_from_swarm(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from p2p_spes.distributed import node_from_env
+
+    node = node_from_env()  # under torchrun: one peer of several processes
+    try:
+        if node is not None and not node.main:
+            return _follow(node, node.send_json())
+        return _train(args, node)
+    finally:
+        if node is not None:
+            node.close()
+
+
+def _follow(node, order: dict) -> int:
+    """A rank > 0 under torchrun: rank 0 sent the config and what it does with it."""
+    from p2p_spes.config import load_config
+    from p2p_spes.peer import run_follower
+    from p2p_spes.train import Trainer
+
+    cfg = load_config(None, data=order["config"])
+    if order["swarm"]:
+        run_follower(cfg, cfg.train.run_dir, node, resume=order["resume"])
+        return 0
+    from p2p_spes.distributed import NodeSync
+
+    trainer = Trainer(cfg, node=node)
+    if order["resume"] is not None:
+        trainer.resume(None if order["resume"] == "auto" else order["resume"])
+    follow = NodeSync(node, cfg.moe.num_experts)
+    follow.start(trainer)
+    trainer.hooks.append(follow)
+    trainer.run(progress=False)
+    return 0
+
+
+def _train(args: argparse.Namespace, node) -> int:
     from p2p_spes.train import Trainer
 
     cfg = _config_from_swarm(args) if args.config_from_swarm else _load(args)
@@ -72,21 +107,33 @@ def cmd_train(args: argparse.Namespace) -> int:
         sw.identity_path = args.identity
     if args.secret_file:
         sw.secret_file = args.secret_file
-    if args.swarm or sw.initial_peers:
+    swarm = bool(args.swarm or sw.initial_peers)
+    if node is not None:
+        if sw.overlap and swarm:
+            raise ConfigError("swarm.overlap is not supported with several processes per peer (torchrun); "
+                              "leave it false")
+        node.send_json({"config": cfg.to_dict(), "swarm": swarm, "resume": args.resume})
+    if swarm:
         from p2p_spes.peer import run_peer
 
-        summary = run_peer(cfg, cfg.train.run_dir, progress=not args.no_progress, resume=args.resume)
+        summary = run_peer(cfg, cfg.train.run_dir, progress=not args.no_progress, resume=args.resume, node=node)
         print(f"done: step {summary['step']}, final train loss {summary['final_train_loss']:.3f}, val loss "
               f"{summary['final_val_loss']:.3f}, rounds joined {summary.get('rounds_joined')}, "
               f"bytes sent {summary.get('bytes_sent'):,} received {summary.get('bytes_received'):,}")
         return 0
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, node=node)
     if args.resume:
         resumed = trainer.resume(None if args.resume == "auto" else args.resume)
         if not resumed and args.resume != "auto":
             raise CheckpointError(f"--resume {args.resume}: no checkpoint found")
         if resumed:
             print(f"resumed at step {trainer.step}", file=sys.stderr)
+    if node is not None:
+        from p2p_spes.distributed import NodeSync
+
+        lead = NodeSync(node, cfg.moe.num_experts)
+        lead.start(trainer)
+        trainer.hooks.append(lead)
     (trainer.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     summary = trainer.run(progress=not args.no_progress)
     mem = summary["memory"]

@@ -23,8 +23,8 @@ from p2p_spes.experts import SwiGLUExperts
 from p2p_spes.moe import RouterStats
 
 INSTALL_HINT = (
-    "install it on a CUDA machine with `bash launch/install-megablocks.sh` (or `pip install "
-    "'p2p-spes[gpu]'`), or set moe.impl=torch to use the pure-PyTorch backend"
+    "install it on a CUDA machine with `pip install 'p2p-spes[gpu]'`, or set moe.impl=torch to use the "
+    "pure-PyTorch backend"
 )
 
 

@@ -15,17 +15,13 @@ import torch
 
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state
 from p2p_spes.config import Config
+from p2p_spes.distributed import Node, NodeSync, model_tensors
 from p2p_spes.errors import CheckpointError
 from p2p_spes.healing import take_on_experts
 from p2p_spes.swarm import Swarm
 from p2p_spes.train import Trainer
 
 log = logging.getLogger(__name__)
-
-
-def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer (frozen experts are buffers), in an order a deep copy shares."""
-    return [*model.parameters(), *model.buffers()]
 
 
 class _Background:
@@ -61,13 +57,16 @@ class SwarmSync:
     weights: theta = theta_live + (theta_round - theta_t), i.e. the averaged result plus the local
     progress made meanwhile (the delayed outer update of Streaming DiLoCo). It costs two extra copies
     of the weights (not of the optimizer state). A round still running at the next boundary, or at
-    the last step, is waited for.
+    the last step, is waited for. Training resumes only once the shared group's membership is
+    decided: the matchmaking window is where a peer ahead waits for the others, and skipping that
+    wait would let a phase lag between peers persist and every group miss its late members.
     """
 
     def __init__(self, swarm: Swarm, sync_steps: int, tokens: int = 0, overlap: bool = False) -> None:
         self.swarm, self.sync_steps, self.overlap = swarm, sync_steps, overlap
         self.tokens_at_last_sync = tokens  # a resumed peer weighs only what it trained since
         self._pending: tuple[_Background, torch.nn.Module, list[torch.Tensor]] | None = None
+        self.rounds_applied = 0  # rounds whose result reached the live weights (NodeSync watches it)
 
     def __call__(self, trainer: Trainer) -> None:
         m = trainer.last_metrics
@@ -88,10 +87,14 @@ class SwarmSync:
 
     def _start(self, trainer: Trainer, round_no: int, weight: int) -> None:
         shadow = copy.deepcopy(trainer.model)
-        base = [t.detach().clone() for t in _weights(shadow)]
+        base = [t.detach().clone() for t in model_tensors(shadow)]
         self.swarm.model = shadow  # the round reads, averages, serves and writes the copy
         step = trainer.step
-        self._pending = (_Background(lambda: self.swarm.sync(round_no, step, weight)), shadow, base)
+        joined = threading.Event()
+        job = _Background(lambda: self.swarm.sync(round_no, step, weight, on_joined=joined.set))
+        self._pending = (job, shadow, base)
+        while not joined.wait(0.05) and not job.done():
+            pass
 
     def finish(self, trainer: Trainer) -> None:
         """Wait for a background round, if any, and add its change to the live weights."""
@@ -104,12 +107,13 @@ class SwarmSync:
         finally:
             self.swarm.model = trainer.model
         with torch.no_grad():
-            for live, after, before in zip(_weights(trainer.model), _weights(shadow), base):
+            for live, after, before in zip(model_tensors(trainer.model), model_tensors(shadow), base):
                 if live.is_floating_point():
                     live.add_(after.to(live.device) - before.to(live.device))
         self._after(trainer, report)
 
     def _after(self, trainer: Trainer, report: dict[str, Any]) -> None:
+        self.rounds_applied += 1
         groups = report["groups"]
         trainer.log_record({
             "sync_round": report["round"], "step": trainer.step, "sync_seconds": round(report["seconds"], 3),
@@ -209,13 +213,33 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: str | None = None) -> dict[str, Any]:
+def run_follower(cfg: Config, run_dir: str | Path, node: Node, resume: str | None = None) -> dict[str, Any]:
+    """A rank > 0 of a multi-process peer (distributed.py): train beside rank 0, never touch the swarm.
+
+    Mirrors :func:`run_peer`'s collectives in order: the experts and data partition rank 0 chose,
+    the same checkpoint file, then rank 0's weights and step, then one control message per step.
+    """
+    run_dir = Path(run_dir)
+    checkpoint, _ = _own_checkpoint(run_dir, resume, cfg)
+    plan = node.send_json()
+    trainer = Trainer(cfg, run_dir=run_dir, local_experts=plan["experts"], data_partition=plan["partition"], node=node)
+    if checkpoint is not None:
+        trainer.resume(checkpoint)
+    follow = NodeSync(node, cfg.moe.num_experts)
+    follow.start(trainer)
+    trainer.hooks.append(follow)
+    return trainer.run(progress=False)
+
+
+def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: str | None = None,
+             node: Node | None = None) -> dict[str, Any]:
     """Join the swarm named by ``cfg.swarm`` and train to ``train.max_steps``; returns the summary.
 
     With ``resume`` ("auto" or a checkpoint path) a restarting peer takes back the experts, optimizer
     state and data position of its own checkpoint; the weights then come from the live peers (they
     moved on meanwhile), or stay those of the checkpoint when no peer is left, so a whole swarm that
-    went down restarts from its checkpoints.
+    went down restarts from its checkpoints. With ``node`` this is rank 0 of a multi-process peer
+    whose other ranks run :func:`run_follower`.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -234,7 +258,9 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         swarm.claim(experts)
         if not saved:
             experts = swarm.settle_claim(experts)
-        trainer = Trainer(cfg, run_dir=run_dir, local_experts=experts, data_partition=partition)
+        if node is not None:
+            node.send_json({"experts": experts, "partition": partition})
+        trainer = Trainer(cfg, run_dir=run_dir, local_experts=experts, data_partition=partition, node=node)
         if checkpoint is not None:
             trainer.resume(checkpoint)
             print(f"resumed from {checkpoint} at step {trainer.step}", flush=True)
@@ -249,6 +275,10 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         print(f"training experts {experts} of {cfg.moe.num_experts}, data partition {partition}", flush=True)
         sync = SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens, overlap=cfg.swarm.overlap)
         trainer.hooks.append(sync)
+        if node is not None:
+            lead = NodeSync(node, cfg.moe.num_experts, changes=lambda: sync.rounds_applied)
+            lead.start(trainer)
+            trainer.hooks.append(lead)
         try:
             trainer.run(progress=progress)
             sync.finish(trainer)

@@ -608,8 +608,20 @@ class Swarm:
         return fetched
 
     # Sync ----------------------------------------------------------------------------------
-    def sync(self, round_no: int, step: int, weight: float) -> dict[str, Any]:
-        """One round: shared group, expert groups, digests, refresh of frozen experts, merge."""
+    def sync(self, round_no: int, step: int, weight: float,
+             on_joined: Callable[[], None] | None = None) -> dict[str, Any]:
+        """One round: shared group, expert groups, digests, refresh of frozen experts, merge.
+
+        ``on_joined`` is called once the shared group's membership is decided (an overlapped round
+        lets training go on only from then: see ``SwarmSync``).
+        """
+        try:
+            return self._sync(round_no, step, weight, on_joined)
+        finally:
+            if on_joined is not None:
+                on_joined()  # also when the round failed before matchmaking
+
+    def _sync(self, round_no: int, step: int, weight: float, on_joined: Callable[[], None] | None) -> dict[str, Any]:
         t0 = time.monotonic()
         downloaded0, served0 = self.stats["bytes_received"], self.stats["bytes_served"]
         reduced_in0, reduced_out0 = self.reducer.served_in, self.reducer.served_out
@@ -621,7 +633,7 @@ class Swarm:
 
         shared_items = self._shared_items()
         flat = flatten(p for _, p in shared_items)
-        shared_res = self.call(self.reducer.run(round_no, "shared", flat, weight, set(peers)))
+        shared_res = self.call(self.reducer.run(round_no, "shared", flat, weight, set(peers), on_members=on_joined))
         report["groups"]["shared"] = self._apply(shared_res, [p for _, p in shared_items], "shared", flat)
 
         # a peer that missed the shared group is dead, frozen or late: waiting for it in every expert

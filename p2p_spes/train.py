@@ -20,6 +20,7 @@ from tqdm import tqdm
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, load_checkpoint, read_state, save_checkpoint
 from p2p_spes.config import Config
 from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
+from p2p_spes.distributed import Node
 from p2p_spes.errors import CheckpointError, ConfigError
 from p2p_spes.memory import measure_memory
 from p2p_spes.model import MoETransformer
@@ -66,14 +67,17 @@ class Trainer:
         hooks: list[StepHook] | None = None,
         local_experts: list[int] | None = None,
         data_partition: int | None = None,
+        node: Node | None = None,
     ) -> None:
         self.cfg = cfg
+        self.node = node  # several processes per peer (distributed.py); rank 0 logs and saves
+        self.is_main = node is None or node.main
         tr = cfg.train
         self.run_dir = Path(run_dir or tr.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if tr.threads:
             torch.set_num_threads(tr.threads)
-        self.device = resolve_device(tr.device)
+        self.device = node.device(tr.device) if node else resolve_device(tr.device)
         use_bf16 = tr.dtype == "bf16" or (tr.dtype == "auto" and self.device.type == "cuda")
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
         self.hooks = list(hooks or [])
@@ -90,10 +94,12 @@ class Trainer:
         vocab = cfg.model.vocab_size
         self.train_data = TokenDataset(train_dir, vocab_size=vocab, tokenizer=tokenizer, verify=cfg.data.verify)
         self.val_data = TokenDataset(val_dir, vocab_size=vocab, tokenizer=tokenizer, verify=cfg.data.verify)
-        self.loader = BatchLoader(
+        partition = cfg.peer.index if data_partition is None else data_partition
+        rank, world = (node.rank, node.world) if node else (0, 1)
+        self.world = world
+        self.loader = BatchLoader(  # rank r of a node reads slice r of its peer's partition
             self.train_data, cfg.model.max_seq_len, tr.batch_size,
-            seed=cfg.data.seed, peer_index=cfg.peer.index if data_partition is None else data_partition,
-            num_peers=cfg.peer.count,
+            seed=cfg.data.seed, peer_index=partition * world + rank, num_peers=cfg.peer.count * world,
         )
         self.val_batches = validation_batches(self.val_data, cfg.model.max_seq_len, tr.batch_size, tr.eval_batches)
 
@@ -115,7 +121,9 @@ class Trainer:
             "val_loss": self.val_loss,
         }
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        if not self.is_main:
+            return None
         path = save_checkpoint(
             self.run_dir, self.step, self.model, self.optimizer, self.trainer_state(), keep=self.cfg.train.keep_checkpoints
         )
@@ -188,13 +196,15 @@ class Trainer:
                 parts[k] = parts.get(k, 0.0) + v / tr.grad_accum
             skips = [a + b / tr.grad_accum for a, b in zip(skips, self.model.skip_rates)]
         params = [p for _, p in trainable_parameters(self.model)]
+        if self.node is not None:
+            self.node.average_gradients(params)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tr.grad_clip if tr.grad_clip > 0 else math.inf))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
-        step_tokens = tr.batch_size * tr.grad_accum * self.cfg.model.max_seq_len
+        step_tokens = tr.batch_size * tr.grad_accum * self.cfg.model.max_seq_len * self.world  # the whole peer's
         self.step += 1
         self.tokens += step_tokens
         self.last_metrics = {
@@ -219,13 +229,15 @@ class Trainer:
     # Loop ------------------------------------------------------------------------------------
     def log_record(self, record: dict[str, Any]) -> None:
         """Append one JSON line to ``metrics.jsonl`` (steps, and sync rounds from the swarm), wall-clock stamped."""
+        if not self.is_main:
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
 
     def run(self, progress: bool = True) -> dict[str, Any]:
         """Train to ``max_steps`` (from wherever the trainer stands) and write ``summary.json``."""
         tr = self.cfg.train
-        bar = tqdm(total=tr.max_steps, initial=self.step, disable=not progress, desc="train", unit="step")
+        bar = tqdm(total=tr.max_steps, initial=self.step, disable=not (progress and self.is_main), desc="train", unit="step")
         try:
             while self.step < tr.max_steps:
                 metrics = self.train_step()
@@ -233,7 +245,7 @@ class Trainer:
                     self.first_loss = metrics["loss"]
                 for hook in self.hooks:
                     hook(self)
-                if self.step % tr.eval_interval == 0 or self.step == tr.max_steps:
+                if self.is_main and (self.step % tr.eval_interval == 0 or self.step == tr.max_steps):
                     metrics["val_loss"] = self.evaluate()
                 if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
                     self.log_record(metrics)
@@ -262,5 +274,11 @@ class Trainer:
             "memory": measure_memory(self.model, self.optimizer).to_dict(),
             **self.summary_extras,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if self.node is not None:  # one line per rank: equal digests mean the ranks stayed identical
+            node = {"rank": self.node.rank, "world": self.node.world, "step": self.step,
+                    "local_experts": self.model.local_experts, "digest": self.node.digest(self.model)}
+            (self.run_dir / f"node-rank{self.node.rank}.json").write_text(json.dumps(node))
+            summary["node"] = node
+        if self.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

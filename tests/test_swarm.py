@@ -97,8 +97,10 @@ class _SlowRound:
     def experts_to_take(self) -> list[int]:
         return []
 
-    def sync(self, round_no: int, step: int, weight: float) -> dict:
+    def sync(self, round_no: int, step: int, weight: float, on_joined=None) -> dict:
         self.seen.append(self.model)
+        if on_joined is not None:  # the group is decided at once; the averaging itself is slow
+            on_joined()
         time.sleep(0.3)
         with torch.no_grad():
             for t in [*self.model.parameters(), *self.model.buffers()]:
