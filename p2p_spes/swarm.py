@@ -452,11 +452,15 @@ class Swarm:
         return meta, tensors
 
     def download(self, peer: str, uid: str, like: list[torch.Tensor], attempts: int = 4) -> tuple[dict, list[torch.Tensor]]:
-        """Fetch ``uid`` from ``peer``, retrying briefly: a fresh libp2p dial can be refused once."""
+        """Fetch ``uid`` from ``peer``, retrying briefly: a fresh libp2p dial can be refused once.
+
+        A peer that did not answer within ``averaging_timeout`` is not asked again: it is frozen or
+        gone, and a retry would only hold the round up for another timeout.
+        """
         for attempt in range(attempts):
             try:
                 return self.call(asyncio.wait_for(self._download(peer, uid, like), self.cfg.swarm.averaging_timeout))
-            except TransportError:
+            except (TransportError, asyncio.TimeoutError):
                 raise
             except Exception as exc:
                 if attempt == attempts - 1:

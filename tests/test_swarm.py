@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from p2p_spes.local_swarm import LocalSwarm
@@ -110,6 +113,40 @@ class _SlowRound:
                 "bytes_received": 0, "downloaded_bytes": 0, "served_bytes": 0, "reducer_in_bytes": 0,
                 "reducer_out_bytes": 0, "refreshed": 0, "refresh_missed": 0, "orphaned": [], "orphans_agreed": 0,
                 "versions_missing": 0, "shared_digest": "d", "expert_digests": {}}
+
+
+def test_download_retries_a_refused_dial_but_not_a_peer_that_never_answers():
+    """A frozen holder costs one timeout, not one per attempt (a retry would only stall the round)."""
+    swarm = Swarm.__new__(Swarm)
+    swarm.cfg = SimpleNamespace(swarm=SimpleNamespace(averaging_timeout=0.3))
+    swarm.loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=swarm.loop.run_forever, daemon=True)
+    thread.start()
+    calls = []
+
+    async def silent(peer, uid, like):
+        calls.append(peer)
+        await asyncio.sleep(60)
+
+    async def refused_once(peer, uid, like):
+        calls.append(peer)
+        if len(calls) == 1:
+            raise ConnectionRefusedError("dial backoff")
+        return {"digest": "d"}, []
+
+    try:
+        swarm._download = silent
+        start = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            swarm.download("frozen", "expert:1", [], attempts=3)
+        assert calls == ["frozen"] and time.monotonic() - start < 1.5
+        calls.clear()
+        swarm._download = refused_once
+        assert swarm.download("slow-dialer", "expert:1", [], attempts=3) == ({"digest": "d"}, [])
+        assert calls == ["slow-dialer", "slow-dialer"]
+    finally:
+        swarm.loop.call_soon_threadsafe(swarm.loop.stop)
+        thread.join(timeout=5)
 
 
 def test_overlapped_round_adds_its_change_to_the_progress_made_meanwhile():
