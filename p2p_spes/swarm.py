@@ -641,8 +641,11 @@ class Swarm:
         report["groups"]["shared"] = self._apply(shared_res, [p for _, p in shared_items], "shared", flat)
 
         # a peer that missed the shared group is dead, frozen or late: waiting for it in every expert
-        # group would cost one join window per expert, so the expert groups expect only its members
-        present = set(shared_res.members) if shared_res.ok else set(peers)
+        # group would cost one join window per expert, so the expert groups expect only its members.
+        # When we are the late one (the group closed without us), its members expect nobody else.
+        late = not shared_res.ok and bool(shared_res.members) and self.peer_id not in shared_res.members
+        shared_members = set(shared_res.members) if shared_res.ok or late else set(peers)
+        present = {self.peer_id} if late else shared_members
         for e in self.model.local_experts:
             holders = {p for p, r in peers.items() if e in r.experts and p in present} | {self.peer_id}
             tensors = self._expert_tensors(e)
@@ -663,14 +666,13 @@ class Swarm:
         self.call(self._store(version_key(self.run_id, round_no), mine, ttl=sw.record_ttl))
         # wait for the digests of the peers that took part in this round; a peer that did not join the
         # shared group is dead or late, and waiting for it would only slow everyone down
-        shared_members = set(shared_res.members) if shared_res.ok else set(peers)
         versions = self._wait_versions(round_no, shared_members)
         report["versions_missing"] = len(shared_members - set(versions))
         if not report["groups"]["shared"]["ok"] and not report["groups"]["shared"].get("refused"):
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
         # choose versions from the shared group's members first: a late peer (thawed, or out of its group)
         # publishes a digest some members see and others do not, and must not tip anyone's choice
-        agreed = {p: v for p, v in versions.items() if p in shared_members} if shared_res.ok else versions
+        agreed = {p: v for p, v in versions.items() if p in shared_members} if shared_res.ok or late else versions
         self._last_versions = versions
         frozen = [e for e in held if e not in self.model.local_experts]  # none in partial residency
         report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions, agreed)
