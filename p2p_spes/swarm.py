@@ -646,15 +646,20 @@ class Swarm:
         late = not shared_res.ok and bool(shared_res.members) and self.peer_id not in shared_res.members
         shared_members = set(shared_res.members) if shared_res.ok or late else set(peers)
         present = {self.peer_id} if late else shared_members
-        for e in self.model.local_experts:
-            holders = {p for p, r in peers.items() if e in r.experts and p in present} | {self.peer_id}
-            tensors = self._expert_tensors(e)
-            flat = flatten(tensors)
-            if len(holders) <= 1:  # a lone holder's copy is the truth
-                res = GroupResult(flat, [self.peer_id])
-            else:
-                res = self.call(self.reducer.run(round_no, f"expert{e}", flat, weight, holders))
-            report["groups"][f"expert{e}"] = self._apply(res, tensors, f"expert:{e}", flat)
+        # all expert groups at once: they share one join window and one deadline, where one after
+        # another a member that froze mid-round would cost a window or a timeout per expert
+        flats = {e: flatten(self._expert_tensors(e)) for e in self.model.local_experts}
+        groups = {e: {p for p, r in peers.items() if e in r.experts and p in present} | {self.peer_id} for e in flats}
+        pooled = [e for e in flats if len(groups[e]) > 1]  # a lone holder's copy is the truth
+
+        async def expert_groups() -> list[GroupResult]:
+            return await asyncio.gather(*(
+                self.reducer.run(round_no, f"expert{e}", flats[e], weight, groups[e]) for e in pooled))
+
+        results = dict(zip(pooled, self.call(expert_groups()))) if pooled else {}
+        for e, flat in flats.items():
+            res = results[e] if e in results else GroupResult(flat, [self.peer_id])
+            report["groups"][f"expert{e}"] = self._apply(res, self._expert_tensors(e), f"expert:{e}", flat)
 
         self._take_snapshot(round_no, step)
         # experts no live peer trains: every peer keeps a copy, and the copies must agree
