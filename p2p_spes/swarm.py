@@ -644,7 +644,8 @@ class Swarm:
         # group would cost one join window per expert, so the expert groups expect only its members.
         # When we are the late one (the group closed without us), its members expect nobody else.
         late = not shared_res.ok and bool(shared_res.members) and self.peer_id not in shared_res.members
-        shared_members = set(shared_res.members) if shared_res.ok or late else set(peers)
+        decided = shared_res.ok or late  # the shared group's membership is the round's, with or without us
+        shared_members = set(shared_res.members) if decided else set(peers)
         present = {self.peer_id} if late else shared_members
         # all expert groups at once: they share one join window and one deadline, where one after
         # another a member that froze mid-round would cost a window or a timeout per expert
@@ -677,7 +678,7 @@ class Swarm:
             report["adopted_shared_from"] = self._adopt_shared(round_no, versions)
         # choose versions from the shared group's members first: a late peer (thawed, or out of its group)
         # publishes a digest some members see and others do not, and must not tip anyone's choice
-        agreed = {p: v for p, v in versions.items() if p in shared_members} if shared_res.ok or late else versions
+        agreed = {p: v for p, v in versions.items() if p in shared_members} if decided else versions
         self._last_versions = versions
         frozen = [e for e in held if e not in self.model.local_experts]  # none in partial residency
         report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions, agreed)
