@@ -84,9 +84,7 @@ def _follow(node, order: dict) -> int:
     trainer = Trainer(cfg, node=node)
     if order["resume"] is not None:
         trainer.resume(None if order["resume"] == "auto" else order["resume"])
-    follow = NodeSync(node, cfg.moe.num_experts)
-    follow.start(trainer)
-    trainer.hooks.append(follow)
+    NodeSync.attach(node, trainer)
     trainer.run(progress=False)
     return 0
 
@@ -131,9 +129,7 @@ def _train(args: argparse.Namespace, node) -> int:
     if node is not None:
         from p2p_spes.distributed import NodeSync
 
-        lead = NodeSync(node, cfg.moe.num_experts)
-        lead.start(trainer)
-        trainer.hooks.append(lead)
+        NodeSync.attach(node, trainer)
     (trainer.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     summary = trainer.run(progress=not args.no_progress)
     mem = summary["memory"]

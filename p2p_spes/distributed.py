@@ -132,6 +132,14 @@ class NodeSync:
         self.node, self.num_experts, self.changes = node, num_experts, changes
         self._seen = changes() if changes else 0
 
+    @classmethod
+    def attach(cls, node: Node, trainer: Any, changes: Callable[[], int] | None = None) -> "NodeSync":
+        """Bring every rank to rank 0's state now, then keep them there after every step."""
+        hook = cls(node, trainer.cfg.moe.num_experts, changes)
+        hook.start(trainer)
+        trainer.hooks.append(hook)
+        return hook
+
     def start(self, trainer: Any) -> None:
         """Before the first step: rank 0's step and weights (after resuming or catching up) everywhere."""
         self._exchange(trainer, force=True)

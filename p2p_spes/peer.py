@@ -225,9 +225,7 @@ def run_follower(cfg: Config, run_dir: str | Path, node: Node, resume: str | Non
     trainer = Trainer(cfg, run_dir=run_dir, local_experts=plan["experts"], data_partition=plan["partition"], node=node)
     if checkpoint is not None:
         trainer.resume(checkpoint)
-    follow = NodeSync(node, cfg.moe.num_experts)
-    follow.start(trainer)
-    trainer.hooks.append(follow)
+    NodeSync.attach(node, trainer)
     return trainer.run(progress=False)
 
 
@@ -276,9 +274,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         sync = SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens, overlap=cfg.swarm.overlap)
         trainer.hooks.append(sync)
         if node is not None:
-            lead = NodeSync(node, cfg.moe.num_experts, changes=lambda: sync.rounds_applied)
-            lead.start(trainer)
-            trainer.hooks.append(lead)
+            NodeSync.attach(node, trainer, changes=lambda: sync.rounds_applied)
         try:
             trainer.run(progress=progress)
             sync.finish(trainer)
