@@ -683,7 +683,10 @@ class Swarm:
         frozen = [e for e in held if e not in self.model.local_experts]  # none in partial residency
         report["refreshed"], report["refresh_missed"] = self._refresh_experts(peers, frozen, versions, agreed)
         report["orphaned"] = orphaned
-        report["orphans_agreed"] = self._agree_on_copies([e for e in orphaned if e in held], agreed)
+        # an expert a peer trained this round is not orphaned, even if its record came too late for
+        # our snapshot of the live peers (a joiner): its holder's version, refreshed above, stands
+        trained = {e for v in versions.values() for e in v["experts"]}
+        report["orphans_agreed"] = self._agree_on_copies([e for e in orphaned if e in held and str(e) not in trained], agreed)
 
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
