@@ -20,8 +20,10 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from dht.auth import RunAuth
-from dht.records import run_config_key, signed_values
-from p2p_spes.config import Config, load_config
+from dht.keys import run_config_key
+from dht.node import start_dht
+from dht.records import signed_values
+from p2p_spes.config import Config, load_config, parse_override
 from p2p_spes.errors import ConfigError, SwarmError
 
 # (section, key) pairs a peer may set for itself; None as key: the whole section.
@@ -29,7 +31,7 @@ LOCAL_SETTINGS: tuple[tuple[str, str | None], ...] = (
     ("train", "device"), ("train", "dtype"),
     ("train", "run_dir"), ("train", "threads"), ("train", "log_interval"), ("train", "eval_interval"),
     ("train", "eval_batches"), ("train", "checkpoint_interval"), ("train", "keep_checkpoints"),
-    ("moe", "impl"), ("moe", "torch_kernel"), ("peer", "index"), ("experts", "placement"), ("experts", "local"),
+    ("moe", "impl"), ("moe", "torch_kernel"), ("peer", "index"), ("experts", "local"),
     ("data", "train"), ("data", "validation"), ("data", "tokenizer"), ("data", "verify"),
     ("swarm", "initial_peers"), ("swarm", "host_maddrs"), ("swarm", "announce_maddrs"),
     ("swarm", "identity_path"), ("swarm", "secret_file"), ("swarm", "client_mode"), ("swarm", "bootstrap_timeout"),
@@ -71,8 +73,6 @@ def run_config_record(cfg: Config, since: float | None = None) -> dict[str, Any]
 
 def config_from_published(published: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
     """Build the run's Config from a published dict plus local-only ``--set`` overrides."""
-    from p2p_spes.config import parse_override
-
     for text in overrides:
         key, _ = parse_override(text)
         section, _, name = key.partition(".")
@@ -125,8 +125,6 @@ def fetch_run_config(initial_peers: Iterable[str], run_id: str, *, expected_hash
 
     Returns the chosen record: ``config`` (published dict), ``hash``, ``fingerprint``, ``publishers``.
     """
-    from dht.identity import start_dht
-
     initial_peers = list(initial_peers)
     if not initial_peers:
         raise SwarmError("fetching the run's config needs --initial-peers MADDR of a live peer or bootstrap")

@@ -7,7 +7,8 @@
 # torchrun (one process per GPU inside the node; only the peer's rank 0 talks to the swarm); a node
 # with one GPU runs `p2p-spes train` directly. Without --config, the run's config is fetched from the
 # DHT (--config-from-swarm). Every node keeps its identity in $RUN_ROOT/<node>/peer.key, so a
-# requeued job comes back with the same peer ids. Run launch/setup.sh once on the shared filesystem
+# requeued job comes back with the same peer ids. No node needs an index: each peer claims its own
+# data partition, and with `experts.placement: spes` that partition's block of experts. Run launch/setup.sh once on the shared filesystem
 # first (VENV points at it).
 #
 #SBATCH --job-name=p2p-spes
@@ -20,6 +21,7 @@ ROOT="${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"
 VENV=${VENV:-$ROOT/.venv}
 RUN_ROOT=${RUN_ROOT:-$ROOT/runs/slurm-${SLURM_JOB_ID:-local}}
 PORT=${P2P_PORT:-31337}
+HOST=${P2P_HOST:-0.0.0.0}  # the address peers listen on (an interface's IP to use only that one)
 
 PEERS=()
 RUN_ID=p2p-spes
@@ -42,7 +44,7 @@ fi
 mkdir -p "$RUN_ROOT"
 
 # What each node runs (exported to srun's tasks through the environment).
-export P2P_BIN="$VENV/bin/p2p-spes" P2P_TORCHRUN="$VENV/bin/torchrun" RUN_ROOT PORT RUN_ID CONFIG
+export P2P_BIN="$VENV/bin/p2p-spes" P2P_TORCHRUN="$VENV/bin/torchrun" RUN_ROOT PORT HOST RUN_ID CONFIG
 export P2P_PEERS="${PEERS[*]}" P2P_EXTRA="${EXTRA[*]:-}"
 
 srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c '
@@ -52,7 +54,7 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c '
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l || echo 0)
   ip=$(hostname -I 2>/dev/null | cut -d" " -f1)
   args=(train --no-progress --run-id "$RUN_ID" --initial-peers $P2P_PEERS --identity "$dir/peer.key"
-        --run-dir "$dir/run" --host-maddrs "/ip4/0.0.0.0/tcp/$PORT")
+        --run-dir "$dir/run" --host-maddrs "/ip4/$HOST/tcp/$PORT")
   [ -n "$ip" ] && args+=(--announce-maddrs "/ip4/$ip/tcp/$PORT")
   if [ -n "$CONFIG" ]; then args+=(--config "$CONFIG"); else args+=(--config-from-swarm); fi
   echo "[$node] $ngpu GPU(s); peer files in $dir"

@@ -58,7 +58,7 @@ def static_bytes(cfg: Config) -> int:
     from p2p_spes.memory import expected_memory
     from p2p_spes.model import MoETransformer
 
-    local = cfg.swarm.experts_per_peer or max(cfg.moe.num_experts // cfg.peer.count, 1)
+    local = max(cfg.experts_per_peer(p) for p in range(cfg.peer.count))  # the largest share a peer gets
     model = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(local)), device="meta")
     return expected_memory(model).total
 

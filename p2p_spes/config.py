@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from p2p_spes.errors import ConfigError
+from p2p_spes.placement import spes_block
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -61,9 +62,10 @@ class MoEConfig:
 class ExpertsConfig:
     """Which experts this peer trains (the rest stay frozen: no gradient, no optimizer state)."""
 
-    # "spes": peer p of P owns [p*n, (p+1)*n) with n = E / P; "explicit": the list in `local`;
-    # "coverage": in a swarm, take the experts with the fewest live holders; "auto": coverage in a
-    # swarm, the SPES rule otherwise.
+    # "spes": peer p of P owns [p*n, (p+1)*n) with n = E / P (in a swarm p is the data partition the
+    # peer claims, so no per-peer setting is needed); "explicit": the list in `local`; "coverage": in a
+    # swarm, take the experts with the fewest live holders; "auto": coverage in a swarm, the SPES rule
+    # otherwise. See p2p_spes/placement.py.
     placement: Literal["auto", "spes", "explicit", "coverage"] = "auto"
     local: Optional[list[int]] = None
     # SPES option: scale local experts' load-balance counts from decayed_lb_start to 1 over
@@ -75,7 +77,8 @@ class ExpertsConfig:
 
 @dataclass
 class PeerConfig:
-    """This peer's position among ``count`` peers: drives SPES placement and data partitioning."""
+    """``count``: how many data partitions (and SPES blocks) the run has; ``index``: which one a peer
+    training alone uses (a swarm peer claims a free partition itself and ignores ``index``)."""
 
     index: int = 0
     count: int = 1
@@ -201,16 +204,25 @@ class Config:
         blob = json.dumps(_to_plain(defining), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def local_experts(self) -> list[int]:
-        """The experts this peer trains, by the configured placement rule."""
-        num_experts = self.moe.num_experts
+    def local_experts(self, partition: int | None = None) -> list[int]:
+        """The experts this peer trains by the configured rule (``partition``: the data partition a
+        swarm peer claimed; ``peer.index`` when training alone)."""
         if self.experts.placement == "explicit":
             return sorted(self.experts.local or [])
         if self.experts.placement == "coverage":
-            raise ConfigError("experts.placement=coverage is chosen by the swarm at join time; use `p2p-spes train --initial-peers`")
-        per_peer = num_experts // self.peer.count
-        start = self.peer.index * per_peer
-        return list(range(start, start + per_peer))
+            raise ConfigError(
+                "experts.placement=coverage is chosen by the swarm at join time; use `p2p-spes train --initial-peers`"
+            )
+        index = self.peer.index if partition is None else partition
+        return spes_block(index, self.peer.count, self.moe.num_experts)
+
+    def experts_per_peer(self, partition: int | None = None) -> int:
+        """How many experts least-covered placement gives a peer: ``swarm.experts_per_peer``, else the
+        size of its partition's SPES block (partition 0's is the smallest)."""
+        if self.swarm.experts_per_peer:
+            return self.swarm.experts_per_peer
+        index = self.peer.index if partition is None else partition
+        return len(spes_block(index, self.peer.count, self.moe.num_experts))
 
 
 def _to_plain(value: Any) -> Any:
@@ -400,11 +412,6 @@ def validate(config: Config) -> None:
         raise ConfigError(f"moe.top_k ({moe.top_k}) cannot exceed moe.num_experts ({moe.num_experts})")
     if not 0 <= peer.index < peer.count:
         raise ConfigError(f"peer.index ({peer.index}) must be in [0, peer.count={peer.count})")
-    if ex.placement in ("spes", "auto") and moe.num_experts % peer.count:
-        raise ConfigError(
-            f"SPES placement needs peer.count ({peer.count}) to divide moe.num_experts ({moe.num_experts}); "
-            "change peer.count or use experts.placement=explicit with experts.local"
-        )
     if ex.placement == "explicit":
         if not ex.local:
             raise ConfigError("experts.placement=explicit needs a non-empty experts.local list of expert ids")

@@ -7,7 +7,6 @@ import json
 import logging
 import signal
 import threading
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -179,19 +178,6 @@ class SwarmSync:
         trainer.step = target
 
 
-def data_partition(swarm: Swarm, cfg: Config, preferred: int | None = None) -> int:
-    """The lowest data partition of ``peer.count`` no live peer reads (so peers never overlap).
-
-    A restarting peer passes the partition of its checkpoint as ``preferred``: it keeps it, and so
-    its place in the data order, unless another peer has taken it meanwhile.
-    """
-    used = Counter(r.extra.get("data_partition") for r in swarm.live_peers().values())
-    free = [i for i in range(cfg.peer.count) if not used.get(i)]
-    if preferred in free:
-        return preferred
-    return free[0] if free else min(range(cfg.peer.count), key=lambda i: used.get(i, 0))
-
-
 def _own_checkpoint(run_dir: Path, resume: str | None, cfg: Config) -> tuple[Path | None, dict[str, Any] | None]:
     """The checkpoint a restarting peer resumes from and its validated state (None, None without one)."""
     if resume is None:
@@ -250,12 +236,11 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         print("peer id:", swarm.peer_id, flush=True)
         print("other peers can join with: --initial-peers " + " ".join(swarm.maddrs), flush=True)
         swarm.check_model()
-        experts = saved["local_experts"] if saved else swarm.choose_experts()
-        partition = data_partition(swarm, cfg, saved["loader"].get("peer_index") if saved else None)
-        swarm.update_status(data_partition=partition)
-        swarm.claim(experts)
+        partition = swarm.data_partition(saved["loader"].get("peer_index") if saved else None)
+        experts = saved["local_experts"] if saved else swarm.choose_experts(partition)
+        swarm.claim(experts, partition)
         if not saved:
-            experts = swarm.settle_claim(experts)
+            partition, experts = swarm.settle_claim(partition, experts)
         if node is not None:
             node.send_json({"experts": experts, "partition": partition})
         trainer = Trainer(cfg, run_dir=run_dir, local_experts=experts, data_partition=partition, node=node)
@@ -293,6 +278,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "experts_taken_over": int(swarm.stats["experts_taken_over"]),
                 "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),
                 "residency": cfg.swarm.residency,
+                "data_partition": partition,
                 "last_round": swarm.rounds[-1] if swarm.rounds else None,
             }
             summary = trainer.write_summary()

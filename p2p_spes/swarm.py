@@ -45,7 +45,7 @@ from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
 from p2p_spes.healing import initial_expert, plan_takeover
 from p2p_spes.merging import merge_alpha, merge_experts
-from p2p_spes.placement import least_covered
+from p2p_spes.placement import free_partition, least_covered
 from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, tensor_digest, unpack
 
 log = logging.getLogger(__name__)
@@ -273,49 +273,62 @@ class Swarm:
         others = {e for p, r in self.live_peers().items() if p != self.peer_id for e in r.experts}
         return [e for e in self.model.local_experts if e not in others]
 
-    def choose_experts(self) -> list[int]:
-        """Least-covered placement from the live peers' records (or the SPES rule / explicit list)."""
+    def data_partition(self, preferred: int | None = None) -> int:
+        """The data partition no other live peer reads (``preferred``, a restarting peer's own, when
+        free); it is also the SPES block index of ``experts.placement: spes`` (placement.py)."""
+        used = Counter(r.extra.get("data_partition") for p, r in self.live_peers().items() if p != self.peer_id)
+        return free_partition(used, self.cfg.peer.count, preferred)
+
+    def choose_experts(self, partition: int) -> list[int]:
+        """The experts a peer reading ``partition`` trains: that partition's SPES block (``spes``), the
+        explicit list, or the least-covered experts by the live peers' records (as many as the block)."""
         cfg = self.cfg
         if cfg.experts.placement in ("spes", "explicit"):
-            return cfg.local_experts()
-        holders = Counter(e for r in self.live_peers().values() for e in r.experts)
-        count = cfg.swarm.experts_per_peer or cfg.moe.num_experts // cfg.peer.count
-        return least_covered(holders, cfg.moe.num_experts, count, self.peer_id, cfg.swarm.replicas)
+            return cfg.local_experts(partition)
+        holders = Counter(e for p, r in self.live_peers().items() if p != self.peer_id for e in r.experts)
+        return least_covered(holders, cfg.moe.num_experts, cfg.experts_per_peer(partition), self.peer_id,
+                             cfg.swarm.replicas)
 
-    def claim(self, experts: list[int]) -> None:
-        """Publish our experts at once, so peers joining right after us see them covered."""
+    def claim(self, experts: list[int], partition: int) -> None:
+        """Publish our experts and data partition at once, so peers joining right after us see them taken."""
         self._claimed = list(experts)
         with self._lock:
+            self.status["data_partition"] = partition
             self.status.setdefault("claimed_at", get_dht_time())
         self.announce()
 
-    def settle_claim(self, experts: list[int], attempts: int = 3) -> list[int]:
-        """Resolve racing joins: peers that claimed at the same moment may have picked the same experts
-        and left others without a holder. A peer whose expert an earlier claimant (by claim time, then
-        peer id) also holds re-picks from the others' claims while some expert lacks holders; bounded
-        to ``attempts`` looks, one short wait each."""
+    def settle_claim(self, partition: int, experts: list[int], attempts: int = 3) -> tuple[int, list[int]]:
+        """Resolve racing joins: peers that claimed at the same moment may have picked the same data
+        partition (and SPES block) or the same experts, leaving others without a reader or holder. The
+        later claimant (by claim time, then peer id) re-picks from the others' claims while a partition
+        is free or an expert lacks holders; bounded to ``attempts`` looks, one short wait each."""
         cfg = self.cfg
-        if cfg.experts.placement in ("spes", "explicit"):
-            return experts
-        count, replicas = len(experts), cfg.swarm.replicas
+        num_experts, replicas, count = cfg.moe.num_experts, cfg.swarm.replicas, cfg.peer.count
         for _ in range(attempts):
             time.sleep(min(cfg.swarm.heartbeat, 1.5))
             others = {p: r for p, r in self.live_peers().items() if p != self.peer_id}
             ours = (self.status["claimed_at"], self.peer_id)
-            holders = Counter(e for r in others.values() for e in r.experts)
-            earlier = {e for p, r in others.items()
-                       if (float(r.extra.get("claimed_at", float("inf"))), p) < ours for e in r.experts}
-            clash = [e for e in experts if e in earlier and holders[e] >= replicas]
-            short = [e for e in range(cfg.moe.num_experts) if holders[e] < replicas and e not in experts]
-            if not clash or not short:
-                return experts
-            chosen = least_covered(holders, cfg.moe.num_experts, count, self.peer_id, replicas)
-            if chosen == sorted(experts):
-                return experts
-            log.info("experts %s were claimed first by another peer: training %s instead", clash, chosen)
-            experts = chosen
-            self.claim(experts)
-        return experts
+            earlier = {p: r for p, r in others.items() if (float(r.extra.get("claimed_at", float("inf"))), p) < ours}
+            used = Counter(r.extra.get("data_partition") for r in others.values())
+            taken = any(r.extra.get("data_partition") == partition for r in earlier.values())
+            full = all(used.get(i) for i in range(count))  # more peers than partitions: sharing is expected
+            moved = free_partition(used, count) if taken and not full else partition
+            if cfg.experts.placement in ("spes", "explicit"):
+                chosen = cfg.local_experts(moved)
+            else:
+                holders = Counter(e for r in others.values() for e in r.experts)
+                clash = [e for e in experts if any(e in r.experts for r in earlier.values()) and holders[e] >= replicas]
+                short = [e for e in range(num_experts) if holders[e] < replicas and e not in experts]
+                chosen = sorted(experts)
+                if (clash and short) or moved != partition:
+                    chosen = least_covered(holders, num_experts, cfg.experts_per_peer(moved), self.peer_id, replicas)
+            if moved == partition and chosen == sorted(experts):
+                return partition, experts
+            log.info("data partition %d / experts %s were claimed first by another peer: reading partition %d, "
+                     "training %s instead", partition, experts, moved, chosen)
+            partition, experts = moved, chosen
+            self.claim(experts, partition)
+        return partition, experts
 
     def attach(self, model) -> None:
         self.model = model
@@ -840,7 +853,7 @@ class Swarm:
             self._most_holders[e] = max(self._most_holders[e], n)
         experts = [e for e, most in self._most_holders.items() if holders[e] < most]  # lost a holder
         cfg = self.cfg
-        per_peer = cfg.swarm.experts_per_peer or cfg.moe.num_experts // cfg.peer.count
+        per_peer = cfg.experts_per_peer(partition=0)  # the smallest share a peer is given
         if len(held) * per_peer >= cfg.moe.num_experts * cfg.swarm.replicas:
             experts = list(range(cfg.moe.num_experts))  # enough peers to cover all: a gap is a racing join's
         capacity = {p: int(r.extra["max_experts"]) for p, r in peers.items() if isinstance(r.extra.get("max_experts"), int)}

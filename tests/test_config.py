@@ -38,7 +38,6 @@ def test_spes_rule_and_explicit_placement():
         (["experts.decayed_lb=1"], r"experts.decayed_lb: expected bool"),
         (["moe.impl=cuda"], r"moe.impl: must be one of 'auto', 'torch', 'megablocks'"),
         (["moe.top_k=9"], r"moe.top_k \(9\) cannot exceed moe.num_experts \(8\)"),
-        (["peer.count=3"], r"peer.count \(3\) to divide moe.num_experts \(8\)"),
         (["peer.count=2", "peer.index=2"], r"peer.index \(2\) must be in \[0, peer.count=2\)"),
         (["experts.placement=explicit"], r"needs a non-empty experts.local"),
         (["experts.placement=explicit", "experts.local=[0, 8]"], r"experts.local has ids \[8\] outside \[0, 8\)"),
