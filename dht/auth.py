@@ -14,6 +14,9 @@ and/or ``swarm.allowed_peers`` (peer ids, i.e. public keys) make it private:
   libp2p authenticates the caller's peer id on every stream, and a peer may fetch state or join a
   group only if it is allowed (allow-list) or has a valid record in the run (secret), which it can
   only have written with the secret.
+
+Of ``dht`` it uses only ``dht/identity.py`` (the peer id behind a record's owner subkey); the validator is
+installed with the others by ``dht/validators.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
+from dht.identity import peer_id_of_owner
 from p2p_spes.errors import ConfigError
 
 _TAG = re.compile(rb"\[hmac:([0-9a-f]{64})\]$")
@@ -92,11 +96,8 @@ class RunAuthValidator(RecordValidatorBase):
         return hmac.new(self.auth.secret, message, hashlib.sha256).hexdigest().encode()
 
     def validate(self, record: DHTRecord) -> bool:
-        if self.auth.allowed:
-            from dht.identity import peer_id_of_owner
-
-            if peer_id_of_owner(record.subkey) not in self.auth.allowed:
-                return False
+        if self.auth.allowed and peer_id_of_owner(record.subkey) not in self.auth.allowed:
+            return False
         if self.auth.secret is not None:
             found = _TAG.search(record.value)
             if found is None:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from hivemind.utils import get_dht_time
 
-from dht.identity import start_dht
-from dht.records import run_config_key
+from dht.keys import run_config_key
+from dht.node import start_dht
+from dht.run_config import run_config_record
 from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
 
@@ -53,8 +54,6 @@ class Bootstrap:
 
     def start(self) -> list[str]:
         """Start the DHT peer; returns the multiaddrs to share."""
-        from dht.run_config import run_config_record
-
         o = self.options
         Path(o.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -66,7 +65,7 @@ class Bootstrap:
             )
         except SwarmError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever hivemind raises, the user needs the port and the key file
             raise SwarmError(
                 f"could not start the bootstrap peer on {' '.join(o.host_maddrs)}: {type(exc).__name__}: {exc}. "
                 "Is the port free? Is the identity file used by another running peer?"

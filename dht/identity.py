@@ -3,20 +3,21 @@
 hivemind's ``RSASignatureValidator`` protects a DHT record whose subkey holds the writer's public
 key marker (``[owner:ssh-rsa ...]``): only the holder of that key can write it. Signing with the
 same RSA key that libp2p derives the peer id from binds the two, so a reader recovers the writer's
-peer id from the marker alone and nobody can publish records in another peer's name. Every DHT of a
-run (peers, bootstrap, inspector) uses :func:`run_validators`, so all of them refuse forged records
-and strip signatures the same way.
+peer id from the marker alone (:func:`peer_id_of_owner`) and nobody can publish records in another
+peer's name.
+
+This module only reads and makes key files and derives peer ids; it imports nothing else of
+``dht``, so the record readers (``dht/records.py``) and the allow-list check (``dht/auth.py``) can
+use it. The validators every DHT of a run installs are in ``dht/validators.py``; the DHT itself is
+started by ``dht/node.py``.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import shutil
-import socket
 import tempfile
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -25,13 +26,10 @@ import base58
 import multihash
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import SchemaValidator
-from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from dht.auth import RunAuth
 from p2p_spes.errors import SwarmError
 
 
@@ -74,7 +72,7 @@ def load_identity(path: str | os.PathLike | None) -> Identity:
             raise ValueError(f"key type {proto.key_type} is not RSA")
         key = RSAPrivateKey.__new__(RSAPrivateKey)
         key.__setstate__({"_private_key": proto.data})  # hivemind's own (un)pickling of a DER key
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - protobuf, DER and cryptography errors alike mean "not a key file"
         raise SwarmError(
             f"identity file {path} is not a libp2p RSA private key ({exc}); delete it to make a new identity "
             "(the peer id will change) or point --identity at the right file"
@@ -102,62 +100,5 @@ def peer_id_of_owner(subkey: bytes) -> str | None:
         return None
     try:
         return _peer_id_of_public_key(RSAPublicKey.from_bytes(found[0]))
-    except Exception:
+    except Exception:  # noqa: BLE001 - any malformed key in a stranger's subkey just means "no peer id"
         return None
-
-
-def run_validators(identity: Identity | None, run_ids: Iterable[str] = (), auth: RunAuth | None = None
-                   ) -> list[RecordValidatorBase]:
-    """Signature check for every DHT of a run, plus the record schemas of ``run_ids`` and, for a
-    private run, its ``auth`` check (``dht/auth.py``).
-
-    ``identity`` None (a read-only inspector) gets a throwaway signing key: it validates, never writes.
-    """
-    from dht.records import RunSchema
-
-    key = identity.private_key if identity is not None else RSAPrivateKey()
-    validators: list[RecordValidatorBase] = [RSASignatureValidator(key)]
-    validators += [SchemaValidator(RunSchema, allow_extra_keys=True, prefix=run_id) for run_id in run_ids]
-    return validators + (auth.validators() if auth is not None else [])
-
-
-def check_listen_ports(maddrs: Iterable[str]) -> None:
-    """Fail early, and clearly, when a fixed TCP port we are to listen on is taken (p2pd's own error
-    is a startup timeout that names nothing)."""
-    for maddr in maddrs:
-        parts = str(maddr).split("/")
-        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] in ("", "0"):
-            continue
-        family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((parts[2], int(parts[4])))
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise SwarmError(
-                        f"port {parts[4]} on {parts[2]} is in use by another process; stop it or listen on another "
-                        f"port (--host-maddrs /{parts[1]}/{parts[2]}/tcp/PORT, or PORT 0 for any free one)"
-                    ) from None
-
-
-def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), auth: RunAuth | None = None, **dht_kwargs):
-    """A hivemind DHT whose peer id is ``identity_path``'s key and which signs and checks records.
-
-    Returns ``(dht, identity)``; ``dht_kwargs`` go to ``hivemind.DHT`` (initial_peers, host_maddrs,
-    client_mode, use_relay, ...).
-    """
-    import hivemind
-
-    check_listen_ports(dht_kwargs.get("host_maddrs") or [])
-    identity = load_identity(identity_path)
-    try:
-        dht = hivemind.DHT(
-            start=True, identity_path=identity.path, record_validators=run_validators(identity, run_ids, auth),
-            check_if_identity_free=not identity.created, **dht_kwargs,
-        )
-    finally:
-        identity.discard()
-    if dht.peer_id.to_base58() != identity.peer_id:
-        dht.shutdown()
-        raise SwarmError(f"the DHT came up as {dht.peer_id} instead of the identity's {identity.peer_id}")
-    return dht, identity

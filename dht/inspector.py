@@ -4,26 +4,30 @@ What it shows comes from the signed records peers publish as part of their norma
 (``dht/records.py``): per peer its experts, step, round, loss, throughput and traffic; per expert its
 live holders; per sync round its participants, duration, bytes and failures (from each peer's last
 rounds); the run's published config hash. The inspector's DHT checks every signature and schema
-(``dht/identity.py``), and a record naming a peer other than its signer is dropped, so only
+(``dht/validators.py``), and a record naming a peer other than its signer is dropped, so only
 validated records are shown.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
+from hivemind import DHT
 from hivemind.utils import get_dht_time
+from rich.console import Console
+from rich.table import Table
 
 from dht.auth import RunAuth
-from dht.records import PeerRecord, peers_key, signed_values
+from dht.keys import peers_key
+from dht.node import start_dht
+from dht.records import PeerRecord, signed_values
 from dht.run_config import read_records
 
 
-def open_dht(initial_peers: list[str], run_id: str, startup_timeout: float = 15.0, auth: RunAuth | None = None):
+def open_dht(initial_peers: list[str], run_id: str, startup_timeout: float = 15.0, auth: RunAuth | None = None) -> DHT:
     """A client-only DHT with the run's validators: it stores nothing and serves nothing."""
-    from dht.identity import start_dht
-
     dht, _ = start_dht(None, [run_id], auth=auth, initial_peers=initial_peers, client_mode=True,
                        startup_timeout=startup_timeout)
     return dht
@@ -50,7 +54,7 @@ def _rounds(raw: dict[str, dict[str, Any]], peer_ids: set[str]) -> list[dict[str
     return [merged[n] for n in sorted(merged, reverse=True)]
 
 
-def collect(dht, run_id: str) -> dict[str, Any]:
+def collect(dht: DHT, run_id: str) -> dict[str, Any]:
     """One JSON-able snapshot of the run: peers, expert coverage, rounds and totals."""
     now = get_dht_time()
     raw = signed_values(dht.get(peers_key(run_id), latest=True))
@@ -77,7 +81,8 @@ def collect(dht, run_id: str) -> dict[str, Any]:
         for e in p["experts"]:
             holders.setdefault(e, []).append(p["peer_id"])
     coverage = [
-        {"expert": e, "holders": len(h), "peers": h, "status": "missing" if not h else ("low" if len(h) < replicas else "ok")}
+        {"expert": e, "holders": len(h), "peers": h,
+         "status": "missing" if not h else ("low" if len(h) < replicas else "ok")}
         for e, h in sorted(holders.items())
     ]
     fingerprints = sorted({p["fingerprint"] for p in peers})
@@ -108,10 +113,8 @@ def _experts(peer: dict[str, Any]) -> str:
     return text
 
 
-def render(snapshot: dict[str, Any], console) -> None:
+def render(snapshot: dict[str, Any], console: Console) -> None:
     """Human-readable tables (rich) of what :func:`collect` returned."""
-    from rich.table import Table
-
     run = snapshot["run"]
     hashes = ", ".join(f"{c['hash'][:16]} ({len(c['publishers'])} publisher(s))" for c in run["config_hashes"]) or "-"
     console.print(
@@ -122,7 +125,8 @@ def render(snapshot: dict[str, Any], console) -> None:
     columns = ("peer", "address", "experts", "step", "round", "loss", "tokens/s", "sent MB", "recv MB", "last seen s",
                "version", "device")
     for col in columns:
-        peers.add_column(col, justify="right" if col not in ("peer", "address", "experts", "version", "device") else "left")
+        left = col in ("peer", "address", "experts", "version", "device")
+        peers.add_column(col, justify="left" if left else "right")
     for p in snapshot["peers"]:
         peers.add_row(
             p["peer_id"][-10:], _address(p["maddrs"]), _experts(p), str(p["step"]), str(p["round"]),
@@ -137,7 +141,8 @@ def render(snapshot: dict[str, Any], console) -> None:
     for c in snapshot["coverage"]:
         style = {"missing": "red", "low": "yellow"}.get(c["status"])
         status = {"missing": "MISSING", "low": "LOW"}.get(c["status"], c["status"])
-        coverage.add_row(str(c["expert"]), str(c["holders"]), status, ", ".join(p[-10:] for p in c["peers"]), style=style)
+        coverage.add_row(str(c["expert"]), str(c["holders"]), status, ", ".join(p[-10:] for p in c["peers"]),
+                         style=style)
     console.print(coverage)
     if snapshot["rounds"]:
         rounds = Table(title="sync rounds (latest first)")
@@ -162,10 +167,9 @@ def _address(maddrs: list[str]) -> str:
     return maddrs[0].split("/p2p/")[0]
 
 
-def watch(dht, run_id: str, interval: float, console, as_json: bool, iterations: int | None = None) -> None:
+def watch(dht: DHT, run_id: str, interval: float, console: Console, as_json: bool,
+          iterations: int | None = None) -> None:
     """Print a snapshot every ``interval`` seconds (``iterations`` bounds it; Ctrl-C stops it)."""
-    import json
-
     count = 0
     while iterations is None or count < iterations:
         snapshot = collect(dht, run_id)

@@ -1,11 +1,17 @@
-"""DHT keys and record schemas of a run. Every key starts with the run id.
+"""What a run's DHT records hold: their value schemas and typed readers. Key names are in ``dht/keys.py``.
 
 Each peer writes its records under its owner subkey (``Identity.owner``, see ``dht/identity.py``),
 so they are signed with its key and nobody else can overwrite them. Every value also carries the
 writer's ``peer_id``; :func:`signed_values` keeps a record only if that id is the one derived from
 the key in the subkey, so a peer cannot speak in another's name even under its own key. The
-fixed keys (peers, model, published run config) also have pydantic schemas that every DHT of the
-run checks (hivemind ``SchemaValidator``); a reader still checks each field's type before use.
+fixed keys (peers, model, published run config) also have pydantic schemas (:class:`RunSchema`)
+that every DHT of the run checks (hivemind ``SchemaValidator``, installed by ``dht/validators.py``);
+a reader still checks each field's type before use (:meth:`PeerRecord.from_value`). A per-round key
+(``version_key``) names a new DHT key every round, which a static schema cannot cover: its schema
+(:class:`VersionValue`) is checked by the reader, :meth:`VersionRecord.from_value`.
+
+Of ``dht`` this module uses only ``dht/identity.py`` (the peer id behind an owner subkey); it still
+re-exports the key names of ``dht/keys.py``, their old home, for importers not yet moved over.
 """
 
 from __future__ import annotations
@@ -17,6 +23,11 @@ from typing import Any
 
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey
+
+from dht.identity import peer_id_of_owner
+
+# The key names used to live here; importers should use dht.keys (kept while other modules move over).
+from dht.keys import config_key, group_key, peers_key, run_config_key, version_key  # noqa: F401
 
 PEER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "experts": list,
@@ -60,37 +71,33 @@ class RunConfigValue(_Signed):
     time: pydantic.StrictFloat
 
 
+# An expert's index as a dict key on the wire, where the swarm writes it as a string: "0", "17", never "017" or "-1".
+ExpertKey = pydantic.constr(strict=True, regex=r"^(0|[1-9][0-9]*)$")
+
+
+class VersionValue(_Signed):
+    """What a peer holds after a sync round (``version_key``): digests of its shared parameters, of the
+    experts it trains and of the frozen copies it keeps of experts nobody trains. ``ok``: its shared
+    group averaged this round. Not in :class:`RunSchema` (the key changes every round): checked by
+    :meth:`VersionRecord.from_value`.
+    """
+
+    ok: pydantic.StrictBool
+    shared: pydantic.StrictStr
+    experts: dict[ExpertKey, pydantic.StrictStr]
+    copies: dict[ExpertKey, pydantic.StrictStr] = {}
+
+
 class RunSchema(pydantic.BaseModel):
-    """Keys ``{run_id}_peers``, ``{run_id}_model`` and ``{run_id}_run_config``: signed subkeys only."""
+    """Keys ``{run_id}_peers``, ``{run_id}_model`` and ``{run_id}_run_config``: signed subkeys only.
+
+    hivemind's ``SchemaValidator`` names a field's key ``{prefix}_{field}``, so the field names are the
+    suffixes of :func:`~dht.keys.peers_key`, :func:`~dht.keys.config_key` and :func:`~dht.keys.run_config_key`.
+    """
 
     peers: dict[BytesWithPublicKey, PeerValue]
     model: dict[BytesWithPublicKey, ModelValue]
     run_config: dict[BytesWithPublicKey, RunConfigValue]
-
-
-def peers_key(run_id: str) -> str:
-    """Subkey per peer: that peer's status (experts held, step, round, loss, ...)."""
-    return f"{run_id}_peers"
-
-
-def config_key(run_id: str) -> str:
-    """Subkey per peer: the model fingerprint and model-defining config it trains."""
-    return f"{run_id}_model"
-
-
-def run_config_key(run_id: str) -> str:
-    """Subkey per publisher: the full run config, its hash and the model fingerprint."""
-    return f"{run_id}_run_config"
-
-
-def group_key(run_id: str, round_no: int, group: str) -> str:
-    """Subkey per peer: who joined averaging group ``group`` of round ``round_no``."""
-    return f"{run_id}.round{round_no}.{group}"
-
-
-def version_key(run_id: str, round_no: int) -> str:
-    """Subkey per peer: digests of the shared parameters and experts it holds after a round."""
-    return f"{run_id}.round{round_no}.versions"
 
 
 def finite_or_none(value: Any) -> Any:
@@ -100,6 +107,8 @@ def finite_or_none(value: Any) -> Any:
 
 @dataclass
 class PeerRecord:
+    """A peer's :class:`PeerValue` under ``peers_key(run_id)``; free-form fields are in ``extra``."""
+
     peer_id: str
     experts: list[int]
     step: int
@@ -130,14 +139,43 @@ class PeerRecord:
                    [str(m) for m in value["maddrs"]], extra)
 
 
+@dataclass
+class VersionRecord:
+    """A peer's :class:`VersionValue` under ``version_key(run_id, round)``, with experts as ints."""
+
+    peer_id: str
+    ok: bool
+    shared: str  # digest of its shared (non-expert) parameters
+    experts: dict[int, str]  # expert it trains -> digest of its copy
+    copies: dict[int, str] = field(default_factory=dict)  # expert nobody trains -> digest of its frozen copy
+
+    def to_value(self) -> dict[str, Any]:
+        """The value to store (the wire format: expert indices as strings)."""
+        return {
+            "peer_id": self.peer_id, "ok": self.ok, "shared": self.shared,
+            "experts": {str(e): d for e, d in self.experts.items()},
+            "copies": {str(e): d for e, d in self.copies.items()},
+        }
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> VersionRecord | None:
+        """Parse a record (``peer_id`` is its checked writer, see :func:`signed_values`); None if malformed."""
+        if not isinstance(value, Mapping):
+            return None
+        try:
+            parsed = VersionValue.parse_obj({**value, "peer_id": peer_id})
+        except pydantic.ValidationError:
+            return None
+        return cls(peer_id, parsed.ok, parsed.shared, {int(e): d for e, d in parsed.experts.items()},
+                   {int(e): d for e, d in parsed.copies.items()})
+
+
 def signed_values(result: Any) -> dict[str, dict[str, Any]]:
     """``{peer_id: value}`` of a dictionary key, keeping only records written by the peer they name.
 
     ``result`` is what ``DHT.get`` returns. The DHT has already checked each signature against the
     key in the subkey; here the subkey's key must also derive the ``peer_id`` inside the value.
     """
-    from dht.identity import peer_id_of_owner
-
     if result is None or not isinstance(getattr(result, "value", None), dict):
         return {}
     out = {}

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from dht.auth import RunAuth
@@ -113,7 +114,7 @@ def choose(records: dict[str, dict[str, Any]], expected_hash: str | None = None)
     return {**by_hash[best][0][1], "publishers": publishers, "alternatives": sorted(set(by_hash) - {best})}
 
 
-def read_records(dht, run_id: str) -> dict[str, dict[str, Any]]:
+def read_records(dht: DHT, run_id: str) -> dict[str, dict[str, Any]]:
     """The signed run-config records of ``run_id`` (publisher peer id -> record)."""
     return signed_values(dht.get(run_config_key(run_id), latest=True))
 
@@ -134,8 +135,10 @@ def fetch_run_config(initial_peers: Iterable[str], run_id: str, *, expected_hash
                            startup_timeout=bootstrap_timeout)
     except SwarmError:
         raise
-    except Exception as exc:
-        raise SwarmError(f"could not reach the run through {' '.join(initial_peers)}: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever hivemind raises, the user needs the address it was joining
+        raise SwarmError(
+            f"could not reach the run through {' '.join(initial_peers)}: {type(exc).__name__}: {exc}"
+        ) from None
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -33,7 +33,8 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
-from dht.records import group_key, signed_values
+from dht.keys import group_key
+from dht.records import signed_values
 from p2p_spes.aggregation import Aggregator, weighted_mean
 from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, unpack
 

@@ -31,7 +31,7 @@ def assemble_from_swarm(initial_peers: Sequence[str], run_id: str, timeout: floa
 
     ``report`` names, per expert, the peer it came from and whether it was a holder or a frozen copy.
     """
-    from dht.records import version_key
+    from dht.keys import version_key
     from dht.run_config import config_from_published, fetch_run_config
     from p2p_spes.model import MoETransformer
     from p2p_spes.swarm import Swarm

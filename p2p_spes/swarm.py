@@ -35,8 +35,9 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
 from dht.auth import load_auth
-from dht.identity import start_dht
-from dht.records import PeerRecord, config_key, peers_key, run_config_key, signed_values, version_key
+from dht.keys import config_key, peers_key, run_config_key, version_key
+from dht.node import start_dht
+from dht.records import PeerRecord, signed_values
 from dht.run_config import run_config_record
 from p2p_spes import __version__
 from p2p_spes.aggregation import build_aggregator

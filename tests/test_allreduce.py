@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from dht.identity import start_dht
+from dht.node import start_dht
 from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import GroupAllReduce, weighted_mean
 from p2p_spes.transport import TransportError, parse_tensor, serialize_parts, tensor_digest

@@ -13,8 +13,10 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.auth import RunAuth, load_auth
-from dht.identity import load_identity, start_dht
-from dht.records import peers_key, signed_values
+from dht.identity import load_identity
+from dht.keys import peers_key
+from dht.node import start_dht
+from dht.records import signed_values
 from p2p_spes.config import load_config
 from p2p_spes.errors import ConfigError
 from p2p_spes.local_swarm import LocalSwarm

@@ -6,8 +6,10 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from dht.identity import load_identity, peer_id_of_owner, start_dht
-from dht.records import peers_key, run_config_key, signed_values
+from dht.identity import load_identity, peer_id_of_owner
+from dht.keys import peers_key, run_config_key
+from dht.node import start_dht
+from dht.records import signed_values
 from dht.run_config import choose, config_from_published, config_hash, published_config, run_config_record
 from p2p_spes.batch_fit import activation_bytes_per_sample, fit_batch, static_bytes
 from p2p_spes.config import load_config

@@ -1,0 +1,62 @@
+"""Starting a run's DHT node: the peer id is the identity file's key, and the run's validators are installed.
+
+Every process that joins a run (trainer peer, bootstrap, inspector, ``fetch-config``) starts its
+DHT here, so they all speak as their identity (``dht/identity.py``) and all check records the same
+way (``dht/validators.py``). It is the top of the package's core (keys, identity, auth, records,
+validators): none of those uses it.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import hivemind
+
+from dht.auth import RunAuth
+from dht.identity import Identity, load_identity
+from dht.validators import run_validators
+from p2p_spes.errors import SwarmError
+
+
+def check_listen_ports(maddrs: Iterable[str]) -> None:
+    """Fail early, and clearly, when a fixed TCP port we are to listen on is taken (p2pd's own error
+    is a startup timeout that names nothing)."""
+    for maddr in maddrs:
+        parts = str(maddr).split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] in ("", "0"):
+            continue
+        family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((parts[2], int(parts[4])))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise SwarmError(
+                        f"port {parts[4]} on {parts[2]} is in use by another process; stop it or listen on another "
+                        f"port (--host-maddrs /{parts[1]}/{parts[2]}/tcp/PORT, or PORT 0 for any free one)"
+                    ) from None
+
+
+def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), auth: RunAuth | None = None,
+              **dht_kwargs: Any) -> tuple[hivemind.DHT, Identity]:
+    """A hivemind DHT whose peer id is ``identity_path``'s key and which signs and checks records.
+
+    Returns ``(dht, identity)``; ``dht_kwargs`` go to ``hivemind.DHT`` (initial_peers, host_maddrs,
+    client_mode, use_relay, ...).
+    """
+    check_listen_ports(dht_kwargs.get("host_maddrs") or [])
+    identity = load_identity(identity_path)
+    try:
+        dht = hivemind.DHT(
+            start=True, identity_path=identity.path, record_validators=run_validators(identity, run_ids, auth),
+            check_if_identity_free=not identity.created, **dht_kwargs,
+        )
+    finally:
+        identity.discard()
+    if dht.peer_id.to_base58() != identity.peer_id:
+        dht.shutdown()
+        raise SwarmError(f"the DHT came up as {dht.peer_id} instead of the identity's {identity.peer_id}")
+    return dht, identity

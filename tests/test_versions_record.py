@@ -1,0 +1,68 @@
+"""VersionRecord: the per-round digest records (``version_key``) as a typed value, on the same wire format."""
+
+from __future__ import annotations
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from dht.keys import config_key, peers_key, run_config_key, version_key
+from dht.node import start_dht
+from dht.records import RunSchema, VersionRecord, signed_values
+
+D1, D2, D3 = "a" * 64, "b" * 64, "c" * 64
+
+
+def wire(**changes) -> dict:
+    """A value as the swarm stores it today (``Swarm._sync``), with the writer's peer id added by ``_store``."""
+    value = {"ok": True, "shared": D1, "experts": {"0": D2, "3": D3}, "copies": {"5": D1}, "peer_id": "QmPeer"}
+    return {**value, **changes}
+
+
+def test_round_trip_keeps_the_wire_format():
+    record = VersionRecord("QmPeer", True, D1, {0: D2, 3: D3}, {5: D1})
+    value = record.to_value()
+    assert value == wire(), "the dict keys and their string expert indices must not change"
+    assert VersionRecord.from_value("QmPeer", value) == record
+    assert VersionRecord.from_value("QmPeer", wire()) == record
+    empty = VersionRecord("QmPeer", False, D1, {})
+    assert empty.to_value()["copies"] == {} and VersionRecord.from_value("QmPeer", empty.to_value()) == empty
+
+
+def test_tolerated_variations():
+    no_copies = {k: v for k, v in wire().items() if k != "copies"}
+    assert VersionRecord.from_value("QmPeer", no_copies).copies == {}
+    assert VersionRecord.from_value("QmPeer", wire(loss=3.5)).experts == {0: D2, 3: D3}, "extra fields are ignored"
+    without_id = {k: v for k, v in wire().items() if k != "peer_id"}
+    assert VersionRecord.from_value("QmPeer", without_id).peer_id == "QmPeer", "the checked writer names the record"
+
+
+@pytest.mark.parametrize("value", [
+    None, "text", [1, 2], 7,
+    {k: v for k, v in wire().items() if k != "experts"},
+    {k: v for k, v in wire().items() if k != "shared"},
+    {k: v for k, v in wire().items() if k != "ok"},
+    wire(experts=[0, 3]), wire(experts=None), wire(copies=[5]), wire(copies=None),
+    wire(experts={"x": D2}), wire(experts={"01": D2}), wire(experts={"-1": D2}), wire(experts={"": D2}),
+    wire(experts={0: D2}), wire(experts={"0": None}), wire(experts={"0": 1}), wire(copies={"5": b"digest"}),
+    wire(ok=1), wire(ok="true"), wire(ok=None), wire(shared=None), wire(shared=7),
+])
+def test_malformed_values_are_rejected(value):
+    assert VersionRecord.from_value("QmPeer", value) is None
+
+
+def test_run_schema_fields_are_the_fixed_key_names():
+    run = "r"
+    assert {f"{run}_{name}" for name in RunSchema.__fields__} == {peers_key(run), config_key(run), run_config_key(run)}
+    assert version_key(run, 3) == "r.round3.versions", "a per-round key: outside the static schema"
+
+
+def test_a_version_record_passes_the_run_dht_and_reads_back():
+    dht, identity = start_dht(None, ["vr"], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        record = VersionRecord(identity.peer_id, True, D1, {1: D2}, {})
+        key = version_key("vr", 4)
+        assert dht.store(key, record.to_value(), get_dht_time() + 30, subkey=identity.owner)
+        values = signed_values(dht.get(key, latest=True))
+        assert VersionRecord.from_value(identity.peer_id, values[identity.peer_id]) == record
+    finally:
+        dht.shutdown()
