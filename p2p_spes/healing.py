@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from p2p_spes.config import Config, TrainConfig
-from p2p_spes.experts import MATRICES
+from p2p_spes.moe import MATRICES
 from p2p_spes.optim import build_optimizer
 
 

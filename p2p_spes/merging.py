@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from p2p_spes.experts import MATRICES, SwiGLUExperts
+from p2p_spes.moe import MATRICES, SwiGLUExperts
 
 
 def merge_alpha(step: int, alpha_start: float, decay_steps: int) -> float:

@@ -10,7 +10,7 @@ from p2p_spes.config import load_config
 from p2p_spes.errors import BackendError
 from p2p_spes.memory import measure_memory
 from p2p_spes.model import MoETransformer, auxiliary_losses
-from p2p_spes.moe import TorchMoE
+from p2p_spes.moe import TorchMoE, megablocks_available
 from p2p_spes.optim import build_optimizer
 
 SMALL = [
@@ -217,9 +217,6 @@ def test_per_head_qk_norm_and_no_qk_norm_run():
 
 
 def test_megablocks_without_megablocks_is_a_clear_error():
-    pytest.importorskip("torch")
-    from p2p_spes.moe_megablocks import megablocks_available
-
     if megablocks_available() and torch.cuda.is_available():
         pytest.skip("MegaBlocks and CUDA are present; the GPU tests cover this backend")
     cfg = small_config("moe.impl=megablocks")

@@ -1,5 +1,7 @@
 """SwiGLU expert weights stored so that only the local experts cost gradient and optimizer memory.
 
+Why a storage of our own: a peer trains a few experts and keeps the others frozen (docs/method.md).
+
 The checkpoint layout is MegaBlocks' (``w1``, ``v1``, ``w2``, each ``(E*F, H)``), but in memory the
 local experts live in one ``nn.Parameter`` per matrix of shape ``(n, F, H)`` and the frozen experts
 in a plain buffer. A fused ``(E*F, H)`` parameter with a gradient mask would still allocate
@@ -14,7 +16,7 @@ local have no storage at all: their slot is -1 and the MoE layer skips tokens ro
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,19 @@ from torch import nn
 from p2p_spes.errors import ResidencyError
 
 MATRICES = ("w1", "v1", "w2")
+
+
+def uses_grouped_mm(kernel: str, d_model: int, ffn_dim: int, dtype: torch.dtype, on_cuda: bool) -> bool:
+    """Whether ``kernel`` (``auto``, ``grouped_mm`` or ``loop``) runs ``torch._grouped_mm`` for these shapes.
+
+    grouped_mm needs 16-byte aligned strides and a torch that has it; ``auto`` takes it on CUDA only,
+    where it beats the per-expert loop. Otherwise the loop runs.
+    """
+    if kernel == "loop" or not hasattr(torch, "_grouped_mm"):
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    aligned = (ffn_dim * size) % 16 == 0 and (d_model * size) % 16 == 0
+    return aligned and (kernel == "grouped_mm" or on_cuda)
 
 
 class SwiGLUExperts(nn.Module):
@@ -179,11 +194,7 @@ class SwiGLUExperts(nn.Module):
 
     # Compute -----------------------------------------------------------------------------------
     def _use_grouped_mm(self, x: torch.Tensor) -> bool:
-        if self.kernel == "loop" or not hasattr(torch, "_grouped_mm"):
-            return False
-        # grouped_mm needs 16-byte aligned strides; it beats the loop only on CUDA.
-        aligned = (self.ffn_dim * x.element_size()) % 16 == 0 and (self.d_model * x.element_size()) % 16 == 0
-        return aligned and (self.kernel == "grouped_mm" or x.is_cuda)
+        return uses_grouped_mm(self.kernel, self.d_model, self.ffn_dim, x.dtype, x.is_cuda)
 
     def forward(self, x_sorted: torch.Tensor, counts_per_slot: torch.Tensor) -> torch.Tensor:
         """Apply each expert to its contiguous block of ``x_sorted`` (rows ordered by slot)."""
