@@ -18,64 +18,69 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
+from dht.auth import load_auth
+from dht.run_config import config_from_published, fetch_run_config
+from p2p_spes.checkpoint import save_checkpoint
+from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
+from p2p_spes.export import export_hf
+from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.agreement import majority, read_versions
+from p2p_spes.swarm.membership import Membership
+from p2p_spes.swarm.runtime import Runtime
+from p2p_spes.swarm.state import Downloader
 
 
-def _majority(digests: Sequence[Any]) -> str | None:
-    counts = Counter(d for d in digests if isinstance(d, str))
-    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0] if counts else None
-
-
-def assemble_from_swarm(initial_peers: Sequence[str], run_id: str, timeout: float = 30.0):
+def assemble_from_swarm(initial_peers: Sequence[str], run_id: str,
+                        timeout: float = 30.0) -> tuple[Config, MoETransformer, dict[str, Any]]:
     """Download the run's current full model; returns (config, model, report).
 
     ``report`` names, per expert, the peer it came from and whether it was a holder or a frozen copy.
     """
-    from dht.keys import version_key
-    from dht.run_config import config_from_published, fetch_run_config
-    from p2p_spes.model import MoETransformer
-    from p2p_spes.swarm import Swarm
-
     record = fetch_run_config(initial_peers, run_id, timeout=timeout)
     cfg = config_from_published(record["config"])
     sw = cfg.swarm
     sw.run_id, sw.initial_peers, sw.client_mode = run_id, list(initial_peers), True
     sw.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
-    swarm = Swarm(cfg)
+    # a client of the run: its DHT view and downloads, no record, no RPC served, no group joined
+    runtime = Runtime(sw, load_auth(sw.secret_file, sw.allowed_peers))
     try:
+        stats: Counter = Counter()
+        downloader = Downloader(runtime, stats, timeout=sw.averaging_timeout)
         model = MoETransformer(cfg.model, cfg.moe, local_experts=[])  # every expert a frozen buffer
-        swarm.model = model  # not attached: we publish no record and serve nothing
-        peers = {p: r for p, r in swarm.live_peers().items() if r.extra.get("serving")}
+        live = Membership(runtime, cfg, stats, experts=lambda: []).live_peers()
+        peers = {p: r for p, r in live.items() if r.extra.get("serving")}
         if not peers:
             raise SwarmError(f"run {run_id!r} has no live peer serving weights; nothing to assemble")
         order = sorted(peers, key=lambda p: (-peers[p].round, -peers[p].step, p))
         newest = peers[order[0]].round
-        versions = swarm.call(swarm._get(version_key(run_id, newest))) if newest >= 0 else {}
+        versions = read_versions(runtime, newest) if newest >= 0 else {}
         report: dict[str, Any] = {"round": newest, "step": peers[order[0]].step, "experts": {}}
 
-        shared_digest = _majority([v.get("shared") for v in versions.values() if v.get("ok")])
-        uid = f"shared@{shared_digest}" if shared_digest else "shared"
-        shared_items = swarm._shared_items()
         errors: list[str] = []
-        report["shared"] = _fetch(swarm, order, uid, [p.detach() for _, p in shared_items],
-                                  [p for _, p in shared_items], errors)
+        shared_digest = majority(v.shared for v in versions.values() if v.ok)
+        uid = f"shared@{shared_digest}" if shared_digest else "shared"
+        found = downloader.first_of(order, uid, [p.detach() for _, p in model.shared_parameters()], errors)
+        if found is not None:
+            model.write_shared(found[1][1])
+        report["shared"] = None if found is None else found[0]
 
         missing = []
         for e in range(cfg.moe.num_experts):
             holders = [p for p in order if e in peers[p].experts]
-            digest = _majority([versions.get(p, {}).get("experts", {}).get(str(e)) for p in holders])
-            targets = swarm._expert_tensors(e)
-            like = [t.detach() for t in targets]
-            source = None
+            digest = majority(versions[p].experts.get(e) for p in holders if p in versions)
+            like = [t.detach() for t in model.expert_tensors(e)]
+            found, kind = None, "holder"
             if holders:
-                source = _fetch(swarm, holders, f"expert:{e}@{digest}" if digest else f"expert:{e}", like, targets, errors)
-            kind = "holder"
-            if source is None:
+                found = downloader.first_of(holders, f"expert:{e}@{digest}" if digest else f"expert:{e}", like, errors)
+            if found is None:
                 copies = [p for p in order if p not in holders and peers[p].extra.get("residency", "full") == "full"]
-                source, kind = _fetch(swarm, copies, f"expert:{e}", like, targets, errors), "frozen copy"
-            if source is None:
+                found, kind = downloader.first_of(copies, f"expert:{e}", like, errors), "frozen copy"
+            if found is None:
                 missing.append(e)
-            report["experts"][str(e)] = {"from": source, "kind": kind}
+            else:
+                model.write_expert(e, found[1][1])
+            report["experts"][str(e)] = {"from": None if found is None else found[0], "kind": kind}
         if missing or report["shared"] is None:
             raise SwarmError(
                 f"could not download {'experts ' + str(missing) if missing else 'the shared parameters'} from any live "
@@ -83,33 +88,12 @@ def assemble_from_swarm(initial_peers: Sequence[str], run_id: str, timeout: floa
             )
         return cfg, model, report
     finally:
-        swarm.model = None
-        swarm.shutdown()
-
-
-def _fetch(swarm, peers: Sequence[str], uid: str, like, targets, errors: list[str]) -> str | None:
-    """Download ``uid`` from the first of ``peers`` that serves it (digest checked) into ``targets``."""
-    import torch
-
-    for peer in peers:
-        try:
-            _, tensors = swarm.download(peer, uid, like, attempts=2)
-        except Exception as exc:
-            errors.append(f"{uid} from {peer[:12]}: {exc}")
-            continue
-        with torch.no_grad():
-            for target, value in zip(targets, tensors):
-                target.copy_(value)
-        return peer
-    return None
+        runtime.shutdown()
 
 
 def export_from_swarm(initial_peers: Sequence[str], run_id: str, out_dir: str | Path,
                       tokenizer: str | Path | None = None, timeout: float = 30.0) -> tuple[Path, dict[str, Any]]:
     """Assemble the run's full model from its peers and write it as a Hugging Face OLMoE directory."""
-    from p2p_spes.checkpoint import save_checkpoint
-    from p2p_spes.export import export_hf
-
     cfg, model, report = assemble_from_swarm(initial_peers, run_id, timeout=timeout)
     tmp = Path(tempfile.mkdtemp(prefix="p2p-spes-assembled-"))
     try:

@@ -189,19 +189,14 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
 
+    def model_defining(self) -> dict[str, Any]:
+        """Every setting that defines the model's function and weight shapes (peers must agree on all)."""
+        moe = {k: getattr(self.moe, k) for k in ("num_experts", "top_k", "ffn_dim", "normalize_top_k")}
+        return _to_plain({"model": dataclasses.asdict(self.model), "moe": moe})
+
     def model_fingerprint(self) -> str:
-        """Hash of everything that defines the model's function and weight shapes."""
-        moe = self.moe
-        defining = {
-            "model": dataclasses.asdict(self.model),
-            "moe": {
-                "num_experts": moe.num_experts,
-                "top_k": moe.top_k,
-                "ffn_dim": moe.ffn_dim,
-                "normalize_top_k": moe.normalize_top_k,
-            },
-        }
-        blob = json.dumps(_to_plain(defining), sort_keys=True).encode()
+        """Hash of :meth:`model_defining`."""
+        blob = json.dumps(self.model_defining(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def local_experts(self, partition: int | None = None) -> list[int]:

@@ -78,7 +78,8 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig, local_experts, device, resident_only: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig, local_experts, device,
+                 resident_only: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device)
         self.self_attn = Attention(cfg, device=device)
@@ -103,6 +104,15 @@ class LossOutput:
 
     def as_floats(self) -> dict[str, float]:
         return {k: float(getattr(self, k).detach()) for k in ("loss", "ce", "z_loss", "lb_loss", "router_z_loss")}
+
+
+@torch.no_grad()
+def copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    """Copy received ``values`` into the model's ``targets`` one by one (device and dtype of the target)."""
+    if len(targets) != len(values):
+        raise ValueError(f"got {len(values)} tensors for {len(targets)} targets")
+    for target, value in zip(targets, values):
+        target.copy_(value.to(target.device).view_as(target))
 
 
 class MoETransformer(nn.Module):
@@ -168,6 +178,34 @@ class MoETransformer(nn.Module):
     @property
     def local_experts(self) -> list[int]:
         return list(self.expert_modules()[0].local_ids)
+
+    def held_experts(self) -> list[int]:
+        """The experts with weights in memory here: all of them, or only the local ones in partial residency."""
+        return self.expert_modules()[0].resident_ids
+
+    def shared_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter that is not an expert's (attention, norms, routers, embeddings), in order."""
+        return [(n, p) for n, p in self.named_parameters() if ".experts." not in n]
+
+    def expert_tensors(self, expert: int) -> list[torch.Tensor]:
+        """Expert ``expert``'s w1, v1, w2 of every layer: views into the storage, so writing them writes
+        the model (the expert must be held here)."""
+        out = []
+        for store in self.expert_modules():
+            if expert in store.local_ids:
+                slot, group = store.local_ids.index(expert), "local"
+            else:
+                slot, group = store.frozen_ids.index(expert), "frozen"
+            out += [getattr(store, f"{group}_{m}")[slot] for m in ("w1", "v1", "w2")]
+        return out
+
+    def write_expert(self, expert: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Overwrite expert ``expert`` in place with received tensors (as :meth:`expert_tensors` orders them)."""
+        copy_into(self.expert_tensors(expert), tensors)
+
+    def write_shared(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Overwrite the shared parameters in place (as :meth:`shared_parameters` orders them)."""
+        copy_into([p for _, p in self.shared_parameters()], tensors)
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, list[RouterStats]]:
         t = idx.shape[1]

@@ -17,7 +17,7 @@ from p2p_spes.config import Config
 from p2p_spes.distributed import Node, NodeSync, model_tensors
 from p2p_spes.errors import CheckpointError
 from p2p_spes.healing import take_on_experts
-from p2p_spes.swarm import Swarm
+from p2p_spes.swarm import RoundReport, Swarm
 from p2p_spes.train import Trainer
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class SwarmSync:
     def _start(self, trainer: Trainer, round_no: int, weight: int) -> None:
         shadow = copy.deepcopy(trainer.model)
         base = [t.detach().clone() for t in model_tensors(shadow)]
-        self.swarm.model = shadow  # the round reads, averages, serves and writes the copy
+        self.swarm.use_model(shadow)  # the round reads, averages, serves and writes the copy
         step = trainer.step
         joined = threading.Event()
         job = _Background(lambda: self.swarm.sync(round_no, step, weight, on_joined=joined.set))
@@ -104,33 +104,18 @@ class SwarmSync:
         try:
             report = job.wait()
         finally:
-            self.swarm.model = trainer.model
+            self.swarm.use_model(trainer.model)
         with torch.no_grad():
             for live, after, before in zip(model_tensors(trainer.model), model_tensors(shadow), base):
                 if live.is_floating_point():
                     live.add_(after.to(live.device) - before.to(live.device))
         self._after(trainer, report)
 
-    def _after(self, trainer: Trainer, report: dict[str, Any]) -> None:
+    def _after(self, trainer: Trainer, report: RoundReport) -> None:
         self.rounds_applied += 1
-        groups = report["groups"]
-        trainer.log_record({
-            "sync_round": report["round"], "step": trainer.step, "sync_seconds": round(report["seconds"], 3),
-            "overlapped_steps": trainer.step - report["step"],
-            "shared_ok": groups["shared"]["ok"], "shared_members": groups["shared"]["members"],
-            "shared_group": groups["shared"]["group_id"], "adopted_shared_from": report.get("adopted_shared_from"),
-            "groups_failed": sorted(g for g, v in groups.items() if not v["ok"]),
-            "bytes_sent": report["bytes_sent"], "bytes_received": report["bytes_received"],
-            "downloaded_bytes": report["downloaded_bytes"], "served_bytes": report["served_bytes"],
-            "reducer_in_bytes": report["reducer_in_bytes"], "reducer_out_bytes": report["reducer_out_bytes"],
-            "refreshed": report["refreshed"], "refresh_missed": report["refresh_missed"], "orphaned": report["orphaned"],
-            "orphans_agreed": report["orphans_agreed"], "versions_missing": report["versions_missing"],
-            "merge_alpha": report.get("merge_alpha"),
-            "shared_digest": report["shared_digest"], "expert_digests": report["expert_digests"],
-            "groups": groups,
-        })
-        if not groups["shared"]["ok"] and not groups["shared"].get("refused"):
-            self._skip_ahead(trainer, adopted=bool(report.get("adopted_shared_from")))
+        trainer.log_record(report.metrics(trainer.step))
+        if not report.shared.ok and not report.shared.refused:
+            self._skip_ahead(trainer, adopted=bool(report.adopted_shared_from))
         self._heal(trainer)
 
     def _heal(self, trainer: Trainer) -> None:
@@ -247,7 +232,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         if checkpoint is not None:
             trainer.resume(checkpoint)
             print(f"resumed from {checkpoint} at step {trainer.step}", flush=True)
-        swarm.update_status(device=str(trainer.device))
+        swarm.update_status(device=str(trainer.device), moe_backend=trainer.moe_backend.label)
         swarm.attach(trainer.model)
         meta = swarm.catch_up()
         if meta is not None:
@@ -279,7 +264,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),
                 "residency": cfg.swarm.residency,
                 "data_partition": partition,
-                "last_round": swarm.rounds[-1] if swarm.rounds else None,
+                "last_round": swarm.rounds[-1].metrics(trainer.step) if swarm.rounds else None,
             }
             summary = trainer.write_summary()
         return summary

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from p2p_spes.aggregation import build_aggregator, centered_clip, trimmed_mean, weighted_mean
 from p2p_spes.config import load_config
 from p2p_spes.errors import ConfigError
-from p2p_spes.swarm import Swarm
+from p2p_spes.swarm.outer import UpdateGuard
 
 
 def honest_and_bad(n_honest: int, scale: float, seed: int = 0):
@@ -62,14 +60,17 @@ def test_aggregation_config_is_validated():
 
 
 def test_a_result_far_outside_the_recent_moves_or_not_finite_is_refused():
-    peer = SimpleNamespace(cfg=SimpleNamespace(swarm=SimpleNamespace(max_update_ratio=20.0)), _moves={})
+    guard = UpdateGuard(max_update_ratio=20.0)
     local = torch.ones(1000)
     for move in (0.01, 0.012, 0.009, 0.011):  # a run's ordinary rounds
-        assert Swarm._implausible(peer, "shared", local, local * (1 + move)) is None
-    assert Swarm._implausible(peer, "shared", local, local * 1.05) is None  # 5x: unusual, still accepted
-    reason = Swarm._implausible(peer, "shared", local, local * 1000)
+        assert guard.implausible("shared", local, local * (1 + move)) is None
+    assert guard.implausible("shared", local, local * 1.05) is None  # 5x: unusual, still accepted
+    reason = guard.implausible("shared", local, local * 1000)
     assert reason and "recent median" in reason
-    assert "not finite" in Swarm._implausible(peer, "expert", local, torch.full_like(local, float("nan")))
-    assert len(peer._moves["shared"]) == 5, "a refused move does not become part of the typical range"
-    peer.cfg.swarm.max_update_ratio = 0.0  # off
-    assert Swarm._implausible(peer, "shared", local, local * 1000) is None
+    assert "not finite" in guard.implausible("expert", local, torch.full_like(local, float("nan")))
+    assert guard.implausible("shared", local, local * 1.011) is None, "a refused move does not become typical"
+    assert "recent median" in guard.implausible("shared", local, local * 1000)
+    off = UpdateGuard(max_update_ratio=0.0)
+    for move in (0.01, 0.012, 0.009):
+        off.implausible("shared", local, local * (1 + move))
+    assert off.implausible("shared", local, local * 1000) is None

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import SMALL
 from hivemind.utils import get_dht_time
 
 from dht.auth import RunAuth, load_auth
@@ -41,6 +42,7 @@ def wait_for(dht, key, wanted: set[str], seconds: float = 20.0) -> set[str]:
         time.sleep(0.3)
 
 
+@pytest.mark.slow
 def test_records_without_the_secret_are_refused():
     auth = RunAuth(SECRET)
     run = auth.keyspace("priv")
@@ -64,6 +66,7 @@ def test_records_without_the_secret_are_refused():
             dht.shutdown()
 
 
+@pytest.mark.slow
 def test_records_of_peers_off_the_allow_list_are_refused_even_when_signed(tmp_path):
     me = load_identity(tmp_path / "me.key")
     auth = RunAuth(None, frozenset({me.peer_id}))
@@ -96,18 +99,16 @@ def test_secret_is_read_from_a_file_and_checked(tmp_path, monkeypatch):
     assert load_auth(None, []).private and not load_auth(None, []).allowed
 
 
-SMALL = [
-    "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
-    "moe.num_experts=4", "moe.ffn_dim=64", "train.batch_size=4", "train.warmup_steps=2",
-    "train.eval_interval=1000", "train.log_interval=5", "swarm.sync_steps=10", "swarm.matchmaking_time=4",
-    "swarm.averaging_timeout=8",
-]
+# the shared small swarm run with 4 experts and shorter deadlines (later overrides win)
+PRIVATE = SMALL + ["moe.num_experts=4", "train.eval_interval=1000", "swarm.matchmaking_time=4",
+                   "swarm.averaging_timeout=8"]
 
 
+@pytest.mark.slow
 def test_outsider_gets_nothing_in_and_nothing_out_of_a_private_run(tmp_path):
     secret = tmp_path / "run.secret"
     secret.write_bytes(SECRET)
-    swarm = LocalSwarm(None, SMALL + ["train.max_steps=40", f"swarm.secret_file={secret}"], peers=2,
+    swarm = LocalSwarm(None, PRIVATE + ["train.max_steps=40", f"swarm.secret_file={secret}"], peers=2,
                        run_dir=tmp_path / "run", run_id="priv")
     outsider = None
     try:
@@ -117,16 +118,16 @@ def test_outsider_gets_nothing_in_and_nothing_out_of_a_private_run(tmp_path):
         cmd = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--run-dir", str(tmp_path / "outsider"),
                "--run-id", "priv", "--initial-peers", *maddrs, "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]",
                "--set", "train.max_steps=40"]
-        for item in SMALL:
+        for item in PRIVATE:
             cmd += ["--set", item]
         outsider = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     start_new_session=True)
         # and one that knows the secret-derived name but not the secret asks a member for its weights
-        cfg = load_config(None, SMALL + ["swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"])
+        cfg = load_config(None, PRIVATE + ["swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"])
         cfg.swarm.initial_peers = maddrs
         cfg.swarm.run_id = "priv"
         thief = Swarm(cfg)
-        thief.run_id = RunAuth(SECRET).keyspace("priv")
+        thief.runtime.run_id = RunAuth(SECRET).keyspace("priv")
         member = json.loads((tmp_path / "run" / "peer0" / "peer.json").read_text())["peer_id"]
         with pytest.raises(TransportError, match="not authorized"):
             thief.download(member, "shared", [torch.empty(1)], attempts=1)

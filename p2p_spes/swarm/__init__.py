@@ -1,0 +1,219 @@
+"""A peer of the swarm: joins the DHT, picks experts, syncs with the others every ``sync_steps``, leaves.
+
+:class:`Swarm` is a small facade over parts that each own one idea and are tested alone:
+
+- ``runtime.py``: the event-loop thread, the DHT, bounded DHT reads and writes;
+- ``membership.py``: live peers, our record and heartbeat, the model check, claims of partitions/experts;
+- ``state.py``: the snapshot this peer serves over the state RPC, and digest-checked downloads;
+- ``agreement.py``: published digests, the one majority rule, refreshing experts to the agreed version;
+- ``outer.py``: the outer step (average or Nesterov), its anchors and momentum, the update guard;
+- ``sync_round.py``: one sync round -> :class:`RoundReport` (``report.py``);
+- ``coverage.py``: the self-healing takeover plan and fetching experts to take over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable, Collection, Sequence
+
+import torch
+
+from dht.auth import load_auth
+from dht.records import PeerRecord
+from p2p_spes.aggregation import build_aggregator
+from p2p_spes.allreduce import GroupAllReduce
+from p2p_spes.config import Config
+from p2p_spes.errors import SwarmError
+from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.agreement import Refresher
+from p2p_spes.swarm.coverage import Coverage
+from p2p_spes.swarm.membership import Membership
+from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard
+from p2p_spes.swarm.report import GroupReport, RoundReport
+from p2p_spes.swarm.sync_round import RoundRunner, sync_deadline, version_window
+from p2p_spes.swarm.runtime import Runtime
+from p2p_spes.swarm.state import Downloader, StateServer
+
+__all__ = ["Swarm", "RoundReport", "GroupReport", "sync_deadline", "version_window"]
+log = logging.getLogger(__name__)
+
+
+class Swarm:
+    """One peer's membership in a run: build the parts, then join, sync and leave."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        sw = cfg.swarm
+        self.auth = load_auth(sw.secret_file, sw.allowed_peers)
+        self.stats: Counter = Counter()
+        self.runtime = Runtime(sw, self.auth)
+        self.peer_id, self.maddrs = self.runtime.peer_id, self.runtime.maddrs
+        self._model: MoETransformer | None = None
+        self.rounds: list[RoundReport] = []
+        self.membership = Membership(self.runtime, cfg, self.stats, experts=self._local_experts)
+        self.outer = OuterOptimizer(sw)
+        self.server = StateServer(self.runtime, self.auth, self.stats, self.membership.refresh_members,
+                                  anchors=lambda: self.outer.anchor)
+        self.downloader = Downloader(self.runtime, self.stats, timeout=sw.averaging_timeout)
+        self.reducer = GroupAllReduce(
+            self.runtime.dht, self.runtime.p2p, self.peer_id, self.runtime.run_id, owner=self.runtime.identity.owner,
+            compression=sw.compression, matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
+            aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),
+        )
+        self.runtime.call(self.reducer.start())
+        self.runtime.call(self.server.start())
+        self.refresher = Refresher(self.peer_id, self.downloader, self.stats)
+        self.runner = RoundRunner(sw, self.runtime, self.membership, self.reducer, self.server, self.downloader,
+                                  self.refresher, self.outer, UpdateGuard(sw.max_update_ratio), self.stats)
+        self.coverage = Coverage(cfg, self.membership, self.downloader, self.stats)
+
+    # The model the swarm reads, averages, serves and writes --------------------------------------
+    @property
+    def model(self) -> MoETransformer | None:
+        return self._model
+
+    def use_model(self, model: MoETransformer | None) -> None:
+        """Point every part at ``model`` (an overlapped round works on a copy of the live weights)."""
+        self._model = model
+        self.server.model = model
+
+    def _local_experts(self) -> list[int] | None:
+        return None if self._model is None else self._model.local_experts
+
+    # Membership ----------------------------------------------------------------------------------
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.membership.status
+
+    def update_status(self, **fields: Any) -> None:
+        self.membership.update_status(**fields)
+
+    def live_peers(self) -> dict[str, PeerRecord]:
+        return self.membership.live_peers()
+
+    def check_model(self) -> None:
+        self.membership.check_model()
+
+    def data_partition(self, preferred: int | None = None) -> int:
+        return self.membership.data_partition(preferred)
+
+    def choose_experts(self, partition: int) -> list[int]:
+        return self.membership.choose_experts(partition)
+
+    def claim(self, experts: list[int], partition: int) -> None:
+        self.membership.claim(experts, partition)
+
+    def settle_claim(self, partition: int, experts: list[int], attempts: int = 3) -> tuple[int, list[int]]:
+        return self.membership.settle_claim(partition, experts, attempts)
+
+    def announce(self) -> None:
+        self.membership.announce()
+
+    def swarm_step(self) -> int | None:
+        return self.membership.swarm_step()
+
+    def sole_experts(self) -> list[int]:
+        """Our experts that no other live peer trains (their newest version is ours)."""
+        return self.membership.sole_experts(self._model.local_experts)
+
+    def download(self, peer: str, uid: str, like: Sequence[torch.Tensor], attempts: int = 4):
+        return self.downloader.download(peer, uid, like, attempts)
+
+    # Joining -------------------------------------------------------------------------------------
+    def attach(self, model: MoETransformer) -> None:
+        """Start serving ``model`` and publishing our record."""
+        self.use_model(model)
+        self.server.take_snapshot(-1, 0, self.outer.momentum)
+        self.outer.reset_anchors(model)
+        self.update_status(serving=True)
+        self.membership.start_heartbeat()
+
+    def catch_up(self, keep: Collection[int] = ()) -> dict[str, Any] | None:
+        """Load the swarm's current shared parameters and experts from live peers (not from a file).
+
+        Experts in ``keep`` are not downloaded: a peer that fell behind keeps the experts only it
+        trains, whose latest version is its own. Returns the source's (round, step) meta, or None
+        when no other peer serves weights yet.
+        """
+        model = self._model
+        # only peers that already serve a snapshot; others are starting up like us
+        peers = {p: r for p, r in self.membership.others().items() if r.extra.get("serving")}
+        if not peers:
+            return None
+        like = [p.detach() for _, p in model.shared_parameters()]
+        errors: list[str] = []
+        order = sorted(peers, key=lambda p: (-peers[p].round, -peers[p].step, p))
+        found = self.downloader.first_of(order, "shared", like, errors, attempts=4)
+        if found is None:
+            raise SwarmError("could not download the run's current weights from any live peer: " + "; ".join(errors))
+        source, (meta, shared) = found
+        model.write_shared(shared)
+        self.outer.fetch_momentum(self.downloader, source, "shared", sum(t.numel() for t in like))
+        wanted = [e for e in model.held_experts() if e not in set(keep)]
+        fetched, _ = self.refresher.refresh(model, peers, wanted, any_copy=True)
+        self.outer.reset_anchors(model)
+        self.outer.fetch_anchor(self.downloader, source, "shared")
+        self.server.take_snapshot(meta["round"], meta["step"], self.outer.momentum)
+        log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"],
+                 fetched)
+        return meta
+
+    # Sync ----------------------------------------------------------------------------------------
+    def sync(self, round_no: int, step: int, weight: float,
+             on_joined: Callable[[], None] | None = None) -> RoundReport:
+        """One round (``sync_round.py``). ``on_joined`` is called once the shared group's membership is decided
+        (an overlapped round lets training go on only from then: see ``SwarmSync``), also on failure."""
+        try:
+            report = self.runner.run(self._model, round_no, step, weight, on_joined)
+        finally:
+            if on_joined is not None:
+                on_joined()
+        self.rounds.append(report)
+        self.update_status(round=round_no, step=step, sync_seconds=round(report.seconds, 3),
+                           recent_rounds=[r.summary() for r in self.rounds[-5:]])
+        self.runner.publish_record()
+        return report
+
+    # Self-healing coverage -----------------------------------------------------------------------
+    def experts_to_take(self) -> list[int]:
+        return self.coverage.experts_to_take(self._model.local_experts, self.runner.last_versions)
+
+    def fetch_copy(self, expert: int) -> list[torch.Tensor] | None:
+        return self.coverage.fetch_copy(self._model, expert)
+
+    def took_on(self, experts: list[int], weights: dict[int, list[torch.Tensor]]) -> None:
+        """After the model made ``experts`` local: load downloaded weights, serve them, announce."""
+        model = self._model
+        for e, tensors in weights.items():
+            model.write_expert(e, tensors)
+        for e in experts:
+            self.outer.reanchor(f"expert:{e}", model.expert_tensors(e))
+        last = self.rounds[-1] if self.rounds else None
+        self.server.take_snapshot(last.round if last else -1, last.step if last else 0, self.outer.momentum)
+        self.stats["experts_taken_over"] += len(experts)
+        self.announce()
+        log.warning("took over experts %s (now training %s)", experts, model.local_experts)
+
+    # Leaving -------------------------------------------------------------------------------------
+    def linger(self) -> None:
+        """Keep serving after our last round until the others have refreshed from it (bounded)."""
+        if not self.rounds:
+            return
+        last = self.rounds[-1].round
+        sw = self.cfg.swarm
+        deadline = time.monotonic() + sw.matchmaking_time + sw.averaging_timeout / 3
+        while time.monotonic() < deadline:
+            if not [p for p, r in self.membership.others().items() if r.round < last]:
+                break
+            time.sleep(0.5)
+
+    def leave(self) -> None:
+        """Tell the others we are gone (our experts' coverage drops at once) and stop everything."""
+        if self._model is not None:
+            self.membership.announce_leaving()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()

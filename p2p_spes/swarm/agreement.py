@@ -1,0 +1,126 @@
+"""How peers agree on one version of everything without a coordinator: published digests and one majority rule.
+
+After its groups, every peer publishes a :class:`~dht.records.VersionRecord` for the round: the digest
+of its shared parameters, of each expert it trains and of its copy of each expert nobody trains. Every
+peer then brings the experts it does not train to the version the others name most often (ties to
+the larger digest), so all peers pick the same one from the same records, and downloads are asked
+for by that digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter
+from typing import Any, Iterable, Mapping
+
+from dht.keys import version_key
+from dht.records import PeerRecord, VersionRecord
+from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.runtime import Runtime
+from p2p_spes.swarm.state import Downloader
+from p2p_spes.transport import TransportError, tensor_digest
+
+log = logging.getLogger(__name__)
+
+
+def majority(digests: Iterable[Any]) -> str | None:
+    """The digest named most often (ties to the larger one, so every peer picks the same); None if none."""
+    counts = Counter(d for d in digests if isinstance(d, str))
+    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0] if counts else None
+
+
+def group_id(members: Iterable[str]) -> str:
+    """A short name for a group's exact membership: peers with the same one must agree on its result."""
+    return hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()[:12]
+
+
+def read_versions(runtime: Runtime, round_no: int) -> dict[str, VersionRecord]:
+    """The well-formed version records published for ``round_no``, by peer."""
+    raw = runtime.call(runtime.get(version_key(runtime.run_id, round_no)))
+    parsed = {p: VersionRecord.from_value(p, v) for p, v in raw.items()}
+    return {p: v for p, v in parsed.items() if v is not None}
+
+
+def wait_versions(runtime: Runtime, round_no: int, peers: set[str], window: float) -> dict[str, VersionRecord]:
+    """Version records of ``round_no``, waiting up to ``window`` seconds for every one of ``peers``."""
+    deadline = time.monotonic() + window
+    while True:
+        versions = read_versions(runtime, round_no)
+        if set(peers) <= set(versions) or time.monotonic() > deadline:
+            return versions
+        time.sleep(0.2)
+
+
+class Refresher:
+    """Brings the experts this peer does not train to the agreed version, downloading each once."""
+
+    def __init__(self, peer_id: str, downloader: Downloader, stats: Counter) -> None:
+        self.peer_id, self.downloader, self.stats = peer_id, downloader, stats
+
+    def refresh(self, model: MoETransformer, peers: Mapping[str, PeerRecord], experts: Iterable[int],
+                versions: Mapping[str, VersionRecord] | None = None,
+                preferred: Mapping[str, VersionRecord] | None = None, any_copy: bool = False) -> tuple[int, int]:
+        """Download each of ``experts`` once from a holder; with ``versions`` only the agreed digest,
+        counted among the ``preferred`` versions when any of them has the expert.
+
+        With ``any_copy`` (joining), an expert nobody holds any more is taken from another peer's
+        frozen copy, so an expert is not lost while any copy exists. Returns (fetched, missed): missed
+        counts experts that have a holder but could not be fetched (an expert with no holder left
+        keeps the copy every peer already has).
+        """
+        fetched = missed = 0
+        unreachable: set[str] = set()
+        for e in experts:
+            holders = [p for p, r in peers.items() if e in r.experts and p != self.peer_id]
+            if any_copy:  # holders first, then anyone's frozen copy
+                holders += sorted(p for p in peers if p != self.peer_id and p not in holders)
+            uid = f"expert:{e}"
+            if versions is not None:
+                best = None
+                for pool in (preferred or {}, versions):  # holders as the versions name them: the same for everyone
+                    best = majority(v.experts.get(e) for p, v in pool.items() if p != self.peer_id)
+                    if best is not None:
+                        break
+                if best is None:
+                    missed += bool(holders)
+                    continue
+                holders = sorted(p for p, v in versions.items() if p != self.peer_id and v.experts.get(e) == best)
+                uid = f"expert:{e}@{best}"
+            like = [t.detach() for t in model.expert_tensors(e)]
+            for holder in (h for h in holders if h not in unreachable):
+                try:
+                    _, tensors = self.downloader.download(holder, uid, like, attempts=2)
+                except TransportError as exc:
+                    log.warning("could not fetch expert %d from %s: %s", e, holder, exc)
+                    continue
+                except Exception as exc:
+                    log.warning("could not reach %s for expert %d: %s", holder, e, exc)
+                    unreachable.add(holder)
+                    continue
+                model.write_expert(e, tensors)
+                fetched += 1
+                break
+            else:
+                missed += bool(holders)
+        self.stats["refresh_missed"] += missed
+        return fetched, missed
+
+    def agree_on_copies(self, model: MoETransformer, orphaned: Iterable[int],
+                        versions: Mapping[str, VersionRecord]) -> int:
+        """Bring every copy of an expert nobody trains to the copy most peers published, so all agree."""
+        fetched = 0
+        for e in orphaned:
+            best = majority(v.copies.get(e) for v in versions.values())
+            if best is None or tensor_digest(model.expert_tensors(e)) == best:
+                continue
+            sources = sorted(p for p, v in versions.items() if p != self.peer_id and v.copies.get(e) == best)
+            like = [t.detach() for t in model.expert_tensors(e)]
+            found = self.downloader.first_of(sources, f"expert:{e}@{best}", like)
+            if found is None:
+                self.stats["refresh_missed"] += 1
+                continue
+            model.write_expert(e, found[1][1])
+            fetched += 1
+        return fetched

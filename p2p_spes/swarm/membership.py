@@ -1,0 +1,227 @@
+"""Who is in the run: the live peers' records, our own record and heartbeat, the model check, and claims.
+
+Every peer publishes a :class:`~dht.records.PeerRecord` under the run's peers key and renews it every
+``swarm.heartbeat`` seconds; a record that lapses (``swarm.record_ttl``) or says ``left`` takes the peer
+out of everyone's view. Joining peers claim a data partition and experts here, and settle racing claims
+by claim time (``placement.py`` holds the rules, this module the DHT side of them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable
+
+from hivemind.utils import get_dht_time
+
+from dht.keys import config_key, peers_key, run_config_key
+from dht.records import PeerRecord
+from dht.run_config import run_config_record
+from p2p_spes import __version__
+from p2p_spes.config import Config
+from p2p_spes.errors import SwarmError
+from p2p_spes.placement import free_partition, least_covered
+from p2p_spes.swarm.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def describe_difference(ours: dict, theirs: dict) -> str:
+    """The model-defining settings in which two configs differ, as ``section.key: ours X, run's Y``."""
+    diffs = []
+    for section in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(section, {}), theirs.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                diffs.append(f"{section}.{key}: ours {a.get(key)!r}, run's {b.get(key)!r}")
+    return "; ".join(diffs) or "fingerprints differ"
+
+
+class Membership:
+    """Our record (status, experts, counters) and our view of everyone else's."""
+
+    def __init__(self, runtime: Runtime, cfg: Config, stats: Counter,
+                 experts: Callable[[], list[int] | None]) -> None:
+        """``experts`` returns the experts we train now (None before a model exists: the claimed ones)."""
+        self.runtime, self.cfg, self.stats = runtime, cfg, stats
+        self.peer_id = runtime.peer_id
+        self.fingerprint = cfg.model_fingerprint()
+        self.status: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._experts = experts
+        self._claimed: list[int] = []
+        self._published: list[tuple[str, dict[str, Any]]] = []  # model and run config, renewed with the record
+        self._heartbeat: asyncio.Future | None = None
+        self.members: set[str] = set()  # peers with a valid record (private runs: proof of the secret)
+        self.run_config = run_config_record(cfg)  # published once the model check passed
+
+    # Views of the others ---------------------------------------------------------------------
+    def live_peers(self) -> dict[str, PeerRecord]:
+        """Peers with a current record for this model that have not announced leaving (us included)."""
+        records = self.runtime.call(self.runtime.get(peers_key(self.runtime.run_id)))
+        out = {}
+        for peer, value in records.items():
+            record = PeerRecord.from_value(peer, value)
+            if record is not None and record.fingerprint == self.fingerprint and not value.get("left"):
+                out[peer] = record
+        return out
+
+    def others(self) -> dict[str, PeerRecord]:
+        return {p: r for p, r in self.live_peers().items() if p != self.peer_id}
+
+    def swarm_step(self) -> int | None:
+        """The median step the other live peers report, or None when we are alone."""
+        steps = sorted(r.step for r in self.others().values())
+        return steps[len(steps) // 2] if steps else None
+
+    def sole_experts(self, local: list[int]) -> list[int]:
+        """Those of ``local`` that no other live peer trains (their newest version is ours)."""
+        others = {e for r in self.others().values() for e in r.experts}
+        return [e for e in local if e not in others]
+
+    async def refresh_members(self) -> set[str]:
+        """Re-read who has a valid record (called by the state RPC when an unknown peer asks)."""
+        self.members = set(await self.runtime.get(peers_key(self.runtime.run_id)))
+        return self.members
+
+    def check_model(self) -> None:
+        """Refuse to join a run that trains a different model (nothing of ours is sent before this)."""
+        rt = self.runtime
+        records = rt.call(rt.get(config_key(rt.run_id)))
+        run_configs = rt.call(rt.get(run_config_key(rt.run_id)))
+        ours = self.cfg.model_defining()
+        for peer, value in run_configs.items():
+            published = value.get("config") if isinstance(value.get("config"), dict) else {}
+            moe = published.get("moe") if isinstance(published.get("moe"), dict) else {}
+            records.setdefault(peer, {"fingerprint": value.get("fingerprint"), "model": {
+                "model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours["moe"]}}})
+        for peer, value in records.items():
+            if isinstance(value, dict) and value.get("fingerprint") != self.fingerprint:
+                theirs = value.get("model") if isinstance(value.get("model"), dict) else {}
+                raise SwarmError(
+                    f"run {rt.run_id!r} trains a different model than this config (peer {peer}): "
+                    f"{describe_difference(ours, theirs)}. Join with --config-from-swarm to use the run's config, "
+                    "or pick another --run-id"
+                )
+        theirs = {v.get("hash") for p, v in run_configs.items() if p != self.peer_id}
+        if theirs and self.run_config["hash"] not in theirs:
+            log.warning("this config (hash %s) differs from the one the run publishes (%s) in settings other than "
+                        "the model; join with --config-from-swarm to train with the run's",
+                        self.run_config["hash"][:16],
+                        ", ".join(h[:16] for h in sorted(h for h in theirs if isinstance(h, str))))
+        self._published = [(config_key(rt.run_id), {"fingerprint": self.fingerprint, "model": ours}),
+                           (run_config_key(rt.run_id), self.run_config)]
+        for key, value in self._published:
+            rt.call(rt.store(key, value, ttl=self.cfg.swarm.record_ttl))
+
+    # Placement -------------------------------------------------------------------------------
+    def data_partition(self, preferred: int | None = None) -> int:
+        """The data partition no other live peer reads (``preferred``, a restarting peer's own, when
+        free); it is also the SPES block index of ``experts.placement: spes`` (placement.py)."""
+        used = Counter(r.extra.get("data_partition") for r in self.others().values())
+        return free_partition(used, self.cfg.peer.count, preferred)
+
+    def choose_experts(self, partition: int) -> list[int]:
+        """The experts a peer reading ``partition`` trains: that partition's SPES block (``spes``), the
+        explicit list, or the least-covered experts by the live peers' records (as many as the block)."""
+        cfg = self.cfg
+        if cfg.experts.placement in ("spes", "explicit"):
+            return cfg.local_experts(partition)
+        holders = Counter(e for r in self.others().values() for e in r.experts)
+        return least_covered(holders, cfg.moe.num_experts, cfg.experts_per_peer(partition), self.peer_id,
+                             cfg.swarm.replicas)
+
+    def claim(self, experts: list[int], partition: int) -> None:
+        """Publish our experts and data partition at once, so peers joining right after us see them taken."""
+        self._claimed = list(experts)
+        with self._lock:
+            self.status["data_partition"] = partition
+            self.status.setdefault("claimed_at", get_dht_time())
+        self.announce()
+
+    def settle_claim(self, partition: int, experts: list[int], attempts: int = 3) -> tuple[int, list[int]]:
+        """Resolve racing joins: peers that claimed at the same moment may have picked the same data
+        partition (and SPES block) or the same experts, leaving others without a reader or holder. The
+        later claimant (by claim time, then peer id) re-picks from the others' claims while a partition
+        is free or an expert lacks holders; bounded to ``attempts`` looks, one short wait each."""
+        cfg = self.cfg
+        num_experts, replicas, count = cfg.moe.num_experts, cfg.swarm.replicas, cfg.peer.count
+        for _ in range(attempts):
+            time.sleep(min(cfg.swarm.heartbeat, 1.5))
+            others = self.others()
+            ours = (self.status["claimed_at"], self.peer_id)
+            earlier = {p: r for p, r in others.items() if (float(r.extra.get("claimed_at", float("inf"))), p) < ours}
+            used = Counter(r.extra.get("data_partition") for r in others.values())
+            taken = any(r.extra.get("data_partition") == partition for r in earlier.values())
+            full = all(used.get(i) for i in range(count))  # more peers than partitions: sharing is expected
+            moved = free_partition(used, count) if taken and not full else partition
+            if cfg.experts.placement in ("spes", "explicit"):
+                chosen = cfg.local_experts(moved)
+            else:
+                holders = Counter(e for r in others.values() for e in r.experts)
+                clash = [e for e in experts if any(e in r.experts for r in earlier.values()) and holders[e] >= replicas]
+                short = [e for e in range(num_experts) if holders[e] < replicas and e not in experts]
+                chosen = sorted(experts)
+                if (clash and short) or moved != partition:
+                    chosen = least_covered(holders, num_experts, cfg.experts_per_peer(moved), self.peer_id, replicas)
+            if moved == partition and chosen == sorted(experts):
+                return partition, experts
+            log.info("data partition %d / experts %s were claimed first by another peer: reading partition %d, "
+                     "training %s instead", partition, experts, moved, chosen)
+            partition, experts = moved, chosen
+            self.claim(experts, partition)
+        return partition, experts
+
+    # Our record ------------------------------------------------------------------------------
+    def update_status(self, **fields: Any) -> None:
+        with self._lock:
+            self.status.update(fields)
+
+    def record(self, left: bool = False) -> dict[str, Any]:
+        """Our record as published: experts, step, round, counters and the status fields."""
+        with self._lock:
+            status = dict(self.status)
+        experts = self._experts()
+        sw = self.cfg.swarm
+        extra = {"version": __version__, "time": get_dht_time(), "num_experts": self.cfg.moe.num_experts,
+                 "replicas": sw.replicas, "residency": sw.residency,
+                 "max_experts": sw.max_experts_per_peer or self.cfg.moe.num_experts, **status,
+                 **{k: int(v) for k, v in self.stats.items()}}
+        if left:
+            extra["left"] = True
+        return PeerRecord(
+            self.peer_id, list(self._claimed if experts is None else experts), int(extra.pop("step", 0)),
+            int(extra.pop("round", -1)), self.fingerprint, self.runtime.maddrs, extra=extra,
+        ).to_value()
+
+    def announce(self) -> None:
+        self.runtime.call(self.publish())
+
+    async def publish(self) -> None:
+        await self.runtime.store(peers_key(self.runtime.run_id), self.record(), ttl=self.cfg.swarm.record_ttl)
+
+    def start_heartbeat(self) -> None:
+        self._heartbeat = self.runtime.submit(self._heartbeat_loop())
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self.publish()
+                for key, value in self._published:  # the model and run config live as long as a peer does
+                    await self.runtime.store(key, value, ttl=self.cfg.swarm.record_ttl)
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.cfg.swarm.heartbeat)
+
+    def announce_leaving(self) -> None:
+        """Stop the heartbeat and say we left, so our experts' coverage drops at once."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        try:
+            self.runtime.call(self.runtime.store(peers_key(self.runtime.run_id), self.record(left=True), ttl=5),
+                              timeout=5)
+        except Exception as exc:
+            log.warning("could not announce leaving: %s", exc)

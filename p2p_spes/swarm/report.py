@@ -1,0 +1,82 @@
+"""What a sync round reports: typed records for the trainer's metrics, the peer's DHT record and tests."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class GroupReport:
+    """One averaging group of a round, as this peer saw it."""
+
+    ok: bool
+    members: int
+    group_id: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    refused: str | None = None  # why the result was not applied (the update guard), when it was not
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class RoundReport:
+    """One sync round of one peer: its groups, what it moved and what it agreed on."""
+
+    round: int
+    step: int
+    groups: dict[str, GroupReport] = field(default_factory=dict)  # "shared", "expert3", ...
+    seconds: float = 0.0
+    bytes_sent: int = 0  # in the groups (all-reduce)
+    bytes_received: int = 0
+    downloaded_bytes: int = 0  # everything this round moved, expert refresh included
+    served_bytes: int = 0  # what others downloaded from us during the round
+    reducer_in_bytes: int = 0  # as a reducer: contributions received
+    reducer_out_bytes: int = 0  # as a reducer: averaged parts served
+    refreshed: int = 0  # frozen experts brought to the agreed version
+    refresh_missed: int = 0
+    orphaned: list[int] = field(default_factory=list)  # experts no live peer trained this round
+    orphans_agreed: int = 0
+    versions_missing: int = 0  # members of the shared group whose digests did not arrive in time
+    adopted_shared_from: str | None = None  # the peer whose agreed shared parameters we took after missing the group
+    merge_alpha: float | None = None
+    shared_digest: str = ""
+    expert_digests: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def shared(self) -> GroupReport:
+        return self.groups["shared"]
+
+    @property
+    def failed_groups(self) -> list[str]:
+        return sorted(g for g, v in self.groups.items() if not v.ok)
+
+    def summary(self) -> dict[str, Any]:
+        """What the inspector shows of a round (published in the peer's record, so kept small)."""
+        return {
+            "round": self.round, "step": self.step, "members": self.shared.members, "ok": bool(self.shared.ok),
+            "seconds": round(self.seconds, 3), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "failed_groups": len(self.failed_groups),
+        }
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The line the trainer logs for this round (``metrics.jsonl``), at training step ``step``."""
+        return {
+            "sync_round": self.round, "step": step, "sync_seconds": round(self.seconds, 3),
+            "overlapped_steps": step - self.step,
+            "shared_ok": self.shared.ok, "shared_members": self.shared.members,
+            "shared_group": self.shared.group_id, "adopted_shared_from": self.adopted_shared_from,
+            "groups_failed": self.failed_groups,
+            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "downloaded_bytes": self.downloaded_bytes, "served_bytes": self.served_bytes,
+            "reducer_in_bytes": self.reducer_in_bytes, "reducer_out_bytes": self.reducer_out_bytes,
+            "refreshed": self.refreshed, "refresh_missed": self.refresh_missed, "orphaned": self.orphaned,
+            "orphans_agreed": self.orphans_agreed, "versions_missing": self.versions_missing,
+            "merge_alpha": self.merge_alpha,
+            "shared_digest": self.shared_digest, "expert_digests": self.expert_digests,
+            "groups": {name: g.to_dict() for name, g in self.groups.items()},
+        }

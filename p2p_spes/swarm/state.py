@@ -1,0 +1,183 @@
+"""What a peer serves and fetches: frozen snapshots of its weights over the ``{run}.state`` RPC.
+
+A peer serves, by uid, the shared parameters (``shared``), each expert it trains (``expert:E``), its
+Nesterov momentum and anchors, and a frozen copy of any other expert it holds (so an expert whose
+holders all left survives). Each entry is frozen at a sync boundary and named by its digest, so a
+peer that asks for ``expert:3@<digest>`` gets exactly the agreed version or an error, never a newer
+one; the previous version is kept one round so late refreshers still find it. Tensors go out as
+hivemind protobuf parts (never pickles) and every download is checked against the digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Awaitable, Callable, Sequence
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+from dht.auth import RunAuth
+from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.runtime import Runtime
+from p2p_spes.transport import (
+    TransportError,
+    collect_tensors,
+    pack,
+    parse_tensor,
+    serialize_parts,
+    tensor_digest,
+    unpack,
+)
+
+log = logging.getLogger(__name__)
+Entry = tuple[dict, list[torch.Tensor]]  # (meta: round, step, digest; tensors)
+
+
+class StateServer:
+    """The snapshot this peer serves and the RPC handler that streams it to members of the run."""
+
+    def __init__(self, runtime: Runtime, auth: RunAuth, stats: Counter,
+                 refresh_members: Callable[[], Awaitable[set[str]]],
+                 anchors: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """``refresh_members`` re-reads the run's members (private runs); ``anchors`` returns the outer
+        optimizer's anchors by group uid (they are replaced, never written in place: safe to stream)."""
+        self.runtime, self.auth, self.stats = runtime, auth, stats
+        self._refresh_members, self._anchors = refresh_members, anchors
+        self.members: set[str] = set()
+        self.model: MoETransformer | None = None
+        self._snapshot: dict[str, list[Entry]] = {}
+
+    async def start(self) -> None:
+        await self.runtime.p2p.add_protobuf_handler(
+            f"{self.runtime.run_id}.state", self._rpc_state, runtime_pb2.ExpertUID, stream_output=True)
+
+    def take_snapshot(self, round_no: int, step: int, momentum: dict[str, torch.Tensor]) -> None:
+        """Freeze what this peer serves: the round's shared parameters, trained experts and momentum.
+
+        The previous version of each entry is kept too, so a peer still refreshing from this round
+        gets the pre-merge tensors it asks for (by digest) even after we merged.
+        """
+        model = self.model
+        entries = {"shared": [p.detach().cpu().clone() for _, p in model.shared_parameters()]}
+        for e in model.local_experts:
+            entries[f"expert:{e}"] = [t.detach().cpu().clone() for t in model.expert_tensors(e)]
+        for uid, value in momentum.items():
+            entries[f"momentum:{uid}"] = [value.clone()]
+        snapshot = {}
+        for uid, tensors in entries.items():
+            meta = {"round": round_no, "step": step, "digest": tensor_digest(tensors)}
+            previous = [v for v in self._snapshot.get(uid, [])[-1:] if v[0]["digest"] != meta["digest"]]
+            snapshot[uid] = previous + [(meta, tensors)]
+        self._snapshot = snapshot
+
+    def current(self, uid: str) -> dict:
+        """The meta (round, step, digest) of the newest version of ``uid`` we serve."""
+        return self._snapshot[uid][-1][0]
+
+    def _frozen_copy(self, uid: str) -> Entry | None:
+        """A frozen expert's current copy, served so that an expert whose holders all left survives."""
+        try:
+            expert = int(uid.split(":", 1)[1])
+        except ValueError:
+            return None
+        model = self.model
+        if model is None or expert not in model.held_experts() or expert in model.local_experts:
+            return None
+        tensors = [t.detach().cpu().clone() for t in model.expert_tensors(expert)]
+        shared = self.current("shared")
+        return {"round": shared["round"], "step": shared["step"], "digest": tensor_digest(tensors)}, tensors
+
+    def lookup(self, uid: str, digest: str) -> Entry | None:
+        """The entry served for ``uid`` (at ``digest`` when given), or None."""
+        versions = self._snapshot.get(uid, [])
+        entry = next((v for v in versions if v[0]["digest"] == digest), None) if digest else (versions or [None])[-1]
+        anchors = self._anchors()
+        if entry is None and uid.startswith("anchor:") and uid[len("anchor:"):] in anchors:
+            anchor = anchors[uid[len("anchor:"):]]
+            entry = ({"digest": tensor_digest([anchor])}, [anchor])
+        if entry is None and uid.startswith("expert:"):
+            entry = self._frozen_copy(uid)
+            if entry is not None and digest and entry[0]["digest"] != digest:
+                entry = None
+        return entry
+
+    async def _rpc_state(self, request: runtime_pb2.ExpertUID, context):
+        uid, _, digest = request.uid.partition("@")
+        caller = context.remote_id.to_base58()
+        if self.auth.private and caller not in self.members:
+            self.members = await self._refresh_members()
+        if not self.auth.admits(caller, self.members):
+            log.warning("refused %s to %s: not a member of this private run", request.uid, caller)
+            yield averaging_pb2.DownloadData(metadata=pack({"error": "not authorized for this run"}))
+            return
+        entry = self.lookup(uid, digest)
+        if entry is None:
+            yield averaging_pb2.DownloadData(metadata=pack({"error": f"not serving {request.uid!r}"}))
+            return
+        meta, tensors = entry
+        first = True
+        for tensor in tensors:
+            for chunk in serialize_parts(tensor, "none"):
+                self.stats["bytes_served"] += chunk.ByteSize()
+                yield averaging_pb2.DownloadData(tensor_part=chunk, metadata=pack(meta) if first else b"")
+                first = False
+
+
+class Downloader:
+    """Fetches served entries from other peers, checking each against the digest it was served under."""
+
+    def __init__(self, runtime: Runtime, stats: Counter, timeout: float) -> None:
+        self.runtime, self.stats, self.timeout = runtime, stats, timeout
+
+    async def fetch(self, peer: str, uid: str, like: Sequence[torch.Tensor]) -> Entry:
+        """One download of ``uid`` from ``peer`` into tensors shaped like ``like``."""
+        stream = await self.runtime.p2p.iterate_protobuf_handler(
+            PeerID.from_base58(peer), f"{self.runtime.run_id}.state", runtime_pb2.ExpertUID(uid=uid),
+            averaging_pb2.DownloadData,
+        )
+        metadata, parts = await collect_tensors(stream)
+        meta = unpack(metadata) if metadata else {}
+        if not isinstance(meta, dict) or "error" in meta or "digest" not in meta:
+            raise TransportError(f"{peer} did not serve {uid}: {meta.get('error') if isinstance(meta, dict) else meta}")
+        if len(parts) != len(like):
+            raise TransportError(f"{peer} sent {len(parts)} tensors for {uid}, expected {len(like)}")
+        tensors = [parse_tensor(p, tuple(t.shape), t.dtype) for p, t in zip(parts, like)]
+        self.stats["bytes_received"] += sum(c.ByteSize() for p in parts for c in p)
+        wanted = uid.partition("@")[2] or meta["digest"]
+        if tensor_digest(tensors) != meta["digest"] or meta["digest"] != wanted:
+            raise TransportError(f"{uid} from {peer} does not match the digest it announced")
+        return meta, tensors
+
+    def download(self, peer: str, uid: str, like: Sequence[torch.Tensor], attempts: int = 4) -> Entry:
+        """Fetch ``uid`` from ``peer``, retrying briefly: a fresh libp2p dial can be refused once.
+
+        A peer that did not answer within ``timeout`` is not asked again: it is frozen or gone, and a
+        retry would only hold the round up for another timeout.
+        """
+        for attempt in range(attempts):
+            try:
+                return self.runtime.call(asyncio.wait_for(self.fetch(peer, uid, like), self.timeout))
+            except (TransportError, asyncio.TimeoutError):
+                raise
+            except Exception as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.info("download of %s from %s failed (%s); retrying", uid, peer, exc)
+                time.sleep(2.0 * (attempt + 1))  # libp2p refuses re-dials for a few seconds after a failure
+        raise AssertionError("unreachable")
+
+    def first_of(self, peers: Sequence[str], uid: str, like: Sequence[torch.Tensor],
+                 errors: list[str] | None = None, attempts: int = 2) -> tuple[str, Entry] | None:
+        """The first of ``peers`` that serves ``uid`` (digest checked), with what it served; None if none did."""
+        for peer in peers:
+            try:
+                return peer, self.download(peer, uid, like, attempts=attempts)
+            except Exception as exc:
+                log.warning("could not fetch %s from %s: %s", uid, peer, exc)
+                if errors is not None:
+                    errors.append(f"{uid} from {peer[:12]}: {exc}")
+        return None

@@ -1,0 +1,206 @@
+"""One sync round of one peer, no server anywhere:
+
+1. the shared parameters are all-reduced across every live peer, weighted by tokens since the last sync;
+2. each expert this peer trains is all-reduced among that expert's holders, all groups at once (a lone
+   holder's copy is the truth);
+3. digests of what each peer now holds are published; every peer downloads the experts it does not
+   train from a holder, once, by the agreed digest (``agreement.py``);
+4. at merge rounds every peer applies the same warm-up merge to the same state.
+
+A group that fails (a peer died, a deadline passed) is discarded whole: the peer keeps its own values
+for that group and tries again next round. A peer that missed the shared group adopts the result the
+others agreed on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+
+from dht.keys import peers_key, version_key
+from dht.records import PeerRecord, VersionRecord
+from p2p_spes.allreduce import GroupAllReduce, GroupResult
+from p2p_spes.config import SwarmConfig
+from p2p_spes.merging import merge_alpha, merge_experts
+from p2p_spes.model import MoETransformer, copy_into
+from p2p_spes.swarm.agreement import Refresher, group_id, majority, wait_versions
+from p2p_spes.swarm.membership import Membership
+from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten
+from p2p_spes.swarm.report import GroupReport, RoundReport
+from p2p_spes.swarm.runtime import Runtime
+from p2p_spes.swarm.state import Downloader, StateServer
+from p2p_spes.transport import tensor_digest
+
+log = logging.getLogger(__name__)
+
+
+def version_window(sw: SwarmConfig) -> float:
+    """How long a peer waits after its groups for the others' digests: their rounds start up to a
+    join window apart."""
+    return sw.matchmaking_time + 2.0
+
+
+def sync_deadline(sw: SwarmConfig) -> float:
+    """The longest a sync round can hold a peer up, whatever the others do: join window, averaging
+    timeout, then the version window (downloads of refreshed experts come on top, bounded by size)."""
+    return sw.matchmaking_time + sw.averaging_timeout + version_window(sw)
+
+
+def split_like(flat: torch.Tensor, targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into views shaped like ``targets`` (the inverse of :func:`flatten`)."""
+    out, offset = [], 0
+    for t in targets:
+        out.append(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
+class RoundRunner:
+    """Runs sync rounds with the parts of a :class:`~p2p_spes.swarm.Swarm`."""
+
+    def __init__(self, sw: SwarmConfig, runtime: Runtime, membership: Membership, reducer: GroupAllReduce,
+                 server: StateServer, downloader: Downloader, refresher: Refresher, outer: OuterOptimizer,
+                 guard: UpdateGuard, stats: Counter) -> None:
+        self.sw, self.runtime, self.membership, self.reducer = sw, runtime, membership, reducer
+        self.server, self.downloader, self.refresher = server, downloader, refresher
+        self.outer, self.guard, self.stats = outer, guard, stats
+        self.peer_id = runtime.peer_id
+        self.last_versions: dict[str, VersionRecord] = {}  # the digests published in our last round, by peer
+
+    def run(self, model: MoETransformer, round_no: int, step: int, weight: float,
+            on_joined: Callable[[], None] | None = None) -> RoundReport:
+        """One round on ``model`` (see the module docstring); ``on_joined`` is called once the shared
+        group's membership is decided."""
+        t0 = time.monotonic()
+        downloaded0, served0 = self.stats["bytes_received"], self.stats["bytes_served"]
+        reduced_in0, reduced_out0 = self.reducer.served_in, self.reducer.served_out
+        sw, call = self.sw, self.runtime.call
+        peers = self.membership.live_peers()
+        peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self.membership.record())
+        report = RoundReport(round=round_no, step=step)
+        weight = max(float(weight), 1e-6)
+
+        shared = [p for _, p in model.shared_parameters()]
+        flat = flatten(shared)
+        shared_res = call(self.reducer.run(round_no, "shared", flat, weight, set(peers), on_members=on_joined))
+        report.groups["shared"] = self._apply(shared_res, shared, "shared", flat)
+
+        # a peer that missed the shared group is dead, frozen or late: waiting for it in every expert
+        # group would cost one join window per expert, so the expert groups expect only its members.
+        # When we are the late one (the group closed without us), its members expect nobody else.
+        late = not shared_res.ok and bool(shared_res.members) and self.peer_id not in shared_res.members
+        decided = shared_res.ok or late  # the shared group's membership is the round's, with or without us
+        shared_members = set(shared_res.members) if decided else set(peers)
+        present = {self.peer_id} if late else shared_members
+        # all expert groups at once: they share one join window and one deadline, where one after
+        # another a member that froze mid-round would cost a window or a timeout per expert
+        flats = {e: flatten(model.expert_tensors(e)) for e in model.local_experts}
+        groups = {e: {p for p, r in peers.items() if e in r.experts and p in present} | {self.peer_id} for e in flats}
+        pooled = [e for e in flats if len(groups[e]) > 1]  # a lone holder's copy is the truth
+
+        async def expert_groups() -> list[GroupResult]:
+            return await asyncio.gather(*(
+                self.reducer.run(round_no, f"expert{e}", flats[e], weight, groups[e]) for e in pooled))
+
+        results = dict(zip(pooled, call(expert_groups()))) if pooled else {}
+        for e, flat in flats.items():
+            res = results[e] if e in results else GroupResult(flat, [self.peer_id])
+            report.groups[f"expert{e}"] = self._apply(res, model.expert_tensors(e), f"expert:{e}", flat)
+
+        self.server.take_snapshot(round_no, step, self.outer.momentum)
+        # experts no live peer trains: every peer keeps a copy, and the copies must agree
+        held = model.held_experts()
+        orphaned = [e for e in range(model.moe_cfg.num_experts) if not any(e in r.experts for r in peers.values())]
+        mine = VersionRecord(
+            self.peer_id, report.shared.ok, self.server.current("shared")["digest"],
+            {e: self.server.current(f"expert:{e}")["digest"] for e in model.local_experts},
+            {e: tensor_digest(model.expert_tensors(e)) for e in orphaned if e in held},
+        )
+        call(self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=sw.record_ttl))
+        # wait for the digests of the peers that took part in this round; a peer that did not join the
+        # shared group is dead or late, and waiting for it would only slow everyone down
+        versions = wait_versions(self.runtime, round_no, shared_members, version_window(sw))
+        report.versions_missing = len(shared_members - set(versions))
+        if not report.shared.ok and not report.shared.refused:
+            report.adopted_shared_from = self._adopt_shared(model, round_no, versions)
+        # choose versions from the shared group's members first: a late peer (thawed, or out of its group)
+        # publishes a digest some members see and others do not, and must not tip anyone's choice
+        agreed = {p: v for p, v in versions.items() if p in shared_members} if decided else versions
+        self.last_versions = versions
+        frozen = [e for e in held if e not in model.local_experts]  # none in partial residency
+        report.refreshed, report.refresh_missed = self.refresher.refresh(model, peers, frozen, versions, agreed)
+        report.orphaned = orphaned
+        # an expert a peer trained this round is not orphaned, even if its record came too late for
+        # our snapshot of the live peers (a joiner): its holder's version, refreshed above, stands
+        trained = {e for v in versions.values() for e in v.experts}
+        report.orphans_agreed = self.refresher.agree_on_copies(
+            model, [e for e in orphaned if e in held and e not in trained], agreed)
+
+        if sw.merge_interval and step % sw.merge_interval == 0:
+            alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
+            if alpha > 0:
+                merge_experts(model, alpha)
+                for e in model.local_experts:
+                    self.outer.reanchor(f"expert:{e}", model.expert_tensors(e), only_existing=True)
+                self.server.take_snapshot(round_no, step, self.outer.momentum)
+                report.merge_alpha = alpha
+
+        report.seconds = time.monotonic() - t0
+        report.bytes_sent = sum(g.bytes_sent for g in report.groups.values())
+        report.bytes_received = sum(g.bytes_received for g in report.groups.values())
+        report.shared_digest = tensor_digest(p.detach() for _, p in model.shared_parameters())
+        report.expert_digests = {str(e): tensor_digest(model.expert_tensors(e)) for e in held}
+        self.stats["rounds_joined" if report.shared.ok else "rounds_failed"] += 1
+        report.downloaded_bytes = self.stats["bytes_received"] - downloaded0
+        report.served_bytes = self.stats["bytes_served"] - served0
+        report.reducer_in_bytes = self.reducer.served_in - reduced_in0
+        report.reducer_out_bytes = self.reducer.served_out - reduced_out0
+        self.stats["bytes_sent"] += report.bytes_sent
+        self.stats["bytes_received"] += report.bytes_received
+        return report
+
+    def _apply(self, res: GroupResult, targets: list[torch.Tensor], uid: str, local: torch.Tensor) -> GroupReport:
+        """Write a successful group's result (after the outer step) into the model; a failed one is
+        dropped, and so is one the update guard refuses (we keep our values and take no one's)."""
+        info = GroupReport(ok=res.ok, members=len(res.members), group_id=group_id(res.members),
+                           bytes_sent=res.bytes_sent, bytes_received=res.bytes_received, seconds=round(res.seconds, 3))
+        if not res.ok:
+            info.error = res.error
+            return info
+        if len(res.members) > 1:
+            reason = self.guard.implausible(uid.split(":")[0], local, res.tensor)
+            if reason:
+                log.warning("refused the %s result of this round: %s", uid, reason)
+                self.stats["updates_refused"] += 1
+                info.ok, info.refused, info.error = False, reason, f"refused: {reason}"
+                return info
+        copy_into(targets, split_like(self.outer.step(uid, res.tensor), targets))
+        return info
+
+    def _adopt_shared(self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord]) -> str | None:
+        """After missing the shared group, take the result the others agreed on (as a joiner would)."""
+        best = majority(v.shared for p, v in versions.items() if p != self.peer_id and v.ok)
+        if best is None:
+            return None
+        like = [p.detach() for _, p in model.shared_parameters()]
+        sources = sorted(p for p, v in versions.items() if v.shared == best and p != self.peer_id)
+        found = self.downloader.first_of(sources, f"shared@{best}", like)
+        if found is None:
+            return None
+        peer, (_, tensors) = found
+        model.write_shared(tensors)
+        self.outer.fetch_momentum(self.downloader, peer, "shared", sum(t.numel() for t in like))
+        self.outer.reanchor("shared", tensors, only_existing=True)
+        self.server.take_snapshot(round_no, self.server.current("shared")["step"], self.outer.momentum)
+        self.stats["rounds_adopted"] += 1
+        return peer
+
+    def publish_record(self) -> None:
+        """Renew our record at once with this round in it (not waiting for the heartbeat)."""
+        self.runtime.submit(self.runtime.store(peers_key(self.runtime.run_id), self.membership.record(),
+                                               ttl=self.sw.record_ttl))
