@@ -50,7 +50,7 @@ class Bootstrap:
         self.dht = None
         self.identity = None
         self._stop = threading.Event()
-        self._record: dict | None = None
+        self.published: dict | None = None
 
     def start(self) -> list[str]:
         """Start the DHT peer; returns the multiaddrs to share."""
@@ -72,7 +72,7 @@ class Bootstrap:
             ) from None
         if o.config is not None:
             o.config.swarm.run_id = o.run_id
-            self._record = {**run_config_record(o.config), "peer_id": self.identity.peer_id}
+            self.published = {**run_config_record(o.config), "peer_id": self.identity.peer_id}
             self.publish()
         return self.maddrs
 
@@ -82,9 +82,9 @@ class Bootstrap:
 
     def publish(self) -> bool:
         """(Re)store the run's config under our signed subkey; True if the DHT accepted it."""
-        if self._record is None:
+        if self.published is None:
             return False
-        ok = self.dht.store(run_config_key(self.options.run_id), self._record,
+        ok = self.dht.store(run_config_key(self.options.run_id), self.published,
                             expiration_time=get_dht_time() + self.options.record_ttl, subkey=self.identity.owner)
         if not ok:
             log.warning("the DHT did not accept the run config record (will retry)")

@@ -24,33 +24,21 @@ from dht.auth import RunAuth
 from dht.keys import run_config_key
 from dht.node import start_dht
 from dht.records import signed_values
-from p2p_spes.config import Config, load_config, parse_override
+from p2p_spes.config import Config, load_config, parse_override, settings_of_scope
 from p2p_spes.errors import ConfigError, SwarmError
 
-# (section, key) pairs a peer may set for itself; None as key: the whole section.
-LOCAL_SETTINGS: tuple[tuple[str, str | None], ...] = (
-    ("train", "device"), ("train", "dtype"),
-    ("train", "run_dir"), ("train", "threads"), ("train", "log_interval"), ("train", "eval_interval"),
-    ("train", "eval_batches"), ("train", "checkpoint_interval"), ("train", "keep_checkpoints"),
-    ("moe", "impl"), ("moe", "torch_kernel"), ("peer", "index"), ("experts", "local"),
-    ("data", "train"), ("data", "validation"), ("data", "tokenizer"), ("data", "verify"),
-    ("swarm", "initial_peers"), ("swarm", "host_maddrs"), ("swarm", "announce_maddrs"),
-    ("swarm", "identity_path"), ("swarm", "secret_file"), ("swarm", "client_mode"), ("swarm", "bootstrap_timeout"),
-    ("swarm", "use_relay"), ("swarm", "use_auto_relay"), ("swarm", "residency"), ("swarm", "max_experts_per_peer"),
-    ("swarm", "overlap"),
-)
-
-
-# Published (as their product) but each peer may split them its own way.
-BATCH_SPLIT = (("train", "batch_size"), ("train", "grad_accum"))
+# (section, key) pairs a peer may set for itself, and those published as a product it may split:
+# both come from each config field's scope (p2p_spes/config.py)
+LOCAL_SETTINGS: tuple[tuple[str, str], ...] = tuple(settings_of_scope("local"))
+BATCH_SPLIT: tuple[tuple[str, str], ...] = tuple(settings_of_scope("batch"))
 
 
 def _is_local(section: str, key: str) -> bool:
-    return (section, key) in LOCAL_SETTINGS or (section, None) in LOCAL_SETTINGS
+    return (section, key) in LOCAL_SETTINGS
 
 
 def published_config(cfg: Config) -> dict[str, Any]:
-    """The run-wide part of ``cfg``: everything but :data:`LOCAL_SETTINGS`, the batch as tokens per step."""
+    """The run-wide part of ``cfg``: everything but the local settings, the batch as tokens per step."""
     out = {
         section: {k: v for k, v in values.items() if not _is_local(section, k)}
         for section, values in cfg.to_dict().items()

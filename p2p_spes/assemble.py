@@ -12,6 +12,7 @@ is an error, never a silently initialised one.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections import Counter
@@ -38,10 +39,10 @@ def assemble_from_swarm(initial_peers: Sequence[str], run_id: str,
     ``report`` names, per expert, the peer it came from and whether it was a holder or a frozen copy.
     """
     record = fetch_run_config(initial_peers, run_id, timeout=timeout)
-    cfg = config_from_published(record["config"])
+    cfg = config_from_published(record["config"], [
+        f"swarm.run_id={json.dumps(run_id)}", f"swarm.initial_peers={json.dumps(list(initial_peers))}",
+        "swarm.client_mode=true", 'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]'])
     sw = cfg.swarm
-    sw.run_id, sw.initial_peers, sw.client_mode = run_id, list(initial_peers), True
-    sw.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
     # a client of the run: its DHT view and downloads, no record, no RPC served, no group joined
     runtime = Runtime(sw, load_auth(sw.secret_file, sw.allowed_peers))
     try:

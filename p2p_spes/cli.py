@@ -12,9 +12,26 @@ from pathlib import Path
 from typing import Callable
 
 import yaml
+from rich.console import Console
 
+from dht.auth import load_auth
+from dht.bootstrap import Bootstrap, BootstrapOptions
+from dht.inspector import collect, open_dht, render, watch
+from dht.run_config import config_from_published, fetch_run_config
 from p2p_spes import __version__
+from p2p_spes.assemble import export_from_swarm
+from p2p_spes.batch_fit import fit_batch, free_memory, resolve_device
+from p2p_spes.config import load_config, with_overrides
+from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
+from p2p_spes.distributed import NodeSync, node_from_env
 from p2p_spes.errors import BackendError, CheckpointError, ConfigError, DataError, ResidencyError, SwarmError
+from p2p_spes.evaluate import run_eval
+from p2p_spes.export import export_hf
+from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.peer import run_follower, run_peer
+from p2p_spes.tokenization import tokenize_files
+from p2p_spes.train import Trainer
+from p2p_spes.upcycle import upcycle
 
 SECRET_HELP = "file holding a private run's shared secret (or set P2P_SPES_SECRET); swarm.secret_file"
 USER_ERRORS = (ConfigError, DataError, CheckpointError, BackendError, SwarmError, ResidencyError)
@@ -31,16 +48,29 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(args: argparse.Namespace):
-    from p2p_spes.config import load_config
+# flags that set a config value, and the value they set (applied as --set overrides before validation)
+FLAG_SETTINGS = {
+    "run_dir": "train.run_dir", "run_id": "swarm.run_id", "identity": "swarm.identity_path",
+    "secret_file": "swarm.secret_file", "initial_peers": "swarm.initial_peers", "host_maddrs": "swarm.host_maddrs",
+    "announce_maddrs": "swarm.announce_maddrs",
+}
 
-    return load_config(args.config, args.overrides)
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The --set overrides, then every config flag given as one more (JSON is YAML, so any string is safe):
+    a value set by a flag is checked exactly like the same value set with --set."""
+    flags = [f"{key}={json.dumps(getattr(args, flag))}" for flag, key in FLAG_SETTINGS.items()
+             if getattr(args, flag, None)]
+    return list(args.overrides) + flags
+
+
+def _load(args: argparse.Namespace):
+
+    return load_config(args.config, _overrides(args))
 
 
 def _config_from_swarm(args: argparse.Namespace):
     """The run's published config (signature and hash checked) with this machine's local --set overrides."""
-    from dht.auth import load_auth
-    from dht.run_config import config_from_published, fetch_run_config
 
     if args.config:
         raise ConfigError("--config-from-swarm and --config exclude each other: the run's config comes from the DHT")
@@ -50,14 +80,13 @@ def _config_from_swarm(args: argparse.Namespace):
     print(f"fetching the config of run {run_id!r} from the swarm", file=sys.stderr, flush=True)
     record = fetch_run_config(args.initial_peers, run_id, expected_hash=args.config_hash, timeout=args.fetch_timeout,
                               auth=load_auth(args.secret_file, []))
-    cfg = config_from_published(record["config"], args.overrides)
+    cfg = config_from_published(record["config"], _overrides(args))
     print(f"run config {record['hash'][:16]} (model {record['fingerprint']}), published by "
           f"{len(record['publishers'])} peer(s)", file=sys.stderr, flush=True)
     return cfg
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from p2p_spes.distributed import node_from_env
 
     node = node_from_env()  # under torchrun: one peer of several processes
     try:
@@ -71,15 +100,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _follow(node, order: dict) -> int:
     """A rank > 0 under torchrun: rank 0 sent the config and what it does with it."""
-    from p2p_spes.config import load_config
-    from p2p_spes.peer import run_follower
-    from p2p_spes.train import Trainer
 
     cfg = load_config(None, data=order["config"])
     if order["swarm"]:
         run_follower(cfg, cfg.train.run_dir, node, resume=order["resume"])
         return 0
-    from p2p_spes.distributed import NodeSync
 
     trainer = Trainer(cfg, node=node)
     if order["resume"] is not None:
@@ -90,21 +115,9 @@ def _follow(node, order: dict) -> int:
 
 
 def _train(args: argparse.Namespace, node) -> int:
-    from p2p_spes.train import Trainer
 
     cfg = _config_from_swarm(args) if args.config_from_swarm else _load(args)
-    if args.run_dir:
-        cfg.train.run_dir = args.run_dir
     sw = cfg.swarm
-    for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
-        if getattr(args, name):
-            setattr(sw, name, list(getattr(args, name)))
-    if args.run_id:
-        sw.run_id = args.run_id
-    if args.identity:
-        sw.identity_path = args.identity
-    if args.secret_file:
-        sw.secret_file = args.secret_file
     swarm = bool(args.swarm or sw.initial_peers)
     if node is not None:
         if sw.overlap and swarm:
@@ -112,7 +125,6 @@ def _train(args: argparse.Namespace, node) -> int:
                               "leave it false")
         node.send_json({"config": cfg.to_dict(), "swarm": swarm, "resume": args.resume})
     if swarm:
-        from p2p_spes.peer import run_peer
 
         summary = run_peer(cfg, cfg.train.run_dir, progress=not args.no_progress, resume=args.resume, node=node)
         print(f"done: step {summary['step']}, final train loss {summary['final_train_loss']:.3f}, val loss "
@@ -127,7 +139,6 @@ def _train(args: argparse.Namespace, node) -> int:
         if resumed:
             print(f"resumed at step {trainer.step}", file=sys.stderr)
     if node is not None:
-        from p2p_spes.distributed import NodeSync
 
         NodeSync.attach(node, trainer)
     (trainer.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -144,7 +155,6 @@ def _train(args: argparse.Namespace, node) -> int:
 
 
 def cmd_swarm(args: argparse.Namespace) -> int:
-    from p2p_spes.local_swarm import LocalSwarm
 
     _load(args)  # fail fast on a bad config, before starting any process
     swarm = LocalSwarm(args.config, args.overrides, args.peers, args.run_dir, run_id=args.run_id, threads=args.threads)
@@ -163,7 +173,6 @@ def cmd_swarm(args: argparse.Namespace) -> int:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from dht.bootstrap import Bootstrap, BootstrapOptions
 
     config = _load(args) if args.config else None
     if args.overrides and not args.config:
@@ -178,8 +187,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         print(f"bootstrap peer id: {boot.identity.peer_id} (identity file {args.identity})", flush=True)
         print("peers join with: --initial-peers " + " ".join(maddrs), flush=True)
         if config is not None:
-            print(f"publishing the config of run {args.run_id!r} (hash {boot._record['hash'][:16]}, model "
-                  f"{boot._record['fingerprint']}): volunteers join with --config-from-swarm", flush=True)
+            print(f"publishing the config of run {args.run_id!r} (hash {boot.published['hash'][:16]}, model "
+                  f"{boot.published['fingerprint']}): volunteers join with --config-from-swarm", flush=True)
         if args.write_maddrs:
             Path(args.write_maddrs).write_text(json.dumps({"peer_id": boot.identity.peer_id, "maddrs": maddrs}))
         print("serving; Ctrl-C or SIGTERM stops it", flush=True)
@@ -191,16 +200,15 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch_config(args: argparse.Namespace) -> int:
-    from p2p_spes.batch_fit import fit_batch, free_memory, resolve_device
 
     cfg = _config_from_swarm(args)
     if args.fit_batch:
         device = resolve_device(cfg.train.device if args.device is None else args.device)
         plan = fit_batch(cfg, free_memory(device), device, args.memory_fraction)
-        cfg.train.batch_size, cfg.train.grad_accum = plan.batch_size, plan.grad_accum
+        cfg = with_overrides(cfg, [f"train.batch_size={plan.batch_size}", f"train.grad_accum={plan.grad_accum}"])
         print(plan.describe(), file=sys.stderr, flush=True)
     if args.device is not None:
-        cfg.train.device = args.device
+        cfg = with_overrides(cfg, [f"train.device={json.dumps(args.device)}"])
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     if args.out:
         Path(args.out).write_text(text)
@@ -211,10 +219,7 @@ def cmd_fetch_config(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
-    from dht.auth import load_auth
-    from dht.inspector import collect, open_dht, render, watch
 
     auth = load_auth(args.secret_file, [])
     run_id = auth.keyspace(args.run_id)
@@ -240,7 +245,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from p2p_spes.tokenization import tokenize_files
 
     manifest = tokenize_files(
         args.input, args.tokenizer, args.out, num_workers=args.workers, shard_tokens=args.shard_tokens,
@@ -252,7 +256,6 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
 
     dirs = prepare_embedded_data()
     print(json.dumps({**{k: str(v) for k, v in dirs.items()}, "tokenizer": str(embedded_tokenizer_path())}, indent=1))
@@ -267,12 +270,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from p2p_spes.export import export_hf
 
     if args.from_swarm == (args.checkpoint is not None):
         raise ConfigError("give either --checkpoint DIR or --from-swarm --initial-peers MADDR ... --run-id ID")
     if args.from_swarm:
-        from p2p_spes.assemble import export_from_swarm
 
         if not args.initial_peers:
             raise ConfigError("--from-swarm needs --initial-peers MADDR of a live peer or bootstrap of the run")
@@ -288,7 +289,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from p2p_spes.evaluate import run_eval
 
     if args.batch_size != "auto" and not args.batch_size.isdigit():
         raise ConfigError(f"--batch-size {args.batch_size!r}: give a positive integer or auto")
@@ -304,7 +304,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_upcycle(args: argparse.Namespace) -> int:
-    from p2p_spes.upcycle import upcycle
 
     cfg = _load(args)
     path = upcycle(

@@ -22,21 +22,31 @@ from p2p_spes.placement import spes_block
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
+# Which peers must agree on a field. Every field carries its scope in its metadata (``run`` if none):
+#   model: defines the model's function and weight shapes (the fingerprint; a peer that differs is refused)
+#   run:   the same for every peer of a run (published in the DHT as the run config)
+#   batch: run-wide as the product batch_size * grad_accum (tokens per step); each peer may split it
+#   local: this machine's own choice (paths, addresses, device, logging...); never published
+Scope = Literal["model", "run", "batch", "local"]
+MODEL: dict[str, Scope] = {"scope": "model"}
+LOCAL: dict[str, Scope] = {"scope": "local"}
+BATCH: dict[str, Scope] = {"scope": "batch"}
+
 
 @dataclass
 class ModelConfig:
-    """Shapes of the OLMoE-family decoder (see SPEC.md)."""
+    """Shapes of the OLMoE-family decoder (docs/method.md); every field defines the model."""
 
-    vocab_size: int = 8192
-    d_model: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    max_seq_len: int = 128
-    rope_theta: float = 500000.0
-    norm_eps: float = 1e-6
+    vocab_size: int = field(default=8192, metadata=MODEL)
+    d_model: int = field(default=256, metadata=MODEL)
+    num_layers: int = field(default=4, metadata=MODEL)
+    num_heads: int = field(default=4, metadata=MODEL)
+    max_seq_len: int = field(default=128, metadata=MODEL)
+    rope_theta: float = field(default=500000.0, metadata=MODEL)
+    norm_eps: float = field(default=1e-6, metadata=MODEL)
     # "full": one RMSNorm over the whole q (and k) projection, as OLMoE; "per_head": Qwen3-MoE style.
-    qk_norm: Literal["full", "per_head", "none"] = "full"
-    init_std: float = 0.02
+    qk_norm: Literal["full", "per_head", "none"] = field(default="full", metadata=MODEL)
+    init_std: float = field(default=0.02, metadata=MODEL)
 
     @property
     def head_dim(self) -> int:
@@ -47,13 +57,13 @@ class ModelConfig:
 class MoEConfig:
     """The mixture-of-experts feed-forward layer and its auxiliary losses."""
 
-    num_experts: int = 8
-    top_k: int = 2
-    ffn_dim: int = 512
-    normalize_top_k: bool = False
-    impl: Literal["auto", "torch", "megablocks"] = "auto"
+    num_experts: int = field(default=8, metadata=MODEL)
+    top_k: int = field(default=2, metadata=MODEL)
+    ffn_dim: int = field(default=512, metadata=MODEL)
+    normalize_top_k: bool = field(default=False, metadata=MODEL)
+    impl: Literal["auto", "torch", "megablocks"] = field(default="auto", metadata=LOCAL)
     # Kernel of the torch backend: grouped_mm is fast on CUDA, a per-expert loop is faster on CPU.
-    torch_kernel: Literal["auto", "grouped_mm", "loop"] = "auto"
+    torch_kernel: Literal["auto", "grouped_mm", "loop"] = field(default="auto", metadata=LOCAL)
     lb_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.001
 
@@ -67,7 +77,7 @@ class ExpertsConfig:
     # swarm, take the experts with the fewest live holders; "auto": coverage in a swarm, the SPES rule
     # otherwise. See p2p_spes/placement.py.
     placement: Literal["auto", "spes", "explicit", "coverage"] = "auto"
-    local: Optional[list[int]] = None
+    local: Optional[list[int]] = field(default=None, metadata=LOCAL)
     # SPES option: scale local experts' load-balance counts from decayed_lb_start to 1 over
     # the first decayed_lb_fraction of training, letting routing lean toward local experts early.
     decayed_lb: bool = False
@@ -80,7 +90,7 @@ class PeerConfig:
     """``count``: how many data partitions (and SPES blocks) the run has; ``index``: which one a peer
     training alone uses (a swarm peer claims a free partition itself and ignores ``index``)."""
 
-    index: int = 0
+    index: int = field(default=0, metadata=LOCAL)
     count: int = 1
 
 
@@ -88,19 +98,19 @@ class PeerConfig:
 class DataConfig:
     """Token shards made by ``p2p-spes data tokenize``; null paths mean the embedded corpus."""
 
-    train: Optional[str] = None
-    validation: Optional[str] = None
-    tokenizer: Optional[str] = None
+    train: Optional[str] = field(default=None, metadata=LOCAL)
+    validation: Optional[str] = field(default=None, metadata=LOCAL)
+    tokenizer: Optional[str] = field(default=None, metadata=LOCAL)
     seed: int = 0
-    verify: bool = True
+    verify: bool = field(default=True, metadata=LOCAL)
 
 
 @dataclass
 class TrainConfig:
     """Optimisation, schedule, logging and checkpointing of one peer."""
 
-    batch_size: int = 8
-    grad_accum: int = 1
+    batch_size: int = field(default=8, metadata=BATCH)
+    grad_accum: int = field(default=1, metadata=BATCH)
     max_steps: int = 300
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -111,15 +121,15 @@ class TrainConfig:
     grad_clip: float = 1.0
     z_loss_weight: float = 1e-5
     seed: int = 0
-    device: str = "auto"
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_batches: int = 8
-    checkpoint_interval: int = 100
-    keep_checkpoints: int = 2
-    run_dir: str = "runs/default"
-    threads: int = 0
+    device: str = field(default="auto", metadata=LOCAL)
+    dtype: Literal["auto", "fp32", "bf16"] = field(default="auto", metadata=LOCAL)
+    log_interval: int = field(default=10, metadata=LOCAL)
+    eval_interval: int = field(default=100, metadata=LOCAL)
+    eval_batches: int = field(default=8, metadata=LOCAL)
+    checkpoint_interval: int = field(default=100, metadata=LOCAL)
+    keep_checkpoints: int = field(default=2, metadata=LOCAL)
+    run_dir: str = field(default="runs/default", metadata=LOCAL)
+    threads: int = field(default=0, metadata=LOCAL)
     # Checkpoint (or run directory) whose weights start this run, e.g. from `p2p-spes upcycle`.
     init_from: Optional[str] = None
 
@@ -128,29 +138,29 @@ class TrainConfig:
 class SwarmConfig:
     """Joining the DHT and syncing with the other peers (unused when training alone)."""
 
-    run_id: str = "p2p-spes"
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    announce_maddrs: list[str] = field(default_factory=list)
-    identity_path: Optional[str] = None
-    client_mode: bool = False
-    use_relay: bool = True  # libp2p circuit relay: reach peers behind NAT through others
-    use_auto_relay: bool = False  # behind NAT yourself: become reachable through a relay
-    bootstrap_timeout: float = 15.0
+    run_id: str = field(default="p2p-spes", metadata=LOCAL)
+    initial_peers: list[str] = field(default_factory=list, metadata=LOCAL)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], metadata=LOCAL)
+    announce_maddrs: list[str] = field(default_factory=list, metadata=LOCAL)
+    identity_path: Optional[str] = field(default=None, metadata=LOCAL)
+    client_mode: bool = field(default=False, metadata=LOCAL)
+    use_relay: bool = field(default=True, metadata=LOCAL)  # libp2p circuit relay: reach peers behind NAT through others
+    use_auto_relay: bool = field(default=False, metadata=LOCAL)  # behind NAT yourself: become reachable through a relay
+    bootstrap_timeout: float = field(default=15.0, metadata=LOCAL)
     sync_steps: int = 50
     replicas: int = 1
     experts_per_peer: Optional[int] = None
     # "full": every expert in memory (SPES); "partial": only the peer's own experts (tokens routed
     # elsewhere skip them, see p2p_spes/moe.py). A per-peer choice: a swarm may mix both.
-    residency: Literal["full", "partial"] = "full"
+    residency: Literal["full", "partial"] = field(default="full", metadata=LOCAL)
     # Self-healing: the most experts this peer trains, counting those it takes over from peers that
     # left (None: no limit but moe.num_experts). Each one costs gradient + AdamW memory (full
     # residency) or that plus its weights (partial).
-    max_experts_per_peer: Optional[int] = None
+    max_experts_per_peer: Optional[int] = field(default=None, metadata=LOCAL)
     compression: Literal["none", "fp16", "uint8"] = "none"
     # run each sync round in the background while training goes on (two extra weight copies);
     # the round's change is added to the live weights when it ends (p2p_spes/peer.py SwarmSync)
-    overlap: bool = False
+    overlap: bool = field(default=False, metadata=LOCAL)
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
     heartbeat: float = 5.0
@@ -172,7 +182,7 @@ class SwarmConfig:
     max_update_ratio: float = 20.0
     # a private run: a shared secret (file; or the P2P_SPES_SECRET environment variable) and/or an
     # allow-list of peer ids; outsiders can neither write its records nor use its RPCs (dht/auth.py)
-    secret_file: Optional[str] = None
+    secret_file: Optional[str] = field(default=None, metadata=LOCAL)
     allowed_peers: list[str] = field(default_factory=list)
 
 
@@ -190,9 +200,11 @@ class Config:
         return _to_plain(dataclasses.asdict(self))
 
     def model_defining(self) -> dict[str, Any]:
-        """Every setting that defines the model's function and weight shapes (peers must agree on all)."""
-        moe = {k: getattr(self.moe, k) for k in ("num_experts", "top_k", "ffn_dim", "normalize_top_k")}
-        return _to_plain({"model": dataclasses.asdict(self.model), "moe": moe})
+        """Every field of scope ``model`` by section: what peers must agree on to train one model."""
+        out: dict[str, Any] = {}
+        for section, name in settings_of_scope("model"):
+            out.setdefault(section, {})[name] = getattr(getattr(self, section), name)
+        return _to_plain(out)
 
     def model_fingerprint(self) -> str:
         """Hash of :meth:`model_defining`."""
@@ -218,6 +230,28 @@ class Config:
             return self.swarm.experts_per_peer
         index = self.peer.index if partition is None else partition
         return len(spes_block(index, self.peer.count, self.moe.num_experts))
+
+
+_SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # section name -> its dataclass
+
+
+def scope_of(section: str, name: str) -> Scope:
+    """The scope of ``section.name`` (see :data:`Scope`); KeyError for a setting that does not exist."""
+    for f in dataclasses.fields(_SECTIONS[section]):
+        if f.name == name:
+            return f.metadata.get("scope", "run")
+    raise KeyError(f"{section}.{name}")
+
+
+def settings_of_scope(scope: Scope) -> list[tuple[str, str]]:
+    """Every ``(section, name)`` of ``scope``, in declaration order."""
+    return [(section, f.name) for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
+            if f.metadata.get("scope", "run") == scope]
+
+
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of ``cfg`` with ``--set``-style overrides applied and validated again."""
+    return load_config(None, overrides, data=cfg.to_dict())
 
 
 def _to_plain(value: Any) -> Any:

@@ -78,3 +78,40 @@ def test_model_fingerprint_tracks_model_shape_only():
     assert base.model_fingerprint() == load_config(None, ["train.lr=0.1", "peer.count=2"]).model_fingerprint()
     assert base.model_fingerprint() != load_config(None, ["moe.num_experts=16"]).model_fingerprint()
     assert base.model_fingerprint() != load_config(None, ["model.vocab_size=100"]).model_fingerprint()
+
+
+def test_scopes_live_on_the_fields_and_the_lists_derive_from_them():
+    from p2p_spes.config import scope_of, settings_of_scope
+
+    cfg = load_config(None)
+    assert cfg.model_defining() == {
+        "model": {k: getattr(cfg.model, k) for k in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len",
+                                                     "rope_theta", "norm_eps", "qk_norm", "init_std")},
+        "moe": {"num_experts": 8, "top_k": 2, "ffn_dim": 512, "normalize_top_k": False},
+    }
+    assert scope_of("swarm", "run_id") == "local" and scope_of("experts", "placement") == "run"
+    assert scope_of("train", "lr") == "run" and scope_of("moe", "impl") == "local"
+    assert settings_of_scope("batch") == [("train", "batch_size"), ("train", "grad_accum")]
+    # a local setting changes neither the fingerprint nor the published config's hash; a run-wide one does
+    from dht.run_config import run_config_record
+
+    base = run_config_record(cfg)["hash"]
+    assert run_config_record(load_config(None, ["train.run_dir=/elsewhere", "swarm.run_id=x"]))["hash"] == base
+    assert run_config_record(load_config(None, ["experts.placement=spes"]))["hash"] != base
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--run-id", "a.b"], r"swarm.run_id 'a.b' must be non-empty, without spaces, dots or slashes"),
+    (["--initial-peers", "not-an-address"], None),  # a multiaddr is checked when the swarm starts, not here
+])
+def test_command_line_flags_are_validated_like_set(flags, message, capsys, tmp_path):
+    from p2p_spes.cli import _overrides, build_parser
+
+    args = build_parser().parse_args(["train", "--run-dir", str(tmp_path), *flags])
+    overrides = _overrides(args)
+    assert f'train.run_dir="{tmp_path}"' in overrides
+    if message is None:
+        assert load_config(None, overrides).swarm.initial_peers == ["not-an-address"]
+        return
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
