@@ -24,6 +24,7 @@ from p2p_spes.distributed import Node
 from p2p_spes.errors import CheckpointError, ConfigError
 from p2p_spes.memory import measure_memory
 from p2p_spes.model import MoETransformer
+from p2p_spes.moe import choose_backend
 from p2p_spes.optim import build_optimizer, lr_at, set_lr, trainable_parameters
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,15 @@ class Trainer:
         self.hooks = list(hooks or [])
 
         local = cfg.local_experts() if local_experts is None else sorted(local_experts)
-        self.model = MoETransformer(cfg.model, cfg.moe, local_experts=local, device=self.device,
-                                    resident_only=cfg.swarm.residency == "partial")
+        resident_only = cfg.swarm.residency == "partial"
+        # On a GPU the MoE backend and expert kernel are checked there once against the per-expert loop,
+        # falling back if they fail (moe/selfcheck.py); elsewhere this is the configured choice, unchecked.
+        self.moe_backend = choose_backend(cfg.moe, cfg.model.d_model, self.device, self.autocast_dtype,
+                                          local_experts=local, resident_only=resident_only)
+        if self.moe_backend.checked:
+            log.info("MoE backend %s (checked on %s)", self.moe_backend.label, self.device)
+        self.model = MoETransformer(cfg.model, self.moe_backend.apply(cfg.moe), local_experts=local,
+                                    device=self.device, resident_only=resident_only)
         self.model.init_weights(tr.seed)
         if tr.init_from:
             self.load_initial_weights(tr.init_from)
@@ -271,6 +279,9 @@ class Trainer:
             "local_experts": self.model.local_experts,
             "num_experts": self.cfg.moe.num_experts,
             "device": str(self.device),
+            "moe_backend": self.moe_backend.label,
+            "moe_backend_checked": self.moe_backend.checked,
+            "moe_backend_findings": self.moe_backend.findings,
             "memory": measure_memory(self.model, self.optimizer).to_dict(),
             **self.summary_extras,
         }

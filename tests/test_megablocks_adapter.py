@@ -15,9 +15,10 @@ is MegaBlocks' Python-level behaviour, which the stand-in reproduces from the 0.
 - ``megablocks/layers/dmoe.py``: the grouped path sorts the (token, slot) pairs by expert id, calls
   ``mlp(x, tokens_per_expert)`` and scatters the rows back weighted by ``expert_weights``.
 
-Only the CUDA ops (radix sort, histogram, gather/scatter) are replaced by plain torch. MegaBlocks'
-forward code before this project's fix read ``get_load_balancing_loss()[-1]`` and
-``_ROUTER_LOGITS[-1]`` and so raised IndexError in eval mode and for zero loss weights.
+Only the CUDA ops (radix sort, histogram, gather/scatter) are replaced by plain torch. The adapter
+used to read ``get_load_balancing_loss()[-1]`` and ``_ROUTER_LOGITS[-1]``, which raised IndexError
+against this stand-in in eval mode and for a zero loss weight (and, after such a failure, read the
+previous call's left-over logits).
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def stand_in_megablocks() -> dict[str, types.ModuleType]:
                 setattr(self, name, nn.Parameter(torch.empty(shape, device=args.device, dtype=dtype(args))))
 
         def forward(self, x, tokens_per_expert):
-            w1, v1, w2 = (w.view(self.args.moe_num_experts, -1, self.args.hidden_size) for w in (self.w1, self.v1, self.w2))
+            shape = (self.args.moe_num_experts, -1, self.args.hidden_size)
+            w1, v1, w2 = (w.view(shape) for w in (self.w1, self.v1, self.w2))
             pieces = torch.split(x, tokens_per_expert.cpu().tolist())
             act = self.args.activation_fn
             return torch.cat([(act(p @ w1[e].T) * (p @ v1[e].T)) @ w2[e] for e, p in enumerate(pieces)])

@@ -75,7 +75,8 @@ def import_megablocks() -> MegaBlocksAPI:
     dependency (``p2p-spes[gpu]``) that the rest of the package must run without.
     """
     try:
-        modules = [importlib.import_module(f"megablocks.layers.{name}") for name in ("arguments", "dmoe", "moe", "router")]
+        names = ("arguments", "dmoe", "moe", "router")
+        modules = [importlib.import_module(f"megablocks.layers.{name}") for name in names]
     except (ImportError, OSError) as exc:
         raise BackendError(f"moe.impl=megablocks: MegaBlocks does not import ({exc}); {INSTALL_HINT}") from exc
     return MegaBlocksAPI(*modules)

@@ -32,7 +32,9 @@ from p2p_spes.moe.torch_backend import TorchMoE
 log = logging.getLogger(__name__)
 
 # Largest norm-wise relative error (||a - b|| / ||b||) accepted against the loop, by autocast dtype.
-TOLERANCE: dict[torch.dtype | None, float] = {None: 1e-4, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+TOLERANCE: dict[torch.dtype | None, float] = {
+    None: 1e-4, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2,
+}
 SEED = 1234
 
 # (cfg with impl and torch_kernel set, d_model, local experts, device, resident_only) -> one MoE layer
@@ -64,6 +66,8 @@ class BackendChoice:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One backend and expert kernel to try."""
+
     impl: str
     kernel: str
 
@@ -141,6 +145,13 @@ def _failure_message(cfg: MoEConfig, device: torch.device, findings: list[str]) 
     return f"no MoE backend passed its start-up check on {device}: {found}"
 
 
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters (CUDA errors run long)."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     """``||value - reference|| / ||reference||`` in fp32 (the absolute error when the reference is 0)."""
     diff = float((value.float() - reference.float()).norm())
@@ -171,9 +182,9 @@ class Probe:
         self.state = reference.state_dict()
         try:
             self.expected = self.run(reference)
-        except Exception as exc:
+        except Exception as exc:  # nothing can be checked without the reference
             raise BackendError(f"the per-expert loop (the reference of the MoE check) fails on {device}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+                               f"{describe(exc)}") from exc
         finally:
             del reference
             self._free()
@@ -196,8 +207,9 @@ class Probe:
         loss = (out.float() * self.grad_out).sum() + torch.dot(stats.tokens_per_expert, stats.mean_probs)
         (loss + stats.router_z).backward()
         results = {
-            "output": out.detach(), "tokens_per_expert": stats.tokens_per_expert, "mean_probs": stats.mean_probs.detach(),
-            "router_z": stats.router_z.detach(), "gradient of the input": x.grad,
+            "output": out.detach(), "tokens_per_expert": stats.tokens_per_expert,
+            "mean_probs": stats.mean_probs.detach(), "router_z": stats.router_z.detach(),
+            "gradient of the input": x.grad,
         }
         for name, param in module.named_parameters():
             if param.grad is not None:
@@ -222,8 +234,9 @@ class Probe:
             module = build(cfg, self.d_model, self.local_experts, self.device, self.resident_only)
             module.load_state_dict(self.state)
             got = self.run(module)
-        except Exception as exc:  # noqa: BLE001 - any failure of a candidate is a finding, not a crash
-            return f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # any failure of a candidate is a finding, not a crash
+            log.debug("MoE backend %s raised in its start-up check", cand.label, exc_info=True)
+            return describe(exc)
         finally:
             del module
             self._free()
