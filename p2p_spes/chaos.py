@@ -19,6 +19,7 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _group_alive(pid: int) -> bool:
+def group_alive(pid: int) -> bool:
+    """Whether any process of the process group ``pid`` (a peer started with its own session) is alive."""
     try:
         os.killpg(pid, 0)
         return True
@@ -202,11 +204,11 @@ def analyse(run_dir: Path, num_peers: int, faults: list[Fault], deadline: float,
     orphan_rounds: set[int] = set()
     for i, records in per_peer.items():
         own = [f for f in faults if f.peer == i]
-        for a, b in zip(records, records[1:]):
+        for a, b in pairwise(records):
             if "time" in a and "time" in b and not any(_covers(f, a["time"], b["time"]) for f in own):
                 gaps.append((round(b["time"] - a["time"], 2), f"peer {i} after step {a.get('step')}"))
         syncs = [r for r in records if "sync_round" in r]
-        for a, b in zip(syncs, syncs[1:]):
+        for a, b in pairwise(syncs):
             if b["sync_round"] == a["sync_round"] + 1 and not any(_covers(f, a["time"], b["time"]) for f in own):
                 round_times.append(b["time"] - a["time"])
         for r in syncs:
@@ -250,6 +252,6 @@ def orphaned(swarm: LocalSwarm, grace: float = 20.0) -> int:
     """Process groups of this swarm still alive after it was stopped (each peer had its own group)."""
     deadline = time.monotonic() + grace
     procs = swarm.procs + swarm.retired
-    while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+    while time.monotonic() < deadline and any(group_alive(p.pid) for p in procs):
         time.sleep(0.5)
-    return sum(_group_alive(p.pid) for p in procs)
+    return sum(group_alive(p.pid) for p in procs)
