@@ -151,7 +151,7 @@ class SwarmConfig:
     replicas: int = 1
     experts_per_peer: Optional[int] = None
     # "full": every expert in memory (SPES); "partial": only the peer's own experts (tokens routed
-    # elsewhere skip them, see p2p_spes/moe.py). A per-peer choice: a swarm may mix both.
+    # elsewhere skip them, see p2p_spes/moe/router.py). A per-peer choice: a swarm may mix both.
     residency: Literal["full", "partial"] = field(default="full", metadata=LOCAL)
     # Self-healing: the most experts this peer trains, counting those it takes over from peers that
     # left (None: no limit but moe.num_experts). Each one costs gradient + AdamW memory (full

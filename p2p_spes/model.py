@@ -126,7 +126,7 @@ class MoETransformer(nn.Module):
         device: torch.device | str | None = None,
         resident_only: bool = False,
     ) -> None:
-        """``resident_only``: partial residency, only ``local_experts`` have weights (see moe.py)."""
+        """``resident_only``: partial residency, only ``local_experts`` have weights (see moe/experts.py)."""
         super().__init__()
         self.cfg, self.moe_cfg = cfg, moe_cfg
         self.resident_only = resident_only
@@ -221,7 +221,7 @@ class MoETransformer(nn.Module):
         return self.lm_head(self.norm(x)), all_stats
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor, z_loss_weight: float = 1e-5) -> LossOutput:
-        """Cross-entropy + output z-loss + load-balance loss + router z-loss (SPEC.md formulas)."""
+        """Cross-entropy + output z-loss + load-balance loss + router z-loss (docs/method.md formulas)."""
         logits, stats = self(idx)
         logits = logits.float().reshape(-1, logits.shape[-1])
         ce = F.cross_entropy(logits, targets.reshape(-1))
