@@ -34,10 +34,10 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2p_spes.config import load_config  # noqa: E402
-from p2p_spes.memory import measure_memory  # noqa: E402
-from p2p_spes.model import MoETransformer  # noqa: E402
-from p2p_spes.optim import build_optimizer  # noqa: E402
+from p2p_spes.config import load_config
+from p2p_spes.memory import measure_memory
+from p2p_spes.model import MoETransformer
+from p2p_spes.optim import build_optimizer
 
 RESULTS = Path(__file__).parent / "results" / "gpu_throughput.json"
 NOMINAL_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12}
@@ -116,7 +116,7 @@ def measure(overrides: list[str], experts: list[int], batch: int, warmup: int, s
 def run_arm(name: str, overrides: list[str], experts: list[int], args, device) -> dict:
     try:
         return {"arm": name, **measure(overrides, experts, args.batch, args.warmup, args.steps, device)}
-    except Exception as exc:  # a backend that is missing or fails here is reported, not fatal
+    except Exception as exc:  # noqa: BLE001 -- a backend that is missing or fails here is reported, not fatal
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return {"arm": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}

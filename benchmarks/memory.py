@@ -21,10 +21,10 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2p_spes.config import load_config  # noqa: E402
-from p2p_spes.memory import expected_memory, measure_memory  # noqa: E402
-from p2p_spes.model import MoETransformer  # noqa: E402
-from p2p_spes.optim import build_optimizer  # noqa: E402
+from p2p_spes.config import load_config
+from p2p_spes.memory import expected_memory, measure_memory
+from p2p_spes.model import MoETransformer
+from p2p_spes.optim import build_optimizer
 
 GIB = 1024**3
 

@@ -26,9 +26,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2p_spes.config import load_config  # noqa: E402
-from p2p_spes.memory import expected_memory  # noqa: E402
-from p2p_spes.model import MoETransformer  # noqa: E402
+from p2p_spes.config import load_config
+from p2p_spes.memory import expected_memory
+from p2p_spes.model import MoETransformer
 
 GIB = 1024**3
 
@@ -76,13 +76,7 @@ def swarm_rows(config: str, peers: int, steps: int, sync_steps: int, extra: list
                      f"swarm.residency={residency}", *extra]
         run_dir = work / residency
         swarm = LocalSwarm(config, overrides, peers=peers, run_dir=run_dir)
-        try:
-            swarm.start()
-            codes = swarm.wait(timeout=60 * 60)
-        finally:
-            swarm.stop()
-        if codes != [0] * peers:
-            raise SystemExit(f"{residency} swarm failed ({codes}); see {run_dir}/peer*.log")
+        swarm.run(timeout=60 * 60)
         dirs = [run_dir / f"peer{i}" for i in range(peers)]
         assembled = assembled_val_loss(config, overrides, dirs)
         for i, s in enumerate(swarm.summaries()):

@@ -26,8 +26,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2p_spes.chaos import read_metrics  # noqa: E402
-from p2p_spes.local_swarm import LocalSwarm  # noqa: E402
+from p2p_spes.chaos import read_metrics
+from p2p_spes.local_swarm import LocalSwarm
 
 RESULTS = Path(__file__).parent / "results" / "sync_overhead.json"
 CONFIG = [
@@ -43,13 +43,7 @@ def measure(interval: int, overlap: bool, steps: int, run_dir: Path) -> dict[str
     swarm = LocalSwarm(None, CONFIG + [f"swarm.sync_steps={interval}", f"train.max_steps={steps}",
                                        f"swarm.overlap={str(overlap).lower()}"], peers=2,
                        run_dir=run_dir / name, run_id=f"overhead-{name}")
-    try:
-        swarm.start(stagger=1.0)
-        codes = swarm.wait(timeout=1800)
-    finally:
-        swarm.stop()
-    if codes != [0, 0]:
-        raise SystemExit(f"a peer failed ({codes}); logs in {run_dir / name}")
+    swarm.run(timeout=1800, stagger=1.0)
     overheads, per_step, during, between, rounds, joined = [], [], [], [], [], 0
     for i in range(2):
         records = read_metrics(run_dir / name / f"peer{i}")

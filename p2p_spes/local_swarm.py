@@ -56,11 +56,10 @@ class LocalSwarm:
         """Start peer ``index``; with ``resume`` it restarts from its own run directory's checkpoint."""
         (self.run_dir / f"peer{index}").mkdir(parents=True, exist_ok=True)
         (self.run_dir / f"peer{index}" / "peer.json").unlink(missing_ok=True)  # its address changes on restart
-        log = open(self.run_dir / f"peer{index}.log", "a" if resume else "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         cmd = self._command(index, initial_peers) + (["--resume"] if resume else [])
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
+        with open(self.run_dir / f"peer{index}.log", "a" if resume else "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if index < len(self.procs):
             self.retired.append(self.procs[index])
             self.procs[index] = proc
@@ -96,6 +95,27 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 break
         return [p.poll() for p in self.procs]
+
+    def run(self, timeout: float | None = None, stagger: float = 2.0) -> list[int]:
+        """Start every peer, wait for all of them to exit, and stop whatever is left, always.
+
+        Returns the exit codes (all 0); raises :class:`SwarmError` naming the peers that failed or
+        overran ``timeout`` and their logs, with the tail of the first failed peer's log.
+        """
+        try:
+            self.start(stagger=stagger)
+            codes = self.wait(timeout)
+        finally:
+            self.stop()
+        failed = [i for i, code in enumerate(codes) if code != 0]
+        if failed:
+            logs = ", ".join(str(self.run_dir / f"peer{i}.log") for i in failed)
+            raise SwarmError(
+                f"peer(s) {failed} of {self.run_dir} failed (exit codes {codes}; None: still running after "
+                f"{timeout} s, then stopped); logs: {logs}\nlast lines of peer {failed[0]}:\n"
+                f"{_tail(self.run_dir / f'peer{failed[0]}.log')}"
+            )
+        return codes
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM every peer (they checkpoint and announce leaving), then SIGKILL their groups."""

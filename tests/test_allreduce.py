@@ -13,6 +13,8 @@ from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import GroupAllReduce, weighted_mean
 from p2p_spes.transport import TransportError, parse_tensor, serialize_parts, tensor_digest
 
+WINDOW = 2.0  # seconds a group stays open for members after the first one arrives (matchmaking_time)
+
 
 class Peers:
     """Three DHT peers and one event loop thread (as each trainer has), shared by the tests."""
@@ -57,7 +59,7 @@ def run_group(peers, tensors, weights, compression, run_id, present=None, aggreg
         for i in present:
             p2p = peers.p2ps[i]
             reducer = GroupAllReduce(dhts[i], p2p, dhts[i].peer_id.to_base58(), run_id, owner=peers.owners[i],
-                                     compression=compression, matchmaking_time=2.0, timeout=10.0,
+                                     compression=compression, matchmaking_time=WINDOW, timeout=10.0,
                                      aggregate=aggregate)
             await reducer.start()
             reducers.append(reducer)
@@ -67,6 +69,7 @@ def run_group(peers, tensors, weights, compression, run_id, present=None, aggreg
     return peers.call(main())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", ["none", "fp16", "uint8"])
 def test_members_end_bit_identical_with_the_weighted_mean(dhts, compression):
     torch.manual_seed(0)
@@ -90,13 +93,21 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, compression):
         assert results[0].bytes_sent < uncompressed[0].bytes_sent * 0.6
 
 
+@pytest.mark.slow
 def test_absent_member_is_waited_for_only_until_the_window_closes(dhts):
+    """The third expected member never comes: the two others wait out the 2 s join window (not the 10 s
+    averaging timeout, nor matchmaking's own 12 s give-up) and then average between themselves."""
     tensors = [torch.ones(64) * i for i in range(3)]
     results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-absent", present=[0, 1])
     assert all(r.ok for r in results)
     assert all(len(r.members) == 2 for r in results)
     torch.testing.assert_close(results[0].tensor, torch.full((64,), 0.5))
-    assert all(r.seconds < 2.0 + 10.0 + 5.0 for r in results)
+    seconds = [round(r.seconds, 2) for r in results]
+    # the window opens at the first arrival; both arrive within a few DHT round-trips of each other
+    assert max(seconds) >= WINDOW - 0.2, f"the absent member was not waited for: {seconds}"
+    # window + the 0.5 s re-read that settles the member list + 1.5 s for DHT reads and a 64-float
+    # all-reduce of two members on a loaded 2-core machine
+    assert max(seconds) < WINDOW + 0.5 + 1.5, f"waited past the join window: {seconds}"
 
 
 def test_non_finite_and_misshapen_tensors_are_refused():
@@ -114,6 +125,7 @@ def test_weighted_mean():
     torch.testing.assert_close(out, torch.full((3,), 0.75))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
 def test_a_malicious_member_moves_robust_results_a_bounded_amount(dhts, rule):
     """Two honest peers and one sending its weights x1000 with a huge claimed token count: the mean

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from p2p_spes.chaos import Chaos, analyse, orphaned, read_metrics
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.swarm import sync_deadline
+
+pytestmark = pytest.mark.slow  # a 4-peer loopback swarm through faults
 
 MATCHMAKING, TIMEOUT, SYNC = 4.0, 8.0, 10
 CHAOS = [

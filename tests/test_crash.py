@@ -41,6 +41,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_during_checkpoint_writes_always_leaves_a_complete_checkpoint(tmp_path):
     rng = random.Random(0)
     script = WRITER.replace('"RUN"', repr(str(tmp_path)))
@@ -67,6 +68,7 @@ def test_sigkill_during_checkpoint_writes_always_leaves_a_complete_checkpoint(tm
     assert leftovers, "the kills should have interrupted at least one write (else the test proves nothing)"
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_a_clear_error(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

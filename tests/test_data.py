@@ -21,7 +21,7 @@ from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
 from p2p_spes.errors import DataError
 from p2p_spes.tokenization import load_tokenizer, tokenize_files
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 
 
 def _doc(i: int) -> str:

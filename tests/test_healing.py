@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import torch
+from helpers import SMALL_MODEL
 
 from p2p_spes.config import load_config
 from p2p_spes.healing import plan_takeover, take_on_experts
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer
-
-SMALL = [
-    "model.vocab_size=97", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-    "model.max_seq_len=16", "moe.num_experts=8", "moe.top_k=2", "moe.ffn_dim=48",
-]
 
 
 def test_plan_covers_every_lost_expert_once_on_peers_with_spare_capacity():
@@ -36,7 +32,7 @@ def test_plan_tops_up_replicas_and_never_gives_a_peer_an_expert_it_holds():
 
 
 def _stepped(resident_only: bool):
-    cfg = load_config(None, SMALL + (["swarm.residency=partial", "swarm.merge_interval=0"] if resident_only else []))
+    cfg = load_config(None, SMALL_MODEL + (["swarm.residency=partial", "swarm.merge_interval=0"] if resident_only else []))
     model = MoETransformer(cfg.model, cfg.moe, local_experts=[1, 5], resident_only=resident_only)
     model.init_weights(0)
     opt = build_optimizer(model, cfg.train)

@@ -5,85 +5,29 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from test_swarm import SMALL, group_alive
+import pytest
+from helpers import (
+    P2P,
+    ROOT,
+    SMALL,
+    free_port,
+    group_alive,
+    start_bootstrap,
+    start_volunteer,
+    stop,
+    volunteer_output,
+    wait_for,
+)
 
 from dht.inspector import collect, open_dht
 from p2p_spes.local_swarm import LocalSwarm
 
-ROOT = Path(__file__).resolve().parent.parent
-P2P = [sys.executable, "-m", "p2p_spes"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
-    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    detail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise AssertionError(f"{what} did not happen within {timeout:.0f}s\n{detail}")
-
-
-def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
-    """Signal ``proc`` by its id, wait, and SIGKILL its whole group if it did not exit."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-        return None
-    return proc.returncode
-
-
-def start_bootstrap(tmp_path: Path, port: int, name: str, extra: list[str] = ()) -> tuple[subprocess.Popen, Path]:
-    out, log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
-    out.unlink(missing_ok=True)
-    cmd = [*P2P, "bootstrap", "--identity", str(tmp_path / "boot.key"), "--host-maddrs",
-           f"/ip4/127.0.0.1/tcp/{port}", "--write-maddrs", str(out), *extra]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    wait_for(out.exists, 60, f"bootstrap {name} coming up", proc, log)
-    return proc, out
-
-
-def start_volunteer(tmp_path: Path, maddrs: list[str], run_id: str) -> subprocess.Popen:
-    """launch/volunteer.sh on loopback, CPU, with the already-installed interpreter (no install step)."""
-    with open(tmp_path / "volunteer.out", "w") as f:
-        return subprocess.Popen(
-            ["bash", str(ROOT / "launch" / "volunteer.sh"), "--initial-peers", *maddrs, "--run-id", run_id,
-             "--no-install", "--device", "cpu", "--dir", str(tmp_path / "vol"), "--max-restarts", "0",
-             "--", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--set", "train.threads=1"],
-            stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-            env=dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"),
-        )
-
-
-def volunteer_output(tmp_path: Path) -> str:
-    log = tmp_path / "vol" / "peer.log"
-    return (tmp_path / "volunteer.out").read_text() + (log.read_text()[-3000:] if log.exists() else "")
-
-
+@pytest.mark.slow
 def test_bootstrap_keeps_its_multiaddr_and_a_volunteer_trains_with_the_config_it_publishes(tmp_path):
     port = free_port()
     first, out = start_bootstrap(tmp_path, port, "first")
@@ -132,6 +76,7 @@ def test_bootstrap_keeps_its_multiaddr_and_a_volunteer_trains_with_the_config_it
     assert "d_model: 64" in fetched and "max_steps: 20" in fetched
 
 
+@pytest.mark.slow
 def test_volunteer_joins_a_live_run_the_inspector_sees_it_and_ctrl_c_leaves_cleanly(tmp_path):
     """Only a peer's multiaddr; the inspector's JSON lists both peers, then the coverage changes on leaving.
 

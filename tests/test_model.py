@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SMALL_MODEL
 
 from p2p_spes.config import load_config
 from p2p_spes.errors import BackendError
@@ -13,14 +14,9 @@ from p2p_spes.model import MoETransformer, auxiliary_losses
 from p2p_spes.moe import TorchMoE, megablocks_available
 from p2p_spes.optim import build_optimizer
 
-SMALL = [
-    "model.vocab_size=97", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-    "model.max_seq_len=16", "moe.num_experts=8", "moe.top_k=2", "moe.ffn_dim=48",
-]
-
 
 def small_config(*extra: str):
-    return load_config(None, SMALL + list(extra))
+    return load_config(None, SMALL_MODEL + list(extra))
 
 
 def naive_moe(moe: TorchMoE, x: torch.Tensor, normalize: bool) -> torch.Tensor:

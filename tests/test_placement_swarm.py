@@ -13,14 +13,15 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from test_join import ROOT, free_port, start_bootstrap, start_volunteer, volunteer_output, wait_for
+from helpers import ROOT, free_port, start_bootstrap, start_volunteer, volunteer_output, wait_for
 
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.slow  # loopback swarms of several processes
 
 # the big configs' model and schedule, shrunk to CPU size; placement, experts and peer.count stay theirs
 SHRINK = {
@@ -50,17 +51,11 @@ def assert_disjoint_blocks(held: list[list[int]], num_experts: int) -> None:
     assert all(h == list(range(h[0], h[0] + per_peer)) and h[0] % per_peer == 0 for h in held), f"not SPES blocks: {held}"
 
 
-@pytest.mark.slow
 def test_four_peers_of_the_1b_config_train_four_disjoint_blocks(tmp_path):
     cfg = load_config("spes-1b")
     assert cfg.experts.placement == "spes" and cfg.peer.count == 4
     swarm = LocalSwarm("spes-1b", overrides(SHRINK), peers=4, run_dir=tmp_path)
-    try:
-        swarm.start(stagger=0.5)
-        codes = swarm.wait(timeout=400)
-    finally:
-        swarm.stop()
-    assert codes == [0, 0, 0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in range(4)]
+    swarm.run(timeout=400, stagger=0.5)
     summaries = swarm.summaries()
     assert_disjoint_blocks([s["local_experts"] for s in summaries], cfg.moe.num_experts)
     assert sorted(s["data_partition"] for s in summaries) == [0, 1, 2, 3]
@@ -82,7 +77,6 @@ case "$1" in -s) echo "$FAKE_HOST" ;; -I) echo 127.0.0.1 ;; *) echo "$FAKE_HOST"
 """
 
 
-@pytest.mark.slow
 def test_slurm_nodes_and_a_volunteer_of_the_7b_config_train_disjoint_blocks(tmp_path):
     base = yaml.safe_load((ROOT / "configs" / "spes-7b.yaml").read_text())
     for section, values in SHRINK.items():
@@ -106,10 +100,11 @@ def test_slurm_nodes_and_a_volunteer_of_the_7b_config_train_disjoint_blocks(tmp_
     env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", FAKE_NODES="3", FAKE_PORT0=str(free_port()),
                FAKE_LOGS=str(logs), VENV=sys.prefix, RUN_ROOT=str(tmp_path / "slurm"), P2P_HOST="127.0.0.1",
                PYTHONUNBUFFERED="1")
-    nodes = subprocess.Popen(
-        ["bash", str(ROOT / "launch" / "slurm.sh"), "--initial-peers", *maddrs, "--run-id", run_id,
-         "--", "--set", "train.threads=1"],
-        stdout=open(tmp_path / "slurm.out", "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(tmp_path / "slurm.out", "w") as slurm_out:
+        nodes = subprocess.Popen(
+            ["bash", str(ROOT / "launch" / "slurm.sh"), "--initial-peers", *maddrs, "--run-id", run_id,
+             "--", "--set", "train.threads=1"],
+            stdout=slurm_out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     volunteer = start_volunteer(tmp_path, maddrs, run_id)
     try:
         summaries = [tmp_path / "slurm" / f"node{i}" / "run" / "summary.json" for i in range(3)]

@@ -5,21 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SMALL_MODEL
 
 from p2p_spes.config import load_config
 from p2p_spes.errors import ConfigError, ResidencyError
 from p2p_spes.model import MoETransformer
 from p2p_spes.moe import resident_weights
 
-SMALL = [
-    "model.vocab_size=97", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-    "model.max_seq_len=16", "moe.num_experts=8", "moe.top_k=2", "moe.ffn_dim=48",
-]
 LOCAL = [1, 4, 6]
 
 
 def models(normalize: bool):
-    cfg = load_config(None, SMALL + [f"moe.normalize_top_k={str(normalize).lower()}"])
+    cfg = load_config(None, SMALL_MODEL + [f"moe.normalize_top_k={str(normalize).lower()}"])
     full = MoETransformer(cfg.model, cfg.moe, local_experts=LOCAL)
     full.init_weights(3)
     part = MoETransformer(cfg.model, cfg.moe, local_experts=LOCAL, resident_only=True)

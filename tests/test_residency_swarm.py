@@ -11,10 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+from helpers import SMALL, last_step, rounds
+
 from dht.inspector import collect, open_dht
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.transport import tensor_digest
-from tests.test_swarm import SMALL, last_step, rounds
+
+pytestmark = pytest.mark.slow  # loopback swarms of several processes
 
 # wider experts than test_swarm's so that expert traffic is visible next to the shared parameters
 BASE = [o for o in SMALL if not o.startswith("moe.ffn_dim")] + [
@@ -92,7 +96,7 @@ def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
         capture_output=True, text=True, timeout=120, start_new_session=True,
     )
     assert refused.returncode == 2 and "--from-swarm" in refused.stderr
-    assert set(e for s in summaries for e in s["local_experts"]) == set(range(6))
+    assert {e for s in summaries for e in s["local_experts"]} == set(range(6))
     for i, s in enumerate(summaries):
         run_dir = tmp_path / f"peer{i}"
         own = s["local_experts"]
