@@ -37,6 +37,7 @@ def test_identity_file_is_the_peer_id_and_the_signing_key(tmp_path):
         load_identity(tmp_path / "junk.key")
 
 
+@pytest.mark.slow
 def test_forged_records_about_another_peer_are_rejected():
     victim, victim_id = start_dht(None, [RUN], host_maddrs=LOOPBACK)
     maddrs = [str(m) for m in victim.get_visible_maddrs()]
@@ -109,6 +110,7 @@ def test_batch_fit_keeps_tokens_per_step_and_refuses_a_device_too_small():
         fit_batch(cfg, fixed, "cpu")
 
 
+@pytest.mark.slow
 def test_run_config_key_is_schema_checked():
     dht, ident = start_dht(None, [RUN], host_maddrs=LOOPBACK)
     try:

@@ -56,6 +56,7 @@ def test_run_schema_fields_are_the_fixed_key_names():
     assert version_key(run, 3) == "r.round3.versions", "a per-round key: outside the static schema"
 
 
+@pytest.mark.slow
 def test_a_version_record_passes_the_run_dht_and_reads_back():
     dht, identity = start_dht(None, ["vr"], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
