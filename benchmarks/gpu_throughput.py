@@ -116,7 +116,7 @@ def measure(overrides: list[str], experts: list[int], batch: int, warmup: int, s
 def run_arm(name: str, overrides: list[str], experts: list[int], args, device) -> dict:
     try:
         return {"arm": name, **measure(overrides, experts, args.batch, args.warmup, args.steps, device)}
-    except Exception as exc:  # noqa: BLE001 -- a backend that is missing or fails here is reported, not fatal
+    except Exception as exc:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return {"arm": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}

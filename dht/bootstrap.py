@@ -65,7 +65,7 @@ class Bootstrap:
             )
         except SwarmError:
             raise
-        except Exception as exc:  # noqa: BLE001 - whatever hivemind raises, the user needs the port and the key file
+        except Exception as exc:
             raise SwarmError(
                 f"could not start the bootstrap peer on {' '.join(o.host_maddrs)}: {type(exc).__name__}: {exc}. "
                 "Is the port free? Is the identity file used by another running peer?"

@@ -72,7 +72,7 @@ def load_identity(path: str | os.PathLike | None) -> Identity:
             raise ValueError(f"key type {proto.key_type} is not RSA")
         key = RSAPrivateKey.__new__(RSAPrivateKey)
         key.__setstate__({"_private_key": proto.data})  # hivemind's own (un)pickling of a DER key
-    except Exception as exc:  # noqa: BLE001 - protobuf, DER and cryptography errors alike mean "not a key file"
+    except Exception as exc:
         raise SwarmError(
             f"identity file {path} is not a libp2p RSA private key ({exc}); delete it to make a new identity "
             "(the peer id will change) or point --identity at the right file"
@@ -100,5 +100,5 @@ def peer_id_of_owner(subkey: bytes) -> str | None:
         return None
     try:
         return _peer_id_of_public_key(RSAPublicKey.from_bytes(found[0]))
-    except Exception:  # noqa: BLE001 - any malformed key in a stranger's subkey just means "no peer id"
+    except Exception:
         return None

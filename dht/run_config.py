@@ -123,7 +123,7 @@ def fetch_run_config(initial_peers: Iterable[str], run_id: str, *, expected_hash
                            startup_timeout=bootstrap_timeout)
     except SwarmError:
         raise
-    except Exception as exc:  # noqa: BLE001 - whatever hivemind raises, the user needs the address it was joining
+    except Exception as exc:
         raise SwarmError(
             f"could not reach the run through {' '.join(initial_peers)}: {type(exc).__name__}: {exc}"
         ) from None

@@ -22,7 +22,8 @@ to the same contributions in member order, so members still end bit-identical.
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 

@@ -16,8 +16,9 @@ import json
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dht.auth import load_auth
 from dht.run_config import config_from_published, fetch_run_config
@@ -49,7 +50,7 @@ def assemble_from_swarm(initial_peers: Sequence[str], run_id: str,
         stats: Counter = Counter()
         downloader = Downloader(runtime, stats, timeout=sw.averaging_timeout)
         model = MoETransformer(cfg.model, cfg.moe, local_experts=[])  # every expert a frozen buffer
-        live = Membership(runtime, cfg, stats, experts=lambda: []).live_peers()
+        live = Membership(runtime, cfg, stats, experts=list).live_peers()
         peers = {p: r for p, r in live.items() if r.extra.get("serving")}
         if not peers:
             raise SwarmError(f"run {run_id!r} has no live peer serving weights; nothing to assemble")

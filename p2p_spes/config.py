@@ -9,16 +9,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
 from p2p_spes.errors import ConfigError
 from p2p_spes.placement import spes_block
+from p2p_spes.typed_yaml import build, parse_override, set_nested
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -77,7 +77,7 @@ class ExpertsConfig:
     # swarm, take the experts with the fewest live holders; "auto": coverage in a swarm, the SPES rule
     # otherwise. See p2p_spes/placement.py.
     placement: Literal["auto", "spes", "explicit", "coverage"] = "auto"
-    local: Optional[list[int]] = field(default=None, metadata=LOCAL)
+    local: list[int] | None = field(default=None, metadata=LOCAL)
     # SPES option: scale local experts' load-balance counts from decayed_lb_start to 1 over
     # the first decayed_lb_fraction of training, letting routing lean toward local experts early.
     decayed_lb: bool = False
@@ -98,9 +98,9 @@ class PeerConfig:
 class DataConfig:
     """Token shards made by ``p2p-spes data tokenize``; null paths mean the embedded corpus."""
 
-    train: Optional[str] = field(default=None, metadata=LOCAL)
-    validation: Optional[str] = field(default=None, metadata=LOCAL)
-    tokenizer: Optional[str] = field(default=None, metadata=LOCAL)
+    train: str | None = field(default=None, metadata=LOCAL)
+    validation: str | None = field(default=None, metadata=LOCAL)
+    tokenizer: str | None = field(default=None, metadata=LOCAL)
     seed: int = 0
     verify: bool = field(default=True, metadata=LOCAL)
 
@@ -131,7 +131,7 @@ class TrainConfig:
     run_dir: str = field(default="runs/default", metadata=LOCAL)
     threads: int = field(default=0, metadata=LOCAL)
     # Checkpoint (or run directory) whose weights start this run, e.g. from `p2p-spes upcycle`.
-    init_from: Optional[str] = None
+    init_from: str | None = None
 
 
 @dataclass
@@ -142,21 +142,21 @@ class SwarmConfig:
     initial_peers: list[str] = field(default_factory=list, metadata=LOCAL)
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], metadata=LOCAL)
     announce_maddrs: list[str] = field(default_factory=list, metadata=LOCAL)
-    identity_path: Optional[str] = field(default=None, metadata=LOCAL)
+    identity_path: str | None = field(default=None, metadata=LOCAL)
     client_mode: bool = field(default=False, metadata=LOCAL)
     use_relay: bool = field(default=True, metadata=LOCAL)  # libp2p circuit relay: reach peers behind NAT through others
     use_auto_relay: bool = field(default=False, metadata=LOCAL)  # behind NAT yourself: become reachable through a relay
     bootstrap_timeout: float = field(default=15.0, metadata=LOCAL)
     sync_steps: int = 50
     replicas: int = 1
-    experts_per_peer: Optional[int] = None
+    experts_per_peer: int | None = None
     # "full": every expert in memory (SPES); "partial": only the peer's own experts (tokens routed
     # elsewhere skip them, see p2p_spes/moe/router.py). A per-peer choice: a swarm may mix both.
     residency: Literal["full", "partial"] = field(default="full", metadata=LOCAL)
     # Self-healing: the most experts this peer trains, counting those it takes over from peers that
     # left (None: no limit but moe.num_experts). Each one costs gradient + AdamW memory (full
     # residency) or that plus its weights (partial).
-    max_experts_per_peer: Optional[int] = field(default=None, metadata=LOCAL)
+    max_experts_per_peer: int | None = field(default=None, metadata=LOCAL)
     compression: Literal["none", "fp16", "uint8"] = "none"
     # run each sync round in the background while training goes on (two extra weight copies);
     # the round's change is added to the live weights when it ends (p2p_spes/peer.py SwarmSync)
@@ -182,7 +182,7 @@ class SwarmConfig:
     max_update_ratio: float = 20.0
     # a private run: a shared secret (file; or the P2P_SPES_SECRET environment variable) and/or an
     # allow-list of peer ids; outsiders can neither write its records nor use its RPCs (dht/auth.py)
-    secret_file: Optional[str] = field(default=None, metadata=LOCAL)
+    secret_file: str | None = field(default=None, metadata=LOCAL)
     allowed_peers: list[str] = field(default_factory=list)
 
 
@@ -262,116 +262,6 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp)) if origin is None else str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        if value in args:
-            return value
-        raise ConfigError(f"{where}: must be one of {', '.join(repr(a) for a in args)}, got {value!r}")
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:
-        raise ConfigError(f"{where}: unsupported type {tp}")
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping of keys to values, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ConfigError(
-            f"unknown key {', '.join(f'{where}.{k}' if where else k for k in unknown)}; "
-            f"valid keys{' of ' + where if where else ''}: {', '.join(names)}"
-        )
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        key = f"{where}.{name}" if where else name
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, data[name] or {}, key)
-        else:
-            kwargs[name] = _coerce(data[name], tp, key)
-    return cls(**kwargs)
-
-
-def _set_nested(data: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = data
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {dotted}: {part} is not a section")
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``section.key=value`` with the value read as YAML (so ``4`` is an int, ``[1,2]`` a list)."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example --set model.num_layers=4")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or key.startswith(".") or key.endswith("."):
-        raise ConfigError(f"--set {text!r}: malformed key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc})") from None
-    return key, value
-
-
 def resolve_config_path(path: str | Path) -> Path:
     """A path as given, or the name of a shipped config (``tiny`` -> configs/tiny.yaml)."""
     candidate = Path(path)
@@ -403,8 +293,8 @@ def load_config(
         raw = _merge(raw, data)
     for text in overrides:
         key, value = parse_override(text)
-        _set_nested(raw, key, value)
-    config = _build(Config, raw, "")
+        set_nested(raw, key, value)
+    config = build(Config, raw, "")
     validate(config)
     return config
 

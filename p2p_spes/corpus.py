@@ -24,7 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from p2p_spes.data import TokenDataset
 from p2p_spes.errors import DataError
+from p2p_spes.tokenization import MANIFEST_VERSION, tokenize_files
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 SPLITS = ("train", "validation")
@@ -168,14 +170,18 @@ def _write_jsonl_xz(path: Path, records: list[dict[str, str]]) -> None:
 
 def _licence_text(corpus: CorpusSource, counts: dict[str, int]) -> str:
     paragraphs = [
-        "train.jsonl.xz and validation.jsonl.xz hold, unmodified, the reStructuredText sources of "
-        f"the Python 3.11 documentation (html/_sources/*{DOC_SUFFIX}) taken from {corpus.origin}, "
-        f"one JSON object per file ({counts['train']} train, {counts['validation']} validation "
-        "documents). The tokenizer in ../tokenizer was trained on train.jsonl.xz.",
-        "Python and its documentation are Copyright (c) 2001-2023 Python Software Foundation, "
-        "(c) 2000 BeOpen.com, (c) 1995-2000 Corporation for National Research Initiatives, "
-        "(c) 1991-1995 Stichting Mathematisch Centrum. They are distributed under the PSF License "
-        "Agreement; the licence text shipped with the package follows.",
+        (
+            "train.jsonl.xz and validation.jsonl.xz hold, unmodified, the reStructuredText sources of "
+            f"the Python 3.11 documentation (html/_sources/*{DOC_SUFFIX}) taken from {corpus.origin}, "
+            f"one JSON object per file ({counts['train']} train, {counts['validation']} validation "
+            "documents). The tokenizer in ../tokenizer was trained on train.jsonl.xz."
+        ),
+        (
+            "Python and its documentation are Copyright (c) 2001-2023 Python Software Foundation, "
+            "(c) 2000 BeOpen.com, (c) 1995-2000 Corporation for National Research Initiatives, "
+            "(c) 1991-1995 Stichting Mathematisch Centrum. They are distributed under the PSF License "
+            "Agreement; the licence text shipped with the package follows."
+        ),
     ]
     title = "Embedded corpus of p2p-spes"
     header = "\n\n".join([f"{title}\n{'=' * len(title)}"] + [textwrap.fill(p, 78) for p in paragraphs])
@@ -249,7 +255,6 @@ def embedded_corpus_files() -> dict[str, Path]:
 
 def embedded_assets_key() -> str:
     """Hash of every embedded asset and the token format, so any change re-tokenizes."""
-    from p2p_spes.tokenization import MANIFEST_VERSION
 
     digest = hashlib.sha256(f"p2p-spes-tokens-v{MANIFEST_VERSION}".encode())
     tokenizer_dir = embedded_tokenizer_path()
@@ -268,7 +273,6 @@ def default_cache_dir() -> Path:
 
 
 def _is_complete(target: Path) -> bool:
-    from p2p_spes.data import TokenDataset
 
     try:
         for split in SPLITS:
@@ -304,7 +308,6 @@ def prepare_embedded_data(cache_dir: Path | None = None, *, num_workers: int = 1
     One worker is the default: the corpus is small, and in-process encoding already uses every
     core while extra processes would each pay the import of transformers.
     """
-    from p2p_spes.tokenization import tokenize_files
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / f"embedded-{embedded_assets_key()[:16]}"

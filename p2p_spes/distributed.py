@@ -21,8 +21,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,7 +134,7 @@ class NodeSync:
         self._seen = changes() if changes else 0
 
     @classmethod
-    def attach(cls, node: Node, trainer: Any, changes: Callable[[], int] | None = None) -> "NodeSync":
+    def attach(cls, node: Node, trainer: Any, changes: Callable[[], int] | None = None) -> NodeSync:
         """Bring every rank to rank 0's state now, then keep them there after every step."""
         hook = cls(node, trainer.cfg.moe.num_experts, changes)
         hook.start(trainer)

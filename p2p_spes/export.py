@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from p2p_spes.checkpoint import STATE, WEIGHTS, find_checkpoint, read_state
 from p2p_spes.config import Config, load_config
+from p2p_spes.corpus import embedded_tokenizer_path
 from p2p_spes.errors import CheckpointError, ConfigError
 
 HF_WEIGHTS = "model.safetensors"
@@ -191,7 +192,6 @@ def write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path
 def resolve_tokenizer(cfg: Config, tokenizer: str | Path | None) -> Path:
     """The tokenizer given, else the run's (``data.tokenizer``), else the embedded one."""
     if tokenizer is None and cfg.data.tokenizer is None:
-        from p2p_spes.corpus import embedded_tokenizer_path
 
         return embedded_tokenizer_path()
     path = Path(tokenizer if tokenizer is not None else cfg.data.tokenizer).expanduser()
@@ -222,7 +222,8 @@ def export_hf(
     cfg = checkpoint_config(state, path)
     check_exportable(cfg)
     with safe_open(str(path / WEIGHTS), framework="pt") as f:
-        if any(name.endswith("resident_experts") for name in f.keys()):
+        names = f.keys()  # safe_open has keys() and no __iter__
+        if any(name.endswith("resident_experts") for name in names):
             raise CheckpointError(
                 f"{path} was written by a partial-residency peer and holds only its own experts; export a full "
                 "peer's checkpoint, or assemble the model from the live run with `p2p-spes export --from-swarm "

@@ -21,12 +21,13 @@ over row by row; the new expert's moments start at zero.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from p2p_spes.config import Config, TrainConfig
+from p2p_spes.model import MoETransformer
 from p2p_spes.moe import MATRICES
 from p2p_spes.optim import build_optimizer
 
@@ -69,7 +70,6 @@ def initial_expert(cfg: Config, expert: int) -> list[torch.Tensor]:
     keeps a copy either was never trained or is lost; restarting it from its initial value keeps the
     model complete. Builds a model with only that expert resident (shared weights + one expert).
     """
-    from p2p_spes.model import MoETransformer
 
     model = MoETransformer(cfg.model, cfg.moe, local_experts=[expert], resident_only=True)
     model.init_weights(cfg.train.seed)

@@ -8,8 +8,8 @@ export is a renaming and the two MoE backends load each other's checkpoints.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -15,7 +15,7 @@ peer p holds expert p mod E, so 16 peers give 8 experts two holders each.
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from collections.abc import Mapping
 
 
 def spes_block(peer_index: int, num_peers: int, num_experts: int) -> list[int]:

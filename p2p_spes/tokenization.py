@@ -259,7 +259,7 @@ class _ShardWriter:
     def _open(self) -> None:
         name = shard_name(len(self.shards))
         self._tmp = self.out_dir / f".{name}.{os.getpid()}.tmp"
-        self._file = open(self._tmp, "wb")
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 (open across calls; closed by finish()/abort())
         self._count, self._max, self._hash = 0, 0, hashlib.sha256()
 
     def _close(self) -> None:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, load_checkpoint, read_state, save_checkpoint
 from p2p_spes.config import Config
+from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
 from p2p_spes.distributed import Node
 from p2p_spes.errors import CheckpointError, ConfigError
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class StepHook(Protocol):
-    def __call__(self, trainer: "Trainer") -> None: ...
+    def __call__(self, trainer: Trainer) -> None: ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,7 +48,6 @@ def resolve_data(cfg: Config) -> tuple[str, str, str]:
     """Train and validation shard directories and the tokenizer; the embedded corpus by default."""
     data = cfg.data
     if data.train is None:
-        from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
 
         if data.validation is not None:
             raise ConfigError("data.validation is set but data.train is not; set both or neither")

@@ -7,7 +7,7 @@ dtypes the receiver expects, and refused if it is not finite.
 from __future__ import annotations
 
 import hashlib
-from typing import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import msgpack
 import torch

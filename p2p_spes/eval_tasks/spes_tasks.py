@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from p2p_spes.evaluate import load_local_split
+
 
 def load_local(subset: str, spes_data_dir: str | None = None, **_: Any):
     """The validation split of ``subset`` (e.g. ``piqa/plain_text``) from local Arrow files.
@@ -16,7 +18,6 @@ def load_local(subset: str, spes_data_dir: str | None = None, **_: Any):
     lm-eval calls this with the task's metadata and ``dataset_kwargs`` as keyword arguments;
     ``spes_data_dir`` comes from ``run_eval(data_dir=...)`` or ``--metadata``.
     """
-    from p2p_spes.evaluate import load_local_split
 
     return load_local_split(subset, spes_data_dir)
 
