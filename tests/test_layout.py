@@ -200,3 +200,20 @@ def test_no_class_is_too_long():
         if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
     ]
     assert not long, f"classes over {MAX_CLASS_LINES} lines (split them):\n" + "\n".join(long)
+
+
+def test_dht_sits_below_the_trainer():
+    """``dht`` uses of ``p2p_spes`` only ``config`` and ``errors``, and nothing those import (transitively)
+    imports ``dht``: the two packages form layers, not a cycle."""
+    modules = project()
+    allowed = {"p2p_spes.config", "p2p_spes.errors"}
+    for name, module in modules.items():
+        if name.split(".")[0] == "dht":
+            used = {m for m in module.imports if m.startswith("p2p_spes")}
+            assert used <= allowed, f"{name} imports {sorted(used - allowed)} of the trainer"
+    todo, seen = list(allowed), set()
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        assert not any(m.split(".")[0] == "dht" for m in modules[name].imports), f"{name} imports dht"
+        todo += [m for m in modules[name].imports if m not in seen]
