@@ -35,6 +35,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # 300 steps of the tiny config in a process: minutes on 2 cores
 def test_tiny_config_loss_falls_well_below_start(tmp_path):
     """The README's main job: the tiny config through the CLI, on the embedded corpus."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
