@@ -164,12 +164,13 @@ def assert_groups_applied_whole(per_peer: dict[str, dict[int, dict]]) -> int:
     * Every member for which the group succeeded holds bit-identical values for it afterwards: the shared
       digest for the shared group, the expert's digest for an expert group (not in merge rounds, where the
       merge moves every expert after the averaging).
-    * A peer whose shared group failed holds none of the results its round's successful shared groups
-      agreed on, unless it adopted one (then it holds exactly that one): a failed group leaves the values
-      as they were.
+    * A peer whose shared group failed holds none of the values its round's successful shared groups
+      ended with (a lone peer's included), unless it adopted one (then it holds exactly one of them): a
+      failed group leaves the values as they were.
     """
     results: dict[tuple[int, str, str], dict[str, str | None]] = defaultdict(dict)
     sizes: dict[tuple[int, str, str], dict[str, int]] = defaultdict(dict)
+    agreed = defaultdict(set)  # round -> what its successful shared groups (a lone peer's included) hold
     for peer, records in per_peer.items():
         for n, r in records.items():
             for group, g in r["groups"].items():
@@ -178,6 +179,8 @@ def assert_groups_applied_whole(per_peer: dict[str, dict[int, dict]]) -> int:
                     assert g.get("error"), f"peer {peer} round {n}: failed group {group} gives no reason"
                     continue
                 sizes[(n, group, g["group_id"])][peer] = g["members"]
+                if group == "shared":
+                    agreed[n].add(r["shared_digest"])
                 if g["members"] > 1 and (group == "shared" or not r.get("merge_alpha")):
                     results[(n, group, g["group_id"])][peer] = _held_digest(r, group)
     for key, by_peer in sizes.items():
@@ -186,10 +189,6 @@ def assert_groups_applied_whole(per_peer: dict[str, dict[int, dict]]) -> int:
     for (n, group, gid), by_peer in results.items():
         assert None not in by_peer.values(), f"round {n}: a member of {group} does not hold it {by_peer}"
         assert len(set(by_peer.values())) == 1, f"round {n}: members of {group} ({gid}) hold different results {by_peer}"
-    agreed = defaultdict(set)  # round -> digests of successful shared groups of several members
-    for (n, group, _), by_peer in results.items():
-        if group == "shared":
-            agreed[n] |= set(by_peer.values())
     for peer, records in per_peer.items():
         for n, r in records.items():
             shared = r["groups"]["shared"]
