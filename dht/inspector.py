@@ -43,11 +43,12 @@ def _rounds(raw: dict[str, dict[str, Any]], peer_ids: set[str]) -> list[dict[str
                 continue
             row = merged.setdefault(r["round"], {
                 "round": r["round"], "step": r.get("step"), "participants": 0, "reported_by": [], "ok": 0,
-                "seconds": 0.0, "bytes_sent": 0, "bytes_received": 0, "failed_groups": 0,
+                "alone": 0, "seconds": 0.0, "bytes_sent": 0, "bytes_received": 0, "failed_groups": 0,
             })
             row["reported_by"].append(peer_id)
             row["participants"] = max(row["participants"], int(r.get("members") or 0))
-            row["ok"] += bool(r.get("ok"))
+            row["ok"] += bool(r.get("ok"))  # averaged with other peers
+            row["alone"] += r.get("outcome") == "alone"  # nobody else came: nothing was averaged
             row["seconds"] = max(row["seconds"], float(r.get("seconds") or 0.0))
             for k in ("bytes_sent", "bytes_received", "failed_groups"):
                 row[k] += int(r.get(k) or 0)
@@ -146,13 +147,15 @@ def render(snapshot: dict[str, Any], console: Console) -> None:
     console.print(coverage)
     if snapshot["rounds"]:
         rounds = Table(title="sync rounds (latest first)")
-        for col in ("round", "step", "participants", "ok / reported", "seconds", "sent MB", "recv MB", "failed groups"):
+        for col in ("round", "step", "participants", "averaged / alone / reported", "seconds", "sent MB", "recv MB",
+                    "failed groups"):
             rounds.add_column(col, justify="right")
         for r in snapshot["rounds"]:
             rounds.add_row(
-                str(r["round"]), str(r["step"]), str(r["participants"]), f"{r['ok']} / {len(r['reported_by'])}",
+                str(r["round"]), str(r["step"]), str(r["participants"]),
+                f"{r['ok']} / {r['alone']} / {len(r['reported_by'])}",
                 f"{r['seconds']:.2f}", f"{r['bytes_sent'] / 1e6:.1f}", f"{r['bytes_received'] / 1e6:.1f}",
-                str(r["failed_groups"]), style="yellow" if r["failed_groups"] else None,
+                str(r["failed_groups"]), style="yellow" if r["failed_groups"] or r["alone"] else None,
             )
         console.print(rounds)
 

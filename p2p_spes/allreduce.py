@@ -6,9 +6,10 @@ bit-identical), and a peer lost mid-round can leave partially averaged tensors b
 keeps hivemind's DHT, transport and compression and runs the protocol in the trainer's own event
 loop:
 
-1. **Join.** Each member writes ``(weight, arrival time)`` under the group's DHT key. The group is
-   everyone who arrived within ``matchmaking_time`` of the first arrival; a member stops waiting
-   early once every peer it expects has arrived. The sorted member list hashes to a group id.
+1. **Join.** Each member writes ``(weight, arrival time, proposed window)`` under the group's DHT key.
+   The group is everyone who arrived within the first arrival's proposed window (at most
+   ``matchmaking_time``) of it; a member stops waiting early once every peer it expects has arrived.
+   The sorted member list hashes to a group id.
 2. **Reduce-scatter.** The flat tensor is cut into one part per member; member i receives part i
    from everyone (compressed) and computes the weighted mean in member order.
 3. **All-gather.** Everyone fetches each averaged part from its reducer. The reducer keeps exactly
@@ -25,8 +26,8 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from hivemind.p2p import PeerID
@@ -50,6 +51,9 @@ class GroupResult:
     bytes_received: int = 0
     seconds: float = 0.0
     error: str | None = None
+    transfer_seconds: float = 0.0  # from the membership decided to the result (or the failure)
+    lateness: dict[str, float] = field(default_factory=dict)  # every arrival's delay after the first, seconds
+    window: float = 0.0  # the join window the group used (the first arrival's proposal)
 
     @property
     def ok(self) -> bool:
@@ -175,46 +179,67 @@ class GroupAllReduce:
             part.done.set()
 
     # Client side ---------------------------------------------------------------------------
-    async def _members(self, key: str, expected: set[str], weight: float) -> list[str]:
-        """Join the group's DHT record and return the agreed member list (see module docstring)."""
+    async def _members(self, key: str, expected: set[str], weight: float,
+                       window: float) -> tuple[list[str], dict[str, float], float]:
+        """Join the group's DHT record and return the agreed member list (see module docstring), every
+        arrival's delay after the first, and the join window used.
+
+        Each arrival proposes a join window (``window``, at most ``matchmaking_time``); the group uses the
+        first arrival's proposal (ties by peer id), which every member reads from the same records.
+        """
         arrival = get_dht_time()
         ttl = self.matchmaking_time + self.timeout + 30
         give_up = time.monotonic() + self.matchmaking_time + 10
+        mine = {"peer_id": self.peer_id, "w": float(weight), "t": arrival, "m": float(window)}
         # every DHT request is bounded: one that never answers fails the round (asyncio.TimeoutError)
-        await asyncio.wait_for(self.dht.store(key, {"peer_id": self.peer_id, "w": float(weight), "t": arrival},
-                                              expiration_time=arrival + ttl, subkey=self.owner, return_future=True),
-                               self.matchmaking_time + 10)
+        await asyncio.wait_for(self.dht.store(key, mine, expiration_time=arrival + ttl, subkey=self.owner,
+                                              return_future=True), self.matchmaking_time + 10)
 
-        async def read() -> dict[str, float]:
+        async def read() -> tuple[dict[str, float], float]:
             found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True),
                                            max(give_up - time.monotonic(), 0.0) + 5)
-            records = signed_values(found)
-            times = {p: v["t"] for p, v in records.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
-            times.setdefault(self.peer_id, arrival)
-            return times
+            records = {p: v for p, v in signed_values(found).items()
+                       if isinstance(v, dict) and isinstance(v.get("t"), float)}
+            records.setdefault(self.peer_id, mine)
+            return {p: v["t"] for p, v in records.items()}, self._agreed_window(records)
 
         while True:
-            times = await read()
-            cutoff = min(times.values()) + self.matchmaking_time
+            times, agreed = await read()
+            cutoff = min(times.values()) + agreed
             if expected <= set(times) or get_dht_time() >= cutoff or time.monotonic() > give_up:
                 break
             await asyncio.sleep(0.2)
         # One more read after a grace period, so that peers whose records landed just before the
         # cutoff are seen by everyone.
         await asyncio.sleep(0.5)
-        times = await read()
-        cutoff = min(times.values()) + self.matchmaking_time
-        return sorted(p for p, t in times.items() if t <= cutoff)
+        times, agreed = await read()
+        first = min(times.values())
+        members = sorted(p for p, t in times.items() if t <= first + agreed)
+        return members, {p: t - first for p, t in times.items()}, agreed
+
+    def _agreed_window(self, records: dict[str, dict]) -> float:
+        """The join window the first arrival proposed (ties by peer id), at most ``matchmaking_time``."""
+        first = min(records, key=lambda p: (records[p]["t"], p))
+        proposed = records[first].get("m")
+        if isinstance(proposed, (int, float)) and not isinstance(proposed, bool) and proposed > 0:
+            return min(float(proposed), self.matchmaking_time)
+        return self.matchmaking_time
 
     async def run(self, round_no: int, group: str, tensor: torch.Tensor, weight: float, expected: set[str],
-                  on_members: Callable[[], None] | None = None) -> GroupResult:
+                  on_members: Callable[[], None] | None = None, window: float | None = None,
+                  timeout: float | None = None) -> GroupResult:
         """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``.
 
-        ``on_members`` is called once the membership is decided (or matchmaking failed).
+        ``on_members`` is called once the membership is decided (or matchmaking failed). ``window`` is the
+        join window this peer proposes and ``timeout`` its deadline for the transfers (both measured by
+        the caller; at most the configured ``matchmaking_time`` and ``timeout``).
         """
         t0 = time.monotonic()
+        window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
+        timeout = self.timeout if timeout is None else min(timeout, self.timeout)
         try:
-            members = await self._members(group_key(self.run_id, round_no, group), set(expected) | {self.peer_id}, weight)
+            members, lateness, agreed = await self._members(
+                group_key(self.run_id, round_no, group), set(expected) | {self.peer_id}, weight, window)
         except asyncio.TimeoutError:
             result = GroupResult(None, [])
             result.error, result.seconds = "the DHT did not answer during matchmaking", time.monotonic() - t0
@@ -223,7 +248,8 @@ class GroupAllReduce:
         finally:
             if on_members is not None:
                 on_members()
-        result = GroupResult(None, members)
+        result = GroupResult(None, members, lateness=lateness, window=agreed)
+        t_decided = time.monotonic()
         if self.peer_id not in members:
             result.error = "arrived after the group closed"
             return result
@@ -233,7 +259,7 @@ class GroupAllReduce:
         gid = hashlib.sha256(pack(members)).hexdigest()[:16]
         self._decided[(round_no, group)] = gid
         chunks = torch.tensor_split(tensor, len(members))
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         keys = [pack([round_no, group, gid, i]) for i in range(len(members))]
         mine = members.index(self.peer_id)
         part = _Part(members, gid, tuple(chunks[mine].shape), deadline)
@@ -278,7 +304,7 @@ class GroupAllReduce:
             return parse_tensor(chunks_in, tuple(chunks[i].shape), torch.float32)
 
         try:
-            await asyncio.wait_for(asyncio.gather(*(contribute(i, p) for i, p in enumerate(members))), self.timeout)
+            await asyncio.wait_for(asyncio.gather(*(contribute(i, p) for i, p in enumerate(members))), timeout)
             remaining = max(deadline - time.monotonic(), 0.1)
             parts = await asyncio.wait_for(asyncio.gather(*(fetch(i, p) for i, p in enumerate(members))), remaining)
             result.tensor = torch.cat(parts)
@@ -289,5 +315,5 @@ class GroupAllReduce:
             loop = asyncio.get_running_loop()
             loop.call_later(self.timeout + self.matchmaking_time, self._parts.pop, keys[mine], None)
             loop.call_later(3 * (self.timeout + self.matchmaking_time), self._decided.pop, (round_no, group), None)
-        result.seconds = time.monotonic() - t0
+        result.seconds, result.transfer_seconds = time.monotonic() - t0, time.monotonic() - t_decided
         return result

@@ -49,7 +49,14 @@ class _Background:
 
 
 class SwarmSync:
-    """Trainer hook: publish status every step and run a sync round every ``sync_steps``.
+    """Trainer hook: publish status every step and take part in every sync round of the swarm.
+
+    Rounds are paced by the swarm (``swarm/pacing.py``): round r is due when this peer reaches step
+    ``r * sync_steps``, and it also starts as soon as another peer has opened it, at the end of the
+    step in progress. Each peer contributes the tokens it processed since its last round (the average
+    is token-weighted), and after the round takes the round's place in the schedule (step ``r *
+    sync_steps``), so a slower peer or one back from a long download meets the same rounds as the
+    others and no step it computed is thrown away.
 
     With ``overlap`` the round runs in the background on a copy of the weights taken at the
     boundary (step t) while training goes on; when it ends, the round's change is added to the live
@@ -57,32 +64,42 @@ class SwarmSync:
     progress made meanwhile (the delayed outer update of Streaming DiLoCo). It costs two extra copies
     of the weights (not of the optimizer state). A round still running at the next boundary, or at
     the last step, is waited for. Training resumes only once the shared group's membership is
-    decided: the matchmaking window is where a peer ahead waits for the others, and skipping that
-    wait would let a phase lag between peers persist and every group miss its late members.
+    decided: the matchmaking window is where a peer ahead waits for the others.
     """
 
-    def __init__(self, swarm: Swarm, sync_steps: int, tokens: int = 0, overlap: bool = False) -> None:
+    def __init__(self, swarm: Swarm, sync_steps: int, tokens: int = 0, overlap: bool = False,
+                 next_round: int = 1) -> None:
         self.swarm, self.sync_steps, self.overlap = swarm, sync_steps, overlap
         self.tokens_at_last_sync = tokens  # a resumed peer weighs only what it trained since
-        self._pending: tuple[_Background, torch.nn.Module, list[torch.Tensor]] | None = None
+        self._pending: tuple[_Background, torch.nn.Module, list[torch.Tensor], int] | None = None
         self.rounds_applied = 0  # rounds whose result reached the live weights (NodeSync watches it)
+        self.next_round = next_round
+        self.tokens_averaged = 0  # tokens of ours that went into rounds averaged with other peers
+        swarm.expect_round(next_round)
+
+    def _due(self, trainer: Trainer) -> bool:
+        """Round ``next_round`` is ours to run now: we reached its step, or another peer opened it."""
+        if self.next_round * self.sync_steps > trainer.cfg.train.max_steps:
+            return False  # no round past the end of the run
+        return trainer.step >= self.next_round * self.sync_steps or self.swarm.round_opened(self.next_round)
 
     def __call__(self, trainer: Trainer) -> None:
         m = trainer.last_metrics
         self.swarm.update_status(step=trainer.step, loss=round(m.get("loss", float("nan")), 4),
                                  tokens=trainer.tokens, tokens_per_s=round(m.get("tokens_per_s", 0.0), 1))
-        boundary = trainer.step % self.sync_steps == 0
         last = trainer.step >= trainer.cfg.train.max_steps
-        if self._pending is not None and (boundary or last or self._pending[0].done()):
+        if self._pending is not None and (self._due(trainer) or last or self._pending[0].done()):
             self.finish(trainer)
-        if not boundary:
+        if not self._due(trainer):
             return
-        round_no, weight = trainer.step // self.sync_steps, trainer.tokens - self.tokens_at_last_sync
+        round_no, weight = self.next_round, trainer.tokens - self.tokens_at_last_sync
         self.tokens_at_last_sync = trainer.tokens
         if self.overlap and not last:
             self._start(trainer, round_no, weight)
         else:
-            self._after(trainer, self.swarm.sync(round_no, trainer.step, weight))
+            # every member runs the round at its agreed step (the merge schedule and the served
+            # snapshots follow it), wherever its own step count stands
+            self._after(trainer, self.swarm.sync(round_no, round_no * self.sync_steps, weight), trainer.step)
 
     def _start(self, trainer: Trainer, round_no: int, weight: int) -> None:
         shadow = copy.deepcopy(trainer.model)
@@ -90,8 +107,9 @@ class SwarmSync:
         self.swarm.use_model(shadow)  # the round reads, averages, serves and writes the copy
         step = trainer.step
         joined = threading.Event()
-        job = _Background(lambda: self.swarm.sync(round_no, step, weight, on_joined=joined.set))
-        self._pending = (job, shadow, base)
+        job = _Background(lambda: self.swarm.sync(round_no, round_no * self.sync_steps, weight, on_joined=joined.set))
+        self._pending = (job, shadow, base, step)
+        self.next_round = round_no + 1  # the round is under way: the next one is the one to watch for
         while not joined.wait(0.05) and not job.done():
             pass
 
@@ -99,7 +117,7 @@ class SwarmSync:
         """Wait for a background round, if any, and add its change to the live weights."""
         if self._pending is None:
             return
-        job, shadow, base = self._pending
+        job, shadow, base, started = self._pending
         self._pending = None
         try:
             report = job.wait()
@@ -109,13 +127,23 @@ class SwarmSync:
             for live, after, before in zip(model_tensors(trainer.model), model_tensors(shadow), base):
                 if live.is_floating_point():
                     live.add_(after.to(live.device) - before.to(live.device))
-        self._after(trainer, report)
+        self._after(trainer, report, started)
 
-    def _after(self, trainer: Trainer, report: RoundReport) -> None:
+    def _after(self, trainer: Trainer, report: RoundReport, started: int) -> None:
+        """Log the round, take its place in the schedule, rejoin if we fell behind, heal coverage."""
         self.rounds_applied += 1
-        trainer.log_record(report.metrics(trainer.step))
-        if not report.shared.ok and not report.shared.refused:
-            self._skip_ahead(trainer, adopted=bool(report.adopted_shared_from))
+        # the schedule follows the swarm: round r ends at step r * sync_steps for every member (a slower
+        # peer moves its schedule on; the steps it computed are all in the round, weighted by tokens)
+        jump = max(report.round * self.sync_steps - started, 0)
+        trainer.step += jump
+        self.swarm.stats["schedule_steps_advanced"] += jump
+        if report.outcome == "averaged":
+            self.tokens_averaged += report.tokens
+        trainer.log_record({**report.metrics(trainer.step), "schedule_jump": jump})
+        self.next_round = max(self.next_round, report.round + 1)
+        if report.outcome == "failed" and not report.shared.refused:
+            self._rejoin(trainer)
+        self.swarm.expect_round(self.next_round)
         self._heal(trainer)
 
     def _heal(self, trainer: Trainer) -> None:
@@ -137,30 +165,25 @@ class SwarmSync:
         trainer.log_record({"step": trainer.step, "took_over": mine, "local_experts": trainer.model.local_experts,
                             "bytes_received_total": int(self.swarm.stats["bytes_received"])})
 
-    def _skip_ahead(self, trainer: Trainer, adopted: bool) -> None:
-        """After a missed round, rejoin the others like a newcomer if we fell behind them.
+    def _rejoin(self, trainer: Trainer) -> None:
+        """After a round that failed for us, rejoin like a newcomer if the swarm has moved past it.
 
-        A peer that was frozen or stalled reaches each sync boundary later than the others and would
-        miss every group from then on. Unless it adopted this round's result and the others have not
-        passed another round, it takes the swarm's latest agreed weights (keeping the experts only it
-        trains); then it jumps toward the step the others are at, back in phase, but no
-        further than the step before the next round: every member of a group must start it from the
-        same agreed weights (the Nesterov anchor).
+        A peer that was frozen or cut off misses rounds the others complete; it takes the swarm's
+        latest agreed weights (keeping the experts only it trains, whose newest version is its own) and
+        its place in the schedule, and says so. Its local progress since its last round is replaced.
         """
-        ahead = self.swarm.swarm_step()
-        if ahead is None or ahead <= trainer.step:
+        ahead = self.swarm.swarm_round()
+        if ahead is None or ahead < self.next_round:
             return
-        taken = trainer.step // self.sync_steps
-        if ahead // self.sync_steps > taken or not adopted:
-            meta = self.swarm.catch_up(keep=self.swarm.sole_experts())
-            if meta is None:
-                return
-            taken = int(meta["round"])
-        target = max(min(ahead, (taken + 1) * self.sync_steps - 1), trainer.step)
-        log.warning("behind the swarm (step %d, others at %d): at round %d, skipping to step %d",
-                    trainer.step, ahead, taken, target)
+        meta = self.swarm.catch_up(keep=self.swarm.sole_experts())
+        if meta is None:
+            return
+        target = max(int(meta["step"]), trainer.step)
+        log.warning("behind the swarm (round %d, others at %d): took the state of round %s, step %d -> %d",
+                    self.next_round - 1, ahead, meta["round"], trainer.step, target)
         self.swarm.stats["steps_skipped"] += target - trainer.step
         trainer.step = target
+        self.next_round = int(meta["round"]) + 1
 
 
 def _own_checkpoint(run_dir: Path, resume: str | None, cfg: Config) -> tuple[Path | None, dict[str, Any] | None]:
@@ -241,7 +264,8 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         swarm.update_status(step=trainer.step, round=-1 if meta is None else meta["round"])
         swarm.announce()
         print(f"training experts {experts} of {cfg.moe.num_experts}, data partition {partition}", flush=True)
-        sync = SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens, overlap=cfg.swarm.overlap)
+        next_round = (int(meta["round"]) if meta is not None else trainer.step // cfg.swarm.sync_steps) + 1
+        sync = SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens, overlap=cfg.swarm.overlap, next_round=next_round)
         trainer.hooks.append(sync)
         if node is not None:
             NodeSync.attach(node, trainer, changes=lambda: sync.rounds_applied)
@@ -253,7 +277,10 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
             trainer.summary_extras = {
                 "peer_id": swarm.peer_id,
                 "rounds_joined": int(swarm.stats["rounds_joined"]),
+                "rounds_alone": int(swarm.stats["rounds_alone"]),
                 "rounds_failed": int(swarm.stats["rounds_failed"]),
+                "tokens_averaged": sync.tokens_averaged,
+                "schedule_steps_advanced": int(swarm.stats["schedule_steps_advanced"]),
                 "bytes_sent": int(swarm.stats["bytes_sent"]),
                 "bytes_received": int(swarm.stats["bytes_received"]),
                 "bytes_served": int(swarm.stats["bytes_served"]),

@@ -42,7 +42,7 @@ class _SlowRound:
     """A stand-in for Swarm whose round sets every weight of the model it is given to 1.0, slowly."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.stats, self.seen = model, {"steps_skipped": 0}, []
+        self.model, self.stats, self.seen = model, Counter(), []
 
     def use_model(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -52,6 +52,12 @@ class _SlowRound:
 
     def experts_to_take(self) -> list[int]:
         return []
+
+    def expect_round(self, round_no: int) -> None:
+        pass
+
+    def round_opened(self, round_no: int) -> bool:
+        return False  # nobody else: rounds start at our own boundaries
 
     def sync(self, round_no: int, step: int, weight: float, on_joined=None) -> RoundReport:
         self.seen.append(self.model)

@@ -7,6 +7,7 @@
 - ``state.py``: the snapshot this peer serves over the state RPC, and digest-checked downloads;
 - ``agreement.py``: published digests, the one majority rule, refreshing experts to the agreed version;
 - ``outer.py``: the outer step (average or Nesterov), its anchors and momentum, the update guard;
+- ``pacing.py``: when a round opens (the swarm's progress, not our step count) and measured deadlines;
 - ``sync_round.py``: one sync round -> :class:`RoundReport` (``report.py``);
 - ``coverage.py``: the self-healing takeover plan and fetching experts to take over.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Any, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 
@@ -31,12 +33,13 @@ from p2p_spes.swarm.agreement import Refresher
 from p2p_spes.swarm.coverage import Coverage
 from p2p_spes.swarm.membership import Membership
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard
+from p2p_spes.swarm.pacing import Deadlines, RoundWatch
 from p2p_spes.swarm.report import GroupReport, RoundReport
-from p2p_spes.swarm.sync_round import RoundRunner, sync_deadline, version_window
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
+from p2p_spes.swarm.sync_round import RoundRunner, sync_deadline, version_window
 
-__all__ = ["Swarm", "RoundReport", "GroupReport", "sync_deadline", "version_window"]
+__all__ = ["GroupReport", "RoundReport", "Swarm", "sync_deadline", "version_window"]
 log = logging.getLogger(__name__)
 
 
@@ -56,7 +59,9 @@ class Swarm:
         self.outer = OuterOptimizer(sw)
         self.server = StateServer(self.runtime, self.auth, self.stats, self.membership.refresh_members,
                                   anchors=lambda: self.outer.anchor)
-        self.downloader = Downloader(self.runtime, self.stats, timeout=sw.averaging_timeout)
+        self.deadlines = Deadlines(sw)
+        self.downloader = Downloader(self.runtime, self.stats, timeout=sw.averaging_timeout, deadlines=self.deadlines)
+        self.watch = RoundWatch(self.runtime, poll=min(1.0, sw.matchmaking_time / 4))
         self.reducer = GroupAllReduce(
             self.runtime.dht, self.runtime.p2p, self.peer_id, self.runtime.run_id, owner=self.runtime.identity.owner,
             compression=sw.compression, matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
@@ -66,7 +71,8 @@ class Swarm:
         self.runtime.call(self.server.start())
         self.refresher = Refresher(self.peer_id, self.downloader, self.stats)
         self.runner = RoundRunner(sw, self.runtime, self.membership, self.reducer, self.server, self.downloader,
-                                  self.refresher, self.outer, UpdateGuard(sw.max_update_ratio), self.stats)
+                                  self.refresher, self.outer, UpdateGuard(sw.max_update_ratio), self.deadlines,
+                                  self.stats)
         self.coverage = Coverage(cfg, self.membership, self.downloader, self.stats)
 
     # The model the swarm reads, averages, serves and writes --------------------------------------
@@ -114,6 +120,20 @@ class Swarm:
     def swarm_step(self) -> int | None:
         return self.membership.swarm_step()
 
+    def swarm_round(self) -> int | None:
+        """The newest round another live peer has finished, or None when we are alone."""
+        rounds = [r.round for r in self.membership.others().values()]
+        return max(rounds) if rounds else None
+
+    # Pacing (pacing.py) --------------------------------------------------------------------------
+    def expect_round(self, round_no: int) -> None:
+        """Watch for ``round_no`` to open, so we join it when another peer starts it."""
+        self.watch.expect(round_no)
+
+    def round_opened(self, round_no: int) -> bool:
+        """Whether another peer has arrived in ``round_no``'s shared group (or a later round's)."""
+        return self.watch.opened(round_no)
+
     def sole_experts(self) -> list[int]:
         """Our experts that no other live peer trains (their newest version is ours)."""
         return self.membership.sole_experts(self._model.local_experts)
@@ -129,6 +149,7 @@ class Swarm:
         self.outer.reset_anchors(model)
         self.update_status(serving=True)
         self.membership.start_heartbeat()
+        self.watch.start()
 
     def catch_up(self, keep: Collection[int] = ()) -> dict[str, Any] | None:
         """Load the swarm's current shared parameters and experts from live peers (not from a file).
@@ -172,7 +193,7 @@ class Swarm:
                 on_joined()
         self.rounds.append(report)
         self.update_status(round=round_no, step=step, sync_seconds=round(report.seconds, 3),
-                           recent_rounds=[r.summary() for r in self.rounds[-5:]])
+                           recent_rounds=[r.summary() for r in self.rounds[-5:]], **self.deadlines.describe())
         self.runner.publish_record()
         return report
 
@@ -211,6 +232,7 @@ class Swarm:
 
     def leave(self) -> None:
         """Tell the others we are gone (our experts' coverage drops at once) and stop everything."""
+        self.watch.stop()
         if self._model is not None:
             self.membership.announce_leaving()
         self.shutdown()

@@ -13,7 +13,8 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from dht.keys import version_key
 from dht.records import PeerRecord, VersionRecord

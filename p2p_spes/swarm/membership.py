@@ -13,7 +13,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hivemind.utils import get_dht_time
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -44,6 +44,8 @@ class RoundReport:
     versions_missing: int = 0  # members of the shared group whose digests did not arrive in time
     adopted_shared_from: str | None = None  # the peer whose agreed shared parameters we took after missing the group
     merge_alpha: float | None = None
+    join_window: float = 0.0  # seconds the shared group waited for late arrivals (the first arrival's proposal)
+    tokens: int = 0  # the tokens this peer contributed (its weight in the round)
     shared_digest: str = ""
     expert_digests: dict[str, str] = field(default_factory=dict)
 
@@ -52,13 +54,22 @@ class RoundReport:
         return self.groups["shared"]
 
     @property
+    def outcome(self) -> str:
+        """``averaged`` (the shared group had other members), ``alone`` (nobody else came: nothing was
+        averaged), ``adopted`` (we missed the group and took its result) or ``failed``."""
+        if self.shared.ok:
+            return "averaged" if self.shared.members > 1 else "alone"
+        return "adopted" if self.adopted_shared_from else "failed"
+
+    @property
     def failed_groups(self) -> list[str]:
         return sorted(g for g, v in self.groups.items() if not v.ok)
 
     def summary(self) -> dict[str, Any]:
         """What the inspector shows of a round (published in the peer's record, so kept small)."""
         return {
-            "round": self.round, "step": self.step, "members": self.shared.members, "ok": bool(self.shared.ok),
+            "round": self.round, "step": self.step, "members": self.shared.members,
+            "ok": self.outcome == "averaged", "outcome": self.outcome,
             "seconds": round(self.seconds, 3), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "failed_groups": len(self.failed_groups),
         }
@@ -68,7 +79,8 @@ class RoundReport:
         return {
             "sync_round": self.round, "step": step, "sync_seconds": round(self.seconds, 3),
             "overlapped_steps": step - self.step,
-            "shared_ok": self.shared.ok, "shared_members": self.shared.members,
+            "outcome": self.outcome, "shared_ok": self.shared.ok, "shared_members": self.shared.members,
+            "join_window": round(self.join_window, 2), "tokens_contributed": self.tokens,
             "shared_group": self.shared.group_id, "adopted_shared_from": self.adopted_shared_from,
             "groups_failed": self.failed_groups,
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,

@@ -15,8 +15,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Coroutine
 from concurrent.futures import Future
-from typing import Any, Coroutine
+from typing import Any
 
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr

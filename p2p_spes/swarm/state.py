@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 from hivemind.p2p import PeerID
@@ -22,6 +22,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from dht.auth import RunAuth
 from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.pacing import Deadlines
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.transport import (
     TransportError,
@@ -130,8 +131,15 @@ class StateServer:
 class Downloader:
     """Fetches served entries from other peers, checking each against the digest it was served under."""
 
-    def __init__(self, runtime: Runtime, stats: Counter, timeout: float) -> None:
-        self.runtime, self.stats, self.timeout = runtime, stats, timeout
+    def __init__(self, runtime: Runtime, stats: Counter, timeout: float, deadlines: Deadlines | None = None) -> None:
+        """``timeout`` bounds every download; with ``deadlines`` a download's deadline is its size over
+        the rate observed so far (at most ``timeout``), and each finished download is measured."""
+        self.runtime, self.stats, self.timeout, self.deadlines = runtime, stats, timeout, deadlines
+
+    def _deadline(self, like: Sequence[torch.Tensor]) -> float:
+        if self.deadlines is None:
+            return self.timeout
+        return min(self.deadlines.transfer_timeout(sum(t.numel() * t.element_size() for t in like)), self.timeout)
 
     async def fetch(self, peer: str, uid: str, like: Sequence[torch.Tensor]) -> Entry:
         """One download of ``uid`` from ``peer`` into tensors shaped like ``like``."""
@@ -160,7 +168,12 @@ class Downloader:
         """
         for attempt in range(attempts):
             try:
-                return self.runtime.call(asyncio.wait_for(self.fetch(peer, uid, like), self.timeout))
+                t0 = time.monotonic()
+                entry = self.runtime.call(asyncio.wait_for(self.fetch(peer, uid, like), self._deadline(like)))
+                if self.deadlines is not None:
+                    self.deadlines.observe_transfer(sum(t.numel() * t.element_size() for t in entry[1]),
+                                                    time.monotonic() - t0)
+                return entry
             except (TransportError, asyncio.TimeoutError):
                 raise
             except Exception as exc:

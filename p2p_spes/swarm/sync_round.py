@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +31,7 @@ from p2p_spes.model import MoETransformer, copy_into
 from p2p_spes.swarm.agreement import Refresher, group_id, majority, wait_versions
 from p2p_spes.swarm.membership import Membership
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten
+from p2p_spes.swarm.pacing import Deadlines
 from p2p_spes.swarm.report import GroupReport, RoundReport
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
@@ -65,10 +66,10 @@ class RoundRunner:
 
     def __init__(self, sw: SwarmConfig, runtime: Runtime, membership: Membership, reducer: GroupAllReduce,
                  server: StateServer, downloader: Downloader, refresher: Refresher, outer: OuterOptimizer,
-                 guard: UpdateGuard, stats: Counter) -> None:
+                 guard: UpdateGuard, deadlines: Deadlines, stats: Counter) -> None:
         self.sw, self.runtime, self.membership, self.reducer = sw, runtime, membership, reducer
         self.server, self.downloader, self.refresher = server, downloader, refresher
-        self.outer, self.guard, self.stats = outer, guard, stats
+        self.outer, self.guard, self.deadlines, self.stats = outer, guard, deadlines, stats
         self.peer_id = runtime.peer_id
         self.last_versions: dict[str, VersionRecord] = {}  # the digests published in our last round, by peer
 
@@ -82,13 +83,17 @@ class RoundRunner:
         sw, call = self.sw, self.runtime.call
         peers = self.membership.live_peers()
         peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self.membership.record())
-        report = RoundReport(round=round_no, step=step)
+        report = RoundReport(round=round_no, step=step, tokens=int(weight))
         weight = max(float(weight), 1e-6)
 
         shared = [p for _, p in model.shared_parameters()]
         flat = flatten(shared)
-        shared_res = call(self.reducer.run(round_no, "shared", flat, weight, set(peers), on_members=on_joined))
+        window = self.deadlines.join_window()
+        shared_res = call(self.reducer.run(round_no, "shared", flat, weight, set(peers), on_members=on_joined,
+                                           window=window, timeout=self._group_timeout(flat, len(peers))))
+        self.deadlines.observe_arrivals(shared_res.lateness)
         report.groups["shared"] = self._apply(shared_res, shared, "shared", flat)
+        report.join_window = shared_res.window
 
         # a peer that missed the shared group is dead, frozen or late: waiting for it in every expert
         # group would cost one join window per expert, so the expert groups expect only its members.
@@ -104,8 +109,11 @@ class RoundRunner:
         pooled = [e for e in flats if len(groups[e]) > 1]  # a lone holder's copy is the truth
 
         async def expert_groups() -> list[GroupResult]:
+            # the groups share the link: each one's deadline is for all of their bytes together
+            payload = torch.empty(sum(flats[e].numel() for e in pooled))
             return await asyncio.gather(*(
-                self.reducer.run(round_no, f"expert{e}", flats[e], weight, groups[e]) for e in pooled))
+                self.reducer.run(round_no, f"expert{e}", flats[e], weight, groups[e], window=window,
+                                 timeout=self._group_timeout(payload, max(len(groups[e]), 2))) for e in pooled))
 
         results = dict(zip(pooled, call(expert_groups()))) if pooled else {}
         for e, flat in flats.items():
@@ -155,7 +163,7 @@ class RoundRunner:
         report.bytes_received = sum(g.bytes_received for g in report.groups.values())
         report.shared_digest = tensor_digest(p.detach() for _, p in model.shared_parameters())
         report.expert_digests = {str(e): tensor_digest(model.expert_tensors(e)) for e in held}
-        self.stats["rounds_joined" if report.shared.ok else "rounds_failed"] += 1
+        self.stats[{"averaged": "rounds_joined", "alone": "rounds_alone"}.get(report.outcome, "rounds_failed")] += 1
         report.downloaded_bytes = self.stats["bytes_received"] - downloaded0
         report.served_bytes = self.stats["bytes_served"] - served0
         report.reducer_in_bytes = self.reducer.served_in - reduced_in0
@@ -163,6 +171,12 @@ class RoundRunner:
         self.stats["bytes_sent"] += report.bytes_sent
         self.stats["bytes_received"] += report.bytes_received
         return report
+
+    def _group_timeout(self, flat: torch.Tensor, members: int) -> float:
+        """The transfer deadline of an all-reduce of ``flat`` among ``members``: each member sends and
+        receives about (members - 1) / members of it, twice (contributions, then averaged parts)."""
+        members = max(members, 2)
+        return self.deadlines.transfer_timeout(int(4 * flat.numel() * 2 * (members - 1) / members))
 
     def _apply(self, res: GroupResult, targets: list[torch.Tensor], uid: str, local: torch.Tensor) -> GroupReport:
         """Write a successful group's result (after the outer step) into the model; a failed one is
@@ -172,6 +186,8 @@ class RoundRunner:
         if not res.ok:
             info.error = res.error
             return info
+        if len(res.members) > 1:
+            self.deadlines.observe_transfer(res.bytes_sent + res.bytes_received, res.transfer_seconds)
         if len(res.members) > 1:
             reason = self.guard.implausible(uid.split(":")[0], local, res.tensor)
             if reason:

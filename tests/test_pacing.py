@@ -1,0 +1,183 @@
+"""Rounds paced by the swarm and deadlines from measurements, without a network (swarm/pacing.py, peer.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from p2p_spes.allreduce import GroupAllReduce
+from p2p_spes.config import load_config
+from p2p_spes.peer import SwarmSync
+from p2p_spes.swarm import GroupReport, RoundReport
+from p2p_spes.swarm.pacing import Deadlines, RoundWatch, median_and_mad
+
+
+def test_join_window_follows_the_last_arrivals_within_the_configured_bound():
+    sw = load_config(None, ["swarm.matchmaking_time=10", "swarm.averaging_timeout=60"]).swarm
+    d = Deadlines(sw)
+    assert d.join_window() == 10.0, "no history yet: the configured window"
+    for late in (0.8, 1.1, 0.9, 1.0):
+        d.observe_arrivals({"a": 0.0, "b": late})
+    mid, mad = median_and_mad([0.8, 1.1, 0.9, 1.0])
+    assert d.join_window() == pytest.approx(mid + 4 * mad + 1.0)
+    assert d.join_window() < 3.0, "peers that arrive within a second do not wait 10 s for a dead one"
+    for _ in range(8):
+        d.observe_arrivals({"a": 0.0, "b": 30.0})  # someone is very late: capped at the configured window
+    assert d.join_window() == 10.0
+    d.observe_arrivals({"a": 0.0})  # a group of one says nothing about lateness
+    assert len(d._lateness) == 8
+
+
+def test_transfer_deadline_scales_with_the_payload_and_the_observed_rate():
+    sw = load_config(None, ["swarm.averaging_timeout=600"]).swarm
+    d = Deadlines(sw)
+    assert d.transfer_timeout(10**9) == 600.0, "no measurement yet: the configured timeout"
+    for _ in range(3):
+        d.observe_transfer(2_500_000, 1.0)  # 20 Mbit/s
+    assert d.transfer_timeout(25_000_000) == pytest.approx(3 * 10 + 2)  # a 25 MB payload takes ~10 s
+    assert d.transfer_timeout(1000) == d.floor, "never shorter than the floor"
+    assert d.transfer_timeout(10**10) == 600.0, "never longer than the configured timeout"
+    d.observe_transfer(100, 10.0)  # tiny transfers measure latency, not bandwidth: ignored
+    assert d.transfer_timeout(25_000_000) == pytest.approx(32.0)
+
+
+def test_the_first_arrivals_window_is_the_groups():
+    reducer = GroupAllReduce(None, None, "me", "run", owner=b"", matchmaking_time=8.0)
+    records = {"b": {"t": 5.0, "m": 2.0}, "a": {"t": 5.0, "m": 3.0}, "c": {"t": 4.0, "m": 20.0}}
+    assert reducer._agreed_window(records) == 8.0, "the earliest proposes; capped at matchmaking_time"
+    records["c"]["m"] = 1.5
+    assert reducer._agreed_window(records) == 1.5
+    del records["c"]
+    assert reducer._agreed_window(records) == 3.0, "a tie on time goes to the smaller peer id"
+    assert reducer._agreed_window({"x": {"t": 1.0}}) == 8.0, "a record without a proposal: the configured window"
+
+
+class _Loop:
+    """An event loop on a thread, as the swarm's runtime has."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_round_watch_sees_another_peer_open_the_round():
+    arrivals: dict[str, dict] = {}
+    runner = _Loop()
+
+    async def get(key):
+        return dict(arrivals.get(key, {}))
+
+    runtime = SimpleNamespace(run_id="run", peer_id="me", get=get, submit=runner.submit)
+    watch = RoundWatch(runtime, poll=0.05)
+    watch.start()
+    try:
+        watch.expect(3)
+        arrivals["run.round3.shared"] = {"me": {}}  # only our own arrival: not opened by anyone else
+        threading.Event().wait(0.3)
+        assert not watch.opened(3)
+        arrivals["run.round4.shared"] = {"other": {}}  # the round after ours opened: ours was missed
+        for _ in range(100):
+            if watch.opened(3):
+                break
+            threading.Event().wait(0.05)
+        assert watch.opened(3) and watch.opened(4)
+    finally:
+        watch.stop()
+        threading.Event().wait(0.1)  # let the cancellation reach the task before the loop stops
+        runner.close()
+
+
+class _Swarm:
+    """A stand-in whose rounds are instant: it records what each peer contributes."""
+
+    def __init__(self) -> None:
+        self.opened: set[int] = set()
+        self.calls: list[tuple[int, int, float]] = []
+        self.stats: Counter = Counter()
+        self.members = 2
+
+    def update_status(self, **fields) -> None:
+        pass
+
+    def expect_round(self, round_no: int) -> None:
+        pass
+
+    def round_opened(self, round_no: int) -> bool:
+        return round_no in self.opened
+
+    def experts_to_take(self) -> list[int]:
+        return []
+
+    def swarm_round(self) -> int | None:
+        return None
+
+    def sync(self, round_no, step, weight, on_joined=None) -> RoundReport:
+        self.calls.append((round_no, step, weight))
+        return RoundReport(round=round_no, step=step, tokens=int(weight),
+                           groups={"shared": GroupReport(ok=True, members=self.members, group_id="g")})
+
+
+def _trainer(max_steps: int = 40):
+    return SimpleNamespace(step=0, tokens=0, last_metrics={"loss": 1.0}, log_record=lambda r: None,
+                           cfg=SimpleNamespace(train=SimpleNamespace(max_steps=max_steps)))
+
+
+def test_a_slow_peer_joins_the_round_another_peer_opened_and_keeps_its_tokens():
+    swarm, trainer = _Swarm(), _trainer()
+    hook = SwarmSync(swarm, sync_steps=10)
+    for _ in range(4):  # a peer 3x slower: 4 steps done when the others finish 10 and open round 1
+        trainer.step += 1
+        trainer.tokens += 100
+        hook(trainer)
+    assert swarm.calls == []
+    swarm.opened.add(1)
+    trainer.step += 1
+    trainer.tokens += 100
+    hook(trainer)
+    assert swarm.calls == [(1, 10, 500)], "it joins at the end of the step in progress, with all its tokens, " \
+        "and runs the round at the round's agreed step (merges happen at the same round for everyone)"
+    assert trainer.step == 10, "and takes the round's place in the schedule"
+    assert hook.next_round == 2 and hook.tokens_averaged == 500
+    assert swarm.stats["schedule_steps_advanced"] == 5 and swarm.stats["steps_skipped"] == 0
+
+
+def test_a_peer_runs_its_own_boundary_and_no_round_past_the_end():
+    swarm, trainer = _Swarm(), _trainer(max_steps=25)
+    hook = SwarmSync(swarm, sync_steps=10)
+    for _ in range(25):
+        trainer.step += 1
+        trainer.tokens += 10
+        hook(trainer)
+    assert [c[:2] for c in swarm.calls] == [(1, 10), (2, 20)], "no round 3: it would end past max_steps"
+    swarm.members = 1
+    trainer2, hook2 = _trainer(), SwarmSync(swarm, sync_steps=10)
+    for _ in range(10):
+        trainer2.step += 1
+        trainer2.tokens += 10
+        hook2(trainer2)
+    assert hook2.tokens_averaged == 0, "a round alone averages nothing"
+
+
+def test_round_outcomes_are_reported_honestly():
+    def report(ok, members, adopted=None):
+        return RoundReport(round=1, step=10, adopted_shared_from=adopted,
+                           groups={"shared": GroupReport(ok=ok, members=members, group_id="g")})
+
+    assert report(True, 3).outcome == "averaged"
+    alone = report(True, 1)
+    assert alone.outcome == "alone" and alone.summary()["ok"] is False, "a group of one is not an ok round"
+    assert report(False, 2, adopted="peer").outcome == "adopted"
+    assert report(False, 0).outcome == "failed"
+    assert alone.metrics(10)["outcome"] == "alone"
