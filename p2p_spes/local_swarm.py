@@ -1,7 +1,10 @@
 """``p2p-spes swarm``: N peers on 127.0.0.1 as separate processes, for a demo or a test.
 
 Each peer runs ``p2p-spes train`` in its own process group, so stopping a peer stops its DHT and
-p2pd children too. The first peer starts the run; the others join through its multiaddr.
+p2pd children too. The first peer starts the run; the others join through its multiaddr. A
+``place`` puts each peer elsewhere than loopback: a command prefix (a network namespace and a
+cgroup of ``p2p_spes/netlab.py``'s lab) and the address it listens on, so the multiaddrs it prints
+can be dialled by the others.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +33,36 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+@dataclass(frozen=True)
+class PeerPlace:
+    """Where a peer runs: ``argv_prefix`` before its command (it must exec the command, keeping the
+    process id) and the IPv4 address it listens on (any TCP port)."""
+
+    argv_prefix: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+
+    @property
+    def host_maddr(self) -> str:
+        return f"/ip4/{self.host}/tcp/0"
+
+
+def loopback(index: int) -> PeerPlace:
+    """The default place of every peer: this machine's loopback, no prefix."""
+    return PeerPlace()
+
+
 class LocalSwarm:
-    """Start, watch and stop peers on loopback; every process is tracked by its own id."""
+    """Start, watch and stop peers (on loopback unless ``place`` says otherwise); every process is
+    tracked by its own id."""
 
     def __init__(self, config: str | None, overrides: list[str], peers: int, run_dir: str | Path,
-                 run_id: str = "local", threads: int = 1) -> None:
+                 run_id: str = "local", threads: int = 1, place: Callable[[int], PeerPlace] | None = None) -> None:
         if peers < 1:
             raise SwarmError("--peers must be at least 1")
         self.config, self.overrides, self.num_peers = config, list(overrides), peers
         self.run_dir = Path(run_dir)
         self.run_id, self.threads = run_id, threads
+        self.place = place or loopback
         self.procs: list[subprocess.Popen] = []
         self.retired: list[subprocess.Popen] = []  # earlier processes of restarted peers, stopped too
 
@@ -46,7 +71,7 @@ class LocalSwarm:
         if self.config:
             cmd += ["--config", self.config]
         cmd += ["--set", f"peer.count={self.num_peers}", "--set", f"train.threads={self.threads}",
-                "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]", "--run-id", self.run_id]
+                "--set", f"swarm.host_maddrs=[{self.place(index).host_maddr}]", "--run-id", self.run_id]
         for item in self.overrides:
             cmd += ["--set", item]
         cmd += ["--initial-peers", *initial_peers] if initial_peers else ["--swarm"]
@@ -57,7 +82,7 @@ class LocalSwarm:
         (self.run_dir / f"peer{index}").mkdir(parents=True, exist_ok=True)
         (self.run_dir / f"peer{index}" / "peer.json").unlink(missing_ok=True)  # its address changes on restart
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        cmd = self._command(index, initial_peers) + (["--resume"] if resume else [])
+        cmd = [*self.place(index).argv_prefix, *self._command(index, initial_peers), *(["--resume"] if resume else [])]
         with open(self.run_dir / f"peer{index}.log", "a" if resume else "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if index < len(self.procs):

@@ -1,0 +1,175 @@
+"""A swarm on a simulated wide-area network: N peers in network namespaces behind capped links, some on slow CPUs.
+
+    sudo .venv/bin/python benchmarks/wan.py --peers 3 --mbit 20 --steps 200
+    sudo .venv/bin/python benchmarks/wan.py --peers 2 --up 20 2 --down 50 4 --slow-cpu 0.33 --slow-peers 1
+    sudo .venv/bin/python benchmarks/wan.py --peers 2 --mbit 4 --set swarm.sync_steps=10 --set swarm.overlap=true
+
+Loopback hides the costs a real swarm pays: a joiner's catch-up download takes seconds while the
+others train on, rounds move megabytes over a few Mbit/s, and peers compute at different speeds.
+Each peer runs in its own network namespace behind a veth with ``tbf`` upload and download caps and,
+optionally, a cgroup CPU cap (``p2p_spes/netlab.py``). After the run the script reads every peer's
+``metrics.jsonl`` and ``summary.json`` (``p2p_spes/wan_report.py``) and reports, per peer and per
+round: members, outcome, seconds, bytes, tokens contributed, schedule jumps; per peer: steps
+computed, skipped and jumped, tokens processed and averaged, the share of wall time spent computing,
+the final validation loss; and whether all peers ended bit-identical. Writes a self-describing JSON
+(config, links, seeds, results) to ``benchmarks/results/wan.json``. Needs root and iproute2; without
+them it says why and stops. Everything it creates is removed at the end, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from p2p_spes.config import load_config
+from p2p_spes.errors import SwarmError
+from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.netlab import Lab, LinkSpec
+from p2p_spes.wan_report import SwarmReport, read_swarm
+
+RESULTS = Path(__file__).parent / "results" / "wan.json"
+# every step logged (the compute share needs each step's time); no mid-run checkpoints to time
+DEFAULTS = ["train.log_interval=1", "train.checkpoint_interval=100000"]
+
+
+def per_peer(values: list[float] | None, fallback: float | None, peers: int, what: str) -> list[float | None]:
+    """One value for every peer from a list of one (for all) or ``peers`` values; 0 means unshaped."""
+    if not values:
+        return [fallback] * peers
+    if len(values) not in (1, peers):
+        raise SystemExit(f"--{what}: give one value for all peers or one per peer ({peers}), not {len(values)}")
+    values = values * peers if len(values) == 1 else values
+    return [v if v > 0 else None for v in values]
+
+
+def links_from(args: argparse.Namespace) -> list[LinkSpec]:
+    mbit = args.mbit if args.mbit > 0 else None
+    up = per_peer(args.up, mbit, args.peers, "up")
+    down = per_peer(args.down, mbit, args.peers, "down")
+    slow = set(range(args.peers - args.slow_peers, args.peers)) if args.slow_cpu else set()
+    return [LinkSpec(up_mbit=up[i], down_mbit=down[i], cpu=args.slow_cpu if i in slow else None)
+            for i in range(args.peers)]
+
+
+def overrides_from(args: argparse.Namespace) -> list[str]:
+    out = [*DEFAULTS, f"train.max_steps={args.steps}", f"train.seed={args.seed}", f"data.seed={args.seed}"]
+    if args.overlap:
+        out.append("swarm.overlap=true")
+    return out + list(args.set)
+
+
+def code_version() -> dict[str, str | bool]:
+    """The commit the peers ran and whether the tree had changes (a result of uncommitted code says so)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*cmd: str) -> str:
+        out = subprocess.run(["git", "-C", str(root), *cmd], check=False, capture_output=True, text=True, timeout=30)
+        return out.stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+def print_report(report: SwarmReport, links: list[LinkSpec], console: Console) -> None:
+    rounds = Table(title="rounds, per peer")
+    for col in ("peer", "round", "step", "members", "outcome", "seconds", "sent MB", "recv MB", "download MB",
+                "tokens", "jump"):
+        rounds.add_column(col, justify="left" if col == "outcome" else "right")
+    for p in report.peers:
+        for r in p.rounds:
+            rounds.add_row(str(p.peer), str(r.round), str(r.step), str(r.members), r.outcome, f"{r.seconds:.1f}",
+                           _mb(r.bytes_sent), _mb(r.bytes_received), _mb(r.downloaded_bytes),
+                           "-" if r.tokens_contributed is None else str(r.tokens_contributed),
+                           "-" if r.schedule_jump is None else str(r.schedule_jump))
+    console.print(rounds)
+    peers = Table(title=f"peers (identical weights at the end: {report.identical}"
+                        f"{'' if report.identical else ': ' + '; '.join(report.differences)})")
+    for col in ("peer", "up/down Mbit", "cpu", "steps", "computed", "from", "jumped", "skipped", "rounds avg/all",
+                "tokens", "averaged", "compute share", "val loss", "sent MB", "recv MB"):
+        peers.add_column(col, justify="right")
+    for p, link in zip(report.peers, links):
+        averaged = sum(r.outcome == "averaged" for r in p.rounds)
+        peers.add_row(
+            str(p.peer), f"{link.up_mbit or '-'}/{link.down_mbit or '-'}", str(link.cpu or "-"), str(p.final_step),
+            str(p.steps_computed), str(p.start_step), str(p.steps_jumped), str(p.steps_skipped),
+            f"{averaged}/{len(p.rounds)}", str(p.tokens),
+            "-" if p.averaged_share is None else f"{p.averaged_share:.0%}", f"{p.compute_share:.0%}",
+            "-" if p.final_val_loss is None else f"{p.final_val_loss:.4f}", _mb(p.bytes_sent), _mb(p.bytes_received))
+    console.print(peers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--peers", type=int, default=2)
+    ap.add_argument("--mbit", type=float, default=20.0, help="upload and download cap of every peer, Mbit/s (0: none)")
+    ap.add_argument("--up", type=float, nargs="+", help="upload caps, one for all or one per peer (0: none)")
+    ap.add_argument("--down", type=float, nargs="+", help="download caps, one for all or one per peer (0: none)")
+    ap.add_argument("--slow-cpu", type=float, help="CPU cap of the slow peers, in cores (e.g. 0.33)")
+    ap.add_argument("--slow-peers", type=int, default=1, help="how many peers (the last ones) get --slow-cpu")
+    ap.add_argument("--config", help="config file or name (default: the built-in tiny config)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--steps", type=int, default=200, help="train.max_steps")
+    ap.add_argument("--overlap", action="store_true", help="swarm.overlap=true (rounds in the background)")
+    ap.add_argument("--seed", type=int, default=0, help="train.seed and data.seed")
+    ap.add_argument("--stagger", type=float, default=5.0, help="seconds between the first peer and the others")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole run may take")
+    ap.add_argument("--run-dir", type=Path, help="where peers write (default: a temporary directory)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    if not 1 <= args.slow_peers <= args.peers:
+        ap.error("--slow-peers must be between 1 and --peers")
+    ok, reason = Lab.available()
+    if not ok:
+        print(f"wan.py: cannot build the network lab: {reason}", file=sys.stderr)
+        return 2
+    links, overrides = links_from(args), overrides_from(args)
+    config = load_config(args.config, overrides)  # fail fast on a bad override; recorded in the JSON
+    console = Console(width=160)
+    with tempfile.TemporaryDirectory(prefix="p2p-wan-") as tmp:
+        run_dir = args.run_dir or Path(tmp)
+        started = time.time()
+        error = None
+        with Lab(links) as lab:
+            network = lab.describe()
+            swarm = LocalSwarm(args.config, overrides, peers=args.peers, run_dir=run_dir, run_id="wan",
+                               place=lab.place)
+            try:
+                swarm.run(timeout=args.timeout, stagger=args.stagger)
+            except SwarmError as exc:  # report what the peers logged anyway
+                error = str(exc)
+                console.print(str(exc), style="red", markup=False)
+        report = read_swarm(run_dir, args.peers)
+        print_report(report, links, console)
+        out = {
+            "what": "a swarm on capped links in network namespaces (benchmarks/wan.py)",
+            "command": sys.argv, "started": started, "seconds": round(time.time() - started, 1),
+            "code": code_version(), "num_peers": args.peers, "seed": args.seed, "stagger": args.stagger,
+            "overrides": overrides,
+            "config": dataclasses.asdict(config), "network": network, "error": error, **report.to_dict(),
+        }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    console.print(f"wrote {args.out}")
+    return 1 if error else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the lab and the peers are gone by now (Lab and LocalSwarm.run clean up)
+        print("wan.py: interrupted; peers stopped and the lab removed", file=sys.stderr)
+        sys.exit(130)
