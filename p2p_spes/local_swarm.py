@@ -167,16 +167,19 @@ class LocalSwarm:
 
     def print_summary(self, console: Console | None = None) -> None:
         table = Table(title=f"local swarm: {len(self.procs)} peers, run dir {self.run_dir}")
-        for col in ("peer", "exit", "experts", "steps", "train loss", "val loss", "rounds", "sent MB", "recv MB"):
+        for col in ("peer", "exit", "experts", "steps", "train loss", "val loss", "rounds averaged / alone / failed",
+                    "tokens averaged", "sent MB", "recv MB"):
             table.add_column(col, justify="left" if col in ("peer", "experts") else "right")
         for i, (proc, s) in enumerate(zip(self.procs, self.summaries())):
+            averaged = s.get("tokens_averaged")
             table.add_row(
                 str(i), str(proc.poll()), str(s.get("local_experts", "-")), str(s.get("step", "-")),
                 _fmt(s.get("final_train_loss")), _fmt(s.get("final_val_loss")),
-                f"{s.get('rounds_joined', '-')}/{s.get('rounds_failed', 0)} failed",
+                f"{s.get('rounds_joined', '-')} / {s.get('rounds_alone', 0)} / {s.get('rounds_failed', 0)}",
+                "-" if averaged is None or not s.get("tokens") else f"{averaged / s['tokens']:.0%}",
                 _fmt(s.get("bytes_sent", 0) / 1e6 if s else None), _fmt(s.get("bytes_received", 0) / 1e6 if s else None),
             )
-        (console or Console(width=120)).print(table)
+        (console or Console(width=150)).print(table)
 
 
 def _fmt(value) -> str:

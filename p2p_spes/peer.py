@@ -264,7 +264,8 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         swarm.update_status(step=trainer.step, round=-1 if meta is None else meta["round"])
         swarm.announce()
         print(f"training experts {experts} of {cfg.moe.num_experts}, data partition {partition}", flush=True)
-        next_round = (int(meta["round"]) if meta is not None else trainer.step // cfg.swarm.sync_steps) + 1
+        # the first round after the one we took (a run that has not synced yet is before round 1)
+        next_round = max(int(meta["round"]) if meta is not None else trainer.step // cfg.swarm.sync_steps, 0) + 1
         sync = SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens, overlap=cfg.swarm.overlap, next_round=next_round)
         trainer.hooks.append(sync)
         if node is not None:

@@ -38,6 +38,7 @@ from p2p_spes.swarm.report import GroupReport, RoundReport
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
 from p2p_spes.swarm.sync_round import RoundRunner, sync_deadline, version_window
+from p2p_spes.transport import tensor_digest
 
 __all__ = ["GroupReport", "RoundReport", "Swarm", "sync_deadline", "version_window"]
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class Swarm:
 
         Experts in ``keep`` are not downloaded: a peer that fell behind keeps the experts only it
         trains, whose latest version is its own. Returns the source's (round, step) meta, or None
-        when no other peer serves weights yet.
+        when no other peer serves weights yet or what it serves is what we hold already.
         """
         model = self._model
         # only peers that already serve a snapshot; others are starting up like us
@@ -166,6 +167,8 @@ class Swarm:
         like = [p.detach() for _, p in model.shared_parameters()]
         errors: list[str] = []
         order = sorted(peers, key=lambda p: (-peers[p].round, -peers[p].step, p))
+        if self._same_start(order[0], peers[order[0]].experts, like):
+            return None  # nothing to take: we already hold what the run serves
         found = self.downloader.first_of(order, "shared", like, errors, attempts=4)
         if found is None:
             raise SwarmError("could not download the run's current weights from any live peer: " + "; ".join(errors))
@@ -180,6 +183,28 @@ class Swarm:
         log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"],
                  fetched)
         return meta
+
+    def _same_start(self, source: str, its_experts: list[int], shared: list[torch.Tensor]) -> bool:
+        """Whether the run has not synced yet and ``source`` serves the very weights we start from (the
+        same seeded init, checked by digest for the shared parameters and every expert it trains): then
+        there is nothing to download. On a slow link that saves a joiner the minutes it would spend
+        fetching weights it already has, and the steps it would fall behind meanwhile."""
+        model = self._model
+        try:
+            meta = self.downloader.meta(source, "shared")
+            if meta.get("round") != -1 or meta.get("digest") != tensor_digest(shared):
+                return False
+            for e in (e for e in its_experts if e in model.held_experts()):
+                theirs = self.downloader.meta(source, f"expert:{e}").get("digest")
+                if theirs != tensor_digest(model.expert_tensors(e)):
+                    return False
+        except Exception as exc:  # an older peer, or a failed request: download as usual
+            log.debug("no snapshot meta from %s: %s", source, exc)
+            return False
+        log.info("the run has not synced yet and %s serves our own initial weights: nothing to download", source)
+        self.server.take_snapshot(-1, 0, self.outer.momentum)
+        self.stats["catch_up_skipped"] += 1
+        return True
 
     # Sync ----------------------------------------------------------------------------------------
     def sync(self, round_no: int, step: int, weight: float,

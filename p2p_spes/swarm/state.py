@@ -93,7 +93,11 @@ class StateServer:
         return {"round": shared["round"], "step": shared["step"], "digest": tensor_digest(tensors)}, tensors
 
     def lookup(self, uid: str, digest: str) -> Entry | None:
-        """The entry served for ``uid`` (at ``digest`` when given), or None."""
+        """The entry served for ``uid`` (at ``digest`` when given), or None. ``meta:UID`` is the newest
+        entry's meta (round, step, digest) with no tensors: what a joiner asks before downloading."""
+        if uid.startswith("meta:"):
+            versions = self._snapshot.get(uid[len("meta:"):], [])
+            return (versions[-1][0], []) if versions else None
         versions = self._snapshot.get(uid, [])
         entry = next((v for v in versions if v[0]["digest"] == digest), None) if digest else (versions or [None])[-1]
         anchors = self._anchors()
@@ -182,6 +186,11 @@ class Downloader:
                 log.info("download of %s from %s failed (%s); retrying", uid, peer, exc)
                 time.sleep(2.0 * (attempt + 1))  # libp2p refuses re-dials for a few seconds after a failure
         raise AssertionError("unreachable")
+
+    def meta(self, peer: str, uid: str) -> dict:
+        """The (round, step, digest) of the newest ``uid`` that ``peer`` serves, without its tensors."""
+        meta, _ = self.runtime.call(asyncio.wait_for(self.fetch(peer, f"meta:{uid}", []), self.timeout))
+        return meta
 
     def first_of(self, peers: Sequence[str], uid: str, like: Sequence[torch.Tensor],
                  errors: list[str] | None = None, attempts: int = 2) -> tuple[str, Entry] | None:
