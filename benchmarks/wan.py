@@ -24,6 +24,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -112,6 +113,19 @@ def print_report(report: SwarmReport, links: list[LinkSpec], console: Console) -
     console.print(peers)
 
 
+def cap_after_first_step(lab: Lab, run_dir: Path, peers: list[int], cpu: float, timeout: float = 600.0) -> None:
+    """Cap each of ``peers`` to ``cpu`` cores once it has logged its first training step (bounded wait)."""
+    deadline = time.monotonic() + timeout
+    pending = set(peers)
+    while pending and time.monotonic() < deadline:
+        for i in sorted(pending):
+            metrics = run_dir / f"peer{i}" / "metrics.jsonl"
+            if metrics.exists() and '"loss"' in metrics.read_text(errors="replace"):
+                lab.set_cpu(i, cpu)
+                pending.discard(i)
+        time.sleep(0.2)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--peers", type=int, default=2)
@@ -120,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--down", type=float, nargs="+", help="download caps, one for all or one per peer (0: none)")
     ap.add_argument("--slow-cpu", type=float, help="CPU cap of the slow peers, in cores (e.g. 0.33)")
     ap.add_argument("--slow-peers", type=int, default=1, help="how many peers (the last ones) get --slow-cpu")
+    ap.add_argument("--slow-from-start", action="store_true",
+                    help="cap the slow peers from their start (default: from their first training step, so "
+                         "they are slow at training, not at importing libraries)")
     ap.add_argument("--config", help="config file or name (default: the built-in tiny config)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--steps", type=int, default=200, help="train.max_steps")
@@ -147,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             network = lab.describe()
             swarm = LocalSwarm(args.config, overrides, peers=args.peers, run_dir=run_dir, run_id="wan",
                                place=lab.place)
+            if args.slow_cpu and not args.slow_from_start:
+                slow = [i for i, link in enumerate(links) if link.cpu is not None]
+                for i in slow:
+                    lab.set_cpu(i, None)  # full speed while starting up; capped from its first step on
+                threading.Thread(target=cap_after_first_step, args=(lab, run_dir, slow, args.slow_cpu),
+                                 daemon=True).start()
             try:
                 swarm.run(timeout=args.timeout, stagger=args.stagger)
             except SwarmError as exc:  # report what the peers logged anyway

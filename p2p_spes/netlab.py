@@ -237,6 +237,11 @@ class Lab:
             (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(str(cpu_quota_us(link.cpu)))
 
+    def set_cpu(self, index: int, cpu: float | None) -> None:
+        """Change peer ``index``'s CPU cap while it runs (``None``: no cap); e.g. once it has started, so
+        that a slow peer is slow at training, not at importing its libraries."""
+        (self.cgroup / f"peer{index}" / "cpu.cfs_quota_us").write_text(str(cpu_quota_us(cpu)))
+
     def _add_namespace(self, ns: str) -> None:
         _run(["ip", "netns", "add", ns])
         self._created.append(ns)

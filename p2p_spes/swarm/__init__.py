@@ -199,7 +199,7 @@ class Swarm:
                 if theirs != tensor_digest(model.expert_tensors(e)):
                     return False
         except Exception as exc:  # an older peer, or a failed request: download as usual
-            log.debug("no snapshot meta from %s: %s", source, exc)
+            log.info("could not compare our weights with %s's (%s): downloading them", source, exc)
             return False
         log.info("the run has not synced yet and %s serves our own initial weights: nothing to download", source)
         self.server.take_snapshot(-1, 0, self.outer.momentum)

@@ -124,6 +124,9 @@ class StateServer:
             yield averaging_pb2.DownloadData(metadata=pack({"error": f"not serving {request.uid!r}"}))
             return
         meta, tensors = entry
+        if not tensors:  # a meta-only answer
+            yield averaging_pb2.DownloadData(metadata=pack(meta))
+            return
         first = True
         for tensor in tensors:
             for chunk in serialize_parts(tensor, "none"):
@@ -155,6 +158,8 @@ class Downloader:
         meta = unpack(metadata) if metadata else {}
         if not isinstance(meta, dict) or "error" in meta or "digest" not in meta:
             raise TransportError(f"{peer} did not serve {uid}: {meta.get('error') if isinstance(meta, dict) else meta}")
+        if uid.startswith("meta:"):
+            return meta, []  # what it serves, not the tensors: nothing to check against the digest
         if len(parts) != len(like):
             raise TransportError(f"{peer} sent {len(parts)} tensors for {uid}, expected {len(like)}")
         tensors = [parse_tensor(p, tuple(t.shape), t.dtype) for p, t in zip(parts, like)]
