@@ -218,11 +218,16 @@ class Membership:
             await asyncio.sleep(self.cfg.swarm.heartbeat)
 
     def announce_leaving(self) -> None:
-        """Stop the heartbeat and say we left, so our experts' coverage drops at once."""
+        """Stop the heartbeat and say we left, so our experts' coverage drops at once.
+
+        The DHT keeps, per subkey, the value that expires last: the departure must expire after the last
+        heartbeat's record (written up to ``heartbeat`` seconds ago with ``record_ttl``), or nodes drop it
+        and the peer looks alive until that record lapses."""
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         try:
-            self.runtime.call(self.runtime.store(peers_key(self.runtime.run_id), self.record(left=True), ttl=5),
+            ttl = self.cfg.swarm.record_ttl + 1.0
+            self.runtime.call(self.runtime.store(peers_key(self.runtime.run_id), self.record(left=True), ttl=ttl),
                               timeout=5)
         except Exception as exc:
             log.warning("could not announce leaving: %s", exc)
