@@ -89,11 +89,18 @@ def start_bootstrap(tmp_path: Path, port: int, name: str, extra: list[str] = ())
     return proc, out
 
 
+# Runs a command with SIGINT back at its default. A suite started as a background job of a non-interactive
+# shell inherits SIGINT ignored, and bash cannot trap a signal ignored on entry, so the volunteer script
+# would never see the Ctrl-C the tests send it. (A preexec_fn would do it too, but is unsafe with threads.)
+RESET_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+WITH_DEFAULT_SIGINT = [sys.executable, "-c", RESET_SIGINT]
+
+
 def start_volunteer(tmp_path: Path, maddrs: list[str], run_id: str) -> subprocess.Popen:
     """launch/volunteer.sh on loopback, CPU, with the already-installed interpreter (no install step)."""
     with open(tmp_path / "volunteer.out", "w") as f:
         return subprocess.Popen(
-            ["bash", str(ROOT / "launch" / "volunteer.sh"), "--initial-peers", *maddrs, "--run-id", run_id,
+            [*WITH_DEFAULT_SIGINT, "bash", str(ROOT / "launch" / "volunteer.sh"), "--initial-peers", *maddrs, "--run-id", run_id,
              "--no-install", "--device", "cpu", "--dir", str(tmp_path / "vol"), "--max-restarts", "0",
              "--", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--set", "train.threads=1"],
             stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
