@@ -6,14 +6,19 @@ bit-identical), and a peer lost mid-round can leave partially averaged tensors b
 keeps hivemind's DHT, transport and compression and runs the protocol in the trainer's own event
 loop:
 
-1. **Join.** Each member writes ``(weight, arrival time, proposed window)`` under the group's DHT key.
-   The group is everyone who arrived within the first arrival's proposed window (at most
+1. **Join.** Each member writes ``(weight, arrival time, proposed window, base)`` under the group's DHT
+   key. The group is everyone who arrived within the first arrival's proposed window (at most
    ``matchmaking_time``) of it; a member stops waiting early once every peer it expects has arrived.
-   The sorted member list hashes to a group id.
+   The sorted member list hashes to a group id. The *base* is the digest (and round) of the value the
+   tensor is relative to (a pseudo-gradient's anchor): the group agrees on the newest one its members
+   name, and a member holding another first takes the agreed one from a member (``rebase``).
 2. **Reduce-scatter.** The flat tensor is cut into one part per member; member i receives part i
-   from everyone (compressed) and computes the weighted mean in member order.
-3. **All-gather.** Everyone fetches each averaged part from its reducer. The reducer keeps exactly
-   the bytes it serves, so every member ends with bit-identical values.
+   from everyone, encoded with the run's codec (``compression.py``), and computes the weighted mean in
+   member order.
+3. **All-gather.** The reducer encodes its averaged part once (adding what its last encoding of that
+   range dropped: error feedback on the reducer's side too) and serves those same bytes to everyone,
+   so every member decodes bit-identical values. Members keep the encoded parts: a peer that holds
+   the base can rebuild the result from them alone (a frozen expert's refresh).
 
 Any missing contribution or part before the deadline fails the round *for the whole group*: a
 reducer either serves one result to everybody or none, and a member applies nothing unless it has
@@ -26,26 +31,29 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
 
 from dht.keys import group_key
-from dht.records import signed_values
 from p2p_spes.aggregation import Aggregator, weighted_mean
+from p2p_spes.compression import Codec
+from p2p_spes.matchmaking import Base, agreed_base, join_group
 from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, unpack
 
 log = logging.getLogger(__name__)
 OK, BAD = averaging_pb2.AVERAGED_PART, averaging_pb2.BAD_GROUP_ID
 
 
+Rebase = Callable[[Base, list[str]], Awaitable[None]]
+
+
 @dataclass
 class GroupResult:
-    tensor: torch.Tensor | None
+    tensor: torch.Tensor | None  # the group's average, decoded (the same bits on every member)
     members: list[str]
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -54,6 +62,9 @@ class GroupResult:
     transfer_seconds: float = 0.0  # from the membership decided to the result (or the failure)
     lateness: dict[str, float] = field(default_factory=dict)  # every arrival's delay after the first, seconds
     window: float = 0.0  # the join window the group used (the first arrival's proposal)
+    sent: torch.Tensor | None = None  # our contribution as the reducers decoded it (error feedback)
+    messages: list[torch.Tensor] = field(default_factory=list)  # the encoded averaged parts, in order
+    base: Base | None = None  # the base the group agreed on
 
     @property
     def ok(self) -> bool:
@@ -66,8 +77,11 @@ class _Part:
     gid: str
     shape: tuple[int, ...]
     deadline: float
+    name: str = ""  # the group's name (same every round): the reducer's residual is kept under it
+    start: int = 0  # where this part starts in the group's flat tensor
     contributions: dict[str, tuple[float, torch.Tensor]] = field(default_factory=dict)
     result_parts: list | None = None
+    message: torch.Tensor | None = None
     result: torch.Tensor | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -76,19 +90,23 @@ class GroupAllReduce:
     """Serves and runs all-reduce rounds for one peer. Create and use it inside one event loop."""
 
     def __init__(
-        self, dht, p2p, peer_id: str, run_id: str, *, owner: bytes, compression: str = "none",
+        self, dht, p2p, peer_id: str, run_id: str, *, owner: bytes, compression: str | Codec = "none",
         matchmaking_time: float = 3.0, timeout: float = 30.0,
         aggregate: Aggregator | None = None,
     ) -> None:
         self.dht, self.p2p, self.peer_id, self.run_id = dht, p2p, peer_id, run_id
         self.owner = owner  # our signed subkey (dht/identity.py): nobody can join a group in our name
-        self.compression, self.matchmaking_time, self.timeout = compression, matchmaking_time, timeout
+        self.codec = compression if isinstance(compression, Codec) else Codec(compression)
+        self.matchmaking_time, self.timeout = matchmaking_time, timeout
         self.aggregate = aggregate or weighted_mean
         self._parts: dict[bytes, _Part] = {}
         # what we moved as a reducer for others (contributions in, averaged parts out), for accounting
         self.served_in = self.served_out = 0
         self._registered: dict[bytes, asyncio.Event] = {}
         self._decided: dict[tuple[int, str], str] = {}  # (round, group) -> our group id, once known
+        # what our encodings of averaged parts dropped, by group name: (start, values), added the next
+        # time we reduce an overlapping range (CPU, fp32, about 1/members of each group's tensor)
+        self.reducer_residual: dict[str, tuple[int, torch.Tensor]] = {}
 
     @property
     def _contribute_name(self) -> str:
@@ -142,7 +160,8 @@ class GroupAllReduce:
             part = await self._wait_part(first.group_id)
             if part is None or sender not in part.members or sender in part.contributions or part.done.is_set():
                 return averaging_pb2.AveragingData(code=BAD)
-            tensor = parse_tensor(tensors[0], part.shape, torch.float32)
+            message = parse_tensor(tensors[0])
+            tensor = self.codec.decode(message, part.shape[0])
             self.served_in += sum(m.tensor_part.ByteSize() for m in messages)
         except TransportError as exc:
             log.warning("refused a contribution from %s: %s", sender, exc)
@@ -174,72 +193,57 @@ class GroupAllReduce:
         if len(part.contributions) == len(part.members):
             order = sorted(part.contributions)
             averaged = self.aggregate([part.contributions[p][1] for p in order], [part.contributions[p][0] for p in order])
-            part.result_parts = serialize_parts(averaged, self.compression)
-            part.result = parse_tensor(part.result_parts, part.shape, torch.float32)
+            part.message, part.result = self._encode_result(part, averaged)
+            part.result_parts = serialize_parts(part.message)
             part.done.set()
 
+    def _encode_result(self, part: _Part, averaged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode our averaged part once, with what our last encoding of an overlapping range dropped."""
+        if self.codec.lossless:
+            message = self.codec.encode(averaged)
+            return message, self.codec.decode(message, averaged.numel())
+        end = part.start + averaged.numel()
+        start0, residual = self.reducer_residual.get(part.name, (0, torch.empty(0)))
+        lo, hi = max(start0, part.start), min(start0 + residual.numel(), end)
+        compensated = averaged.clone()
+        if lo < hi:
+            compensated[lo - part.start:hi - part.start] += residual[lo - start0:hi - start0]
+        message = self.codec.encode(compensated)
+        decoded = self.codec.decode(message, averaged.numel())
+        self.reducer_residual[part.name] = (part.start, compensated - decoded)
+        return message, decoded
+
     # Client side ---------------------------------------------------------------------------
-    async def _members(self, key: str, expected: set[str], weight: float,
-                       window: float) -> tuple[list[str], dict[str, float], float]:
-        """Join the group's DHT record and return the agreed member list (see module docstring), every
-        arrival's delay after the first, and the join window used.
+    def solo(self, tensor: torch.Tensor, result: GroupResult | None = None) -> GroupResult:
+        """A group of one: its result is our own tensor as the codec carries it (what a peer that
+        rebuilds it from the encoded message gets too)."""
+        result = result or GroupResult(None, [self.peer_id])
+        message = self.codec.encode(tensor)
+        result.tensor = result.sent = self.codec.decode(message, tensor.numel())
+        result.messages = [message]
+        return result
 
-        Each arrival proposes a join window (``window``, at most ``matchmaking_time``); the group uses the
-        first arrival's proposal (ties by peer id), which every member reads from the same records.
-        """
-        arrival = get_dht_time()
-        ttl = self.matchmaking_time + self.timeout + 30
-        give_up = time.monotonic() + self.matchmaking_time + 10
-        mine = {"peer_id": self.peer_id, "w": float(weight), "t": arrival, "m": float(window)}
-        # every DHT request is bounded: one that never answers fails the round (asyncio.TimeoutError)
-        await asyncio.wait_for(self.dht.store(key, mine, expiration_time=arrival + ttl, subkey=self.owner,
-                                              return_future=True), self.matchmaking_time + 10)
-
-        async def read() -> tuple[dict[str, float], float]:
-            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True),
-                                           max(give_up - time.monotonic(), 0.0) + 5)
-            records = {p: v for p, v in signed_values(found).items()
-                       if isinstance(v, dict) and isinstance(v.get("t"), float)}
-            records.setdefault(self.peer_id, mine)
-            return {p: v["t"] for p, v in records.items()}, self._agreed_window(records)
-
-        while True:
-            times, agreed = await read()
-            cutoff = min(times.values()) + agreed
-            if expected <= set(times) or get_dht_time() >= cutoff or time.monotonic() > give_up:
-                break
-            await asyncio.sleep(0.2)
-        # One more read after a grace period, so that peers whose records landed just before the
-        # cutoff are seen by everyone.
-        await asyncio.sleep(0.5)
-        times, agreed = await read()
-        first = min(times.values())
-        members = sorted(p for p, t in times.items() if t <= first + agreed)
-        return members, {p: t - first for p, t in times.items()}, agreed
-
-    def _agreed_window(self, records: dict[str, dict]) -> float:
-        """The join window the first arrival proposed (ties by peer id), at most ``matchmaking_time``."""
-        first = min(records, key=lambda p: (records[p]["t"], p))
-        proposed = records[first].get("m")
-        if isinstance(proposed, (int, float)) and not isinstance(proposed, bool) and proposed > 0:
-            return min(float(proposed), self.matchmaking_time)
-        return self.matchmaking_time
-
-    async def run(self, round_no: int, group: str, tensor: torch.Tensor, weight: float, expected: set[str],
-                  on_members: Callable[[], None] | None = None, window: float | None = None,
-                  timeout: float | None = None) -> GroupResult:
+    async def run(self, round_no: int, group: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
+                  weight: float, expected: set[str], on_members: Callable[[], None] | None = None,
+                  window: float | None = None, timeout: float | None = None,
+                  base: Base | None = None, rebase: Rebase | None = None) -> GroupResult:
         """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``.
 
         ``on_members`` is called once the membership is decided (or matchmaking failed). ``window`` is the
         join window this peer proposes and ``timeout`` its deadline for the transfers (both measured by
-        the caller; at most the configured ``matchmaking_time`` and ``timeout``).
+        the caller; at most the configured ``matchmaking_time`` and ``timeout``). With ``base``, when the
+        group agrees on another base, ``rebase(digest, members holding it)`` is awaited first (it must
+        take that base or raise); ``tensor`` may then be a function, called after it.
         """
         t0 = time.monotonic()
         window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
         timeout = self.timeout if timeout is None else min(timeout, self.timeout)
         try:
-            members, lateness, agreed = await self._members(
-                group_key(self.run_id, round_no, group), set(expected) | {self.peer_id}, weight, window)
+            joined = await join_group(
+                self.dht, group_key(self.run_id, round_no, group), self.peer_id, self.owner,
+                set(expected) | {self.peer_id}, weight, window, base,
+                matchmaking_time=self.matchmaking_time, ttl=self.matchmaking_time + self.timeout + 30)
+            members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
         except asyncio.TimeoutError:
             result = GroupResult(None, [])
             result.error, result.seconds = "the DHT did not answer during matchmaking", time.monotonic() - t0
@@ -253,25 +257,48 @@ class GroupAllReduce:
         if self.peer_id not in members:
             result.error = "arrived after the group closed"
             return result
+        result.base = agreed_base(bases)
+        deadline = time.monotonic() + timeout
         if len(members) == 1:
-            result.tensor, result.seconds = tensor, time.monotonic() - t0
+            self.solo(tensor() if callable(tensor) else tensor, result)
+            result.seconds = time.monotonic() - t0
             return result
         gid = hashlib.sha256(pack(members)).hexdigest()[:16]
         self._decided[(round_no, group)] = gid
-        chunks = torch.tensor_split(tensor, len(members))
-        deadline = time.monotonic() + timeout
         keys = [pack([round_no, group, gid, i]) for i in range(len(members))]
         mine = members.index(self.peer_id)
-        part = _Part(members, gid, tuple(chunks[mine].shape), deadline)
-        self._parts[keys[mine]] = part
-        if keys[mine] in self._registered:
-            self._registered.pop(keys[mine]).set()
+        part: _Part | None = None
+        sizes: list[int] = []
+        sent_parts: list[torch.Tensor | None] = [None] * len(members)
+        received: list[torch.Tensor | None] = [None] * len(members)
+
+        async def prepare() -> list[torch.Tensor]:
+            """Our contribution cut into encoded parts, once we hold the group's base; then our part is
+            registered (a member's contribution that comes earlier waits for it)."""
+            nonlocal part
+            if base is not None and result.base is not None and result.base.digest != base.digest:
+                holders = [p for p in members if p in bases and bases[p].digest == result.base.digest]
+                if rebase is None:
+                    raise TransportError(f"the group agreed on base {result.base.digest[:12]}, we hold another")
+                await rebase(result.base, holders)
+            flat = tensor() if callable(tensor) else tensor
+            chunks = torch.tensor_split(flat, len(members))
+            sizes[:] = [len(c) for c in chunks]
+            part = _Part(members, gid, (sizes[mine],), deadline, name=group, start=sum(sizes[:mine]))
+            self._parts[keys[mine]] = part
+            if keys[mine] in self._registered:
+                self._registered.pop(keys[mine]).set()
+            return [self.codec.encode(c.contiguous()) for c in chunks]
+
+        messages_out: list[torch.Tensor] = []
 
         async def contribute(i: int, peer: str) -> None:
-            chunk_parts = serialize_parts(chunks[i].contiguous(), self.compression)
+            message = messages_out[i]
+            sent_parts[i] = self.codec.decode(message, sizes[i])  # what the reducer will decode
             if peer == self.peer_id:
-                self._add(part, peer, float(weight), parse_tensor(chunk_parts, part.shape, torch.float32))
+                self._add(part, peer, float(weight), sent_parts[i])
                 return
+            chunk_parts = serialize_parts(message)
             result.bytes_sent += sum(c.ByteSize() for c in chunk_parts)
 
             async def messages():
@@ -301,13 +328,18 @@ class GroupAllReduce:
                     raise TransportError(f"{peer} could not serve averaged part {i} (code {message.code})")
                 chunks_in.append(message.tensor_part)
                 result.bytes_received += message.tensor_part.ByteSize()
-            return parse_tensor(chunks_in, tuple(chunks[i].shape), torch.float32)
+            received[i] = parse_tensor(chunks_in)
+            return self.codec.decode(received[i], sizes[i])
 
         try:
-            await asyncio.wait_for(asyncio.gather(*(contribute(i, p) for i, p in enumerate(members))), timeout)
+            messages_out[:] = await asyncio.wait_for(prepare(), timeout)
+            await asyncio.wait_for(asyncio.gather(*(contribute(i, p) for i, p in enumerate(members))),
+                                   max(deadline - time.monotonic(), 0.1))
             remaining = max(deadline - time.monotonic(), 0.1)
             parts = await asyncio.wait_for(asyncio.gather(*(fetch(i, p) for i, p in enumerate(members))), remaining)
-            result.tensor = torch.cat(parts)
+            result.tensor, result.sent = torch.cat(parts), torch.cat(sent_parts)
+            received[mine] = part.message
+            result.messages = list(received)
         except Exception as exc:  # a failed round is discarded whatever went wrong
             result.error = f"{type(exc).__name__}: {exc}"
             log.warning("round %d group %s failed: %s", round_no, group, result.error)

@@ -157,7 +157,10 @@ class SwarmConfig:
     # left (None: no limit but moe.num_experts). Each one costs gradient + AdamW memory (full
     # residency) or that plus its weights (partial).
     max_experts_per_peer: int | None = field(default=None, metadata=LOCAL)
-    compression: Literal["none", "fp16", "uint8"] = "none"
+    # how groups encode pseudo-gradients (p2p_spes/compression.py): none | fp16 | int8 | int4 | topk,
+    # with error feedback; run-wide (peers with another setting refuse to join)
+    compression: Literal["none", "fp16", "int8", "int4", "topk"] = "none"
+    topk_fraction: float = 1 / 64  # share of each block of 256 values that topk sends
     # run each sync round in the background while training goes on (two extra weight copies);
     # the round's change is added to the live weights when it ends (p2p_spes/peer.py SwarmSync)
     overlap: bool = field(default=False, metadata=LOCAL)
@@ -365,6 +368,8 @@ def validate(config: Config) -> None:
         )
     if sw.residency == "partial" and moe.impl == "megablocks":
         raise ConfigError("swarm.residency=partial needs moe.impl=torch (or auto): the MegaBlocks adapter keeps every expert")
+    if not 0 < sw.topk_fraction <= 1:
+        raise ConfigError(f"swarm.topk_fraction must be in (0, 1], got {sw.topk_fraction}")
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:
         raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")
     if sw.merge_interval < 0 or not 0 <= sw.merge_alpha_start < 1:

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from helpers import SMALL
 
-from p2p_spes.allreduce import GroupAllReduce
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.matchmaking import agreed_window
 from p2p_spes.peer import SwarmSync
 from p2p_spes.swarm import GroupReport, RoundReport
 from p2p_spes.swarm.pacing import Deadlines, RoundWatch, median_and_mad
@@ -48,14 +48,13 @@ def test_transfer_deadline_scales_with_the_payload_and_the_observed_rate():
 
 
 def test_the_first_arrivals_window_is_the_groups():
-    reducer = GroupAllReduce(None, None, "me", "run", owner=b"", matchmaking_time=8.0)
     records = {"b": {"t": 5.0, "m": 2.0}, "a": {"t": 5.0, "m": 3.0}, "c": {"t": 4.0, "m": 20.0}}
-    assert reducer._agreed_window(records) == 8.0, "the earliest proposes; capped at matchmaking_time"
+    assert agreed_window(records, 8.0) == 8.0, "the earliest proposes; capped at matchmaking_time"
     records["c"]["m"] = 1.5
-    assert reducer._agreed_window(records) == 1.5
+    assert agreed_window(records, 8.0) == 1.5
     del records["c"]
-    assert reducer._agreed_window(records) == 3.0, "a tie on time goes to the smaller peer id"
-    assert reducer._agreed_window({"x": {"t": 1.0}}) == 8.0, "a record without a proposal: the configured window"
+    assert agreed_window(records, 8.0) == 3.0, "a tie on time goes to the smaller peer id"
+    assert agreed_window({"x": {"t": 1.0}}, 8.0) == 8.0, "a record without a proposal: the configured window"
 
 
 class _Loop:

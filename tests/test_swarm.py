@@ -27,15 +27,19 @@ from p2p_spes.swarm.state import Downloader
 def test_nesterov_outer_step_follows_diloco():
     outer = OuterOptimizer(load_config(None, ["swarm.outer_optimizer=nesterov", "swarm.outer_lr=0.5",
                                               "swarm.outer_momentum=0.9"]).swarm)
-    outer.anchor = {"shared": torch.tensor([1.0, 2.0])}
-    averaged = torch.tensor([0.0, 1.0])
-    first = outer.step("shared", averaged)  # delta = 1, m = 1: anchor - 0.5 * (1 + 0.9 * 1)
+    outer.set_anchor("shared", torch.tensor([1.0, 2.0]), 0)
+    delta = torch.tensor([1.0, 1.0])  # the averaged pseudo-gradient: anchor - the members' mean weights
+    first = outer.step("shared", delta, 1)  # m = 1: anchor - 0.5 * (1 + 0.9 * 1)
     torch.testing.assert_close(first, torch.tensor([1.0, 2.0]) - 0.5 * 1.9)
     torch.testing.assert_close(outer.anchor["shared"], first)
-    second = outer.step("shared", first - 1)  # delta = 1, m = 0.9 + 1
+    assert outer.base("shared").round == 1
+    second = outer.step("shared", delta, 2)  # m = 0.9 + 1
     torch.testing.assert_close(second, first - 0.5 * (1 + 0.9 * 1.9))
     average = OuterOptimizer(load_config(None).swarm)
-    assert average.step("shared", averaged) is averaged
+    average.set_anchor("shared", torch.tensor([1.0, 2.0]), 0)
+    # plain averaging of pseudo-gradients is averaging the weights: anchor - (anchor - mean) = mean
+    torch.testing.assert_close(average.step("shared", delta, 1), torch.tensor([0.0, 1.0]))
+    assert not average.momentum
 
 
 class _SlowRound:

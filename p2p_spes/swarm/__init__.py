@@ -26,6 +26,7 @@ from dht.auth import load_auth
 from dht.records import PeerRecord
 from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import GroupAllReduce
+from p2p_spes.compression import Codec
 from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
 from p2p_spes.model import MoETransformer
@@ -65,12 +66,12 @@ class Swarm:
         self.watch = RoundWatch(self.runtime, poll=min(1.0, sw.matchmaking_time / 4))
         self.reducer = GroupAllReduce(
             self.runtime.dht, self.runtime.p2p, self.peer_id, self.runtime.run_id, owner=self.runtime.identity.owner,
-            compression=sw.compression, matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
+            compression=Codec(sw.compression, sw.topk_fraction), matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
             aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),
         )
         self.runtime.call(self.reducer.start())
         self.runtime.call(self.server.start())
-        self.refresher = Refresher(self.peer_id, self.downloader, self.stats)
+        self.refresher = Refresher(self.peer_id, self.downloader, self.stats, self.outer, self.reducer.codec)
         self.runner = RoundRunner(sw, self.runtime, self.membership, self.reducer, self.server, self.downloader,
                                   self.refresher, self.outer, UpdateGuard(sw.max_update_ratio), self.deadlines,
                                   self.stats)
@@ -177,8 +178,8 @@ class Swarm:
         self.outer.fetch_momentum(self.downloader, source, "shared", sum(t.numel() for t in like))
         wanted = [e for e in model.held_experts() if e not in set(keep)]
         fetched, _ = self.refresher.refresh(model, peers, wanted, any_copy=True)
-        self.outer.reset_anchors(model)
-        self.outer.fetch_anchor(self.downloader, source, "shared")
+        self.outer.reset_anchors(model, meta["round"])
+        self.outer.fetch_anchor(self.downloader, source, "shared", meta["round"])
         self.server.take_snapshot(meta["round"], meta["step"], self.outer.momentum)
         log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"],
                  fetched)

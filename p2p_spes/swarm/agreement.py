@@ -4,7 +4,10 @@ After its groups, every peer publishes a :class:`~dht.records.VersionRecord` for
 of its shared parameters, of each expert it trains and of its copy of each expert nobody trains. Every
 peer then brings the experts it does not train to the version the others name most often (ties to
 the larger digest), so all peers pick the same one from the same records, and downloads are asked
-for by that digest.
+for by that digest. A peer whose copy is the anchor the version was computed from takes the group's
+encoded average instead (``update:expert:E@digest``, a few percent of the expert under top-k) and
+applies the outer step the members applied; the result must hash to the agreed digest, else the
+expert is downloaded whole, once.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from typing import Any
 
 from dht.keys import version_key
 from dht.records import PeerRecord, VersionRecord
+from p2p_spes.compression import Codec
 from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.outer import OuterOptimizer, flatten
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader
 from p2p_spes.transport import TransportError, tensor_digest
@@ -57,8 +62,48 @@ def wait_versions(runtime: Runtime, round_no: int, peers: set[str], window: floa
 class Refresher:
     """Brings the experts this peer does not train to the agreed version, downloading each once."""
 
-    def __init__(self, peer_id: str, downloader: Downloader, stats: Counter) -> None:
+    def __init__(self, peer_id: str, downloader: Downloader, stats: Counter,
+                 outer: OuterOptimizer | None = None, codec: Codec | None = None) -> None:
+        """With ``outer`` and ``codec``, experts at a group's anchor are refreshed by its encoded average."""
         self.peer_id, self.downloader, self.stats = peer_id, downloader, stats
+        self.outer, self.codec = outer, codec
+
+    def _by_delta(self, model: MoETransformer, e: int, digest: str, holders: list[str]) -> bool:
+        """Bring expert ``e`` to ``digest`` from its group's encoded average; False when that cannot be
+        done (no holder serves it, our copy is not its base, or the result does not hash right)."""
+        if self.outer is None or self.codec is None:
+            return False
+        like = model.expert_tensors(e)
+        copy = flatten(like)
+        base = tensor_digest([copy])
+        for holder in holders[:2]:
+            try:
+                meta, messages = self.downloader.update(holder, f"expert:{e}", digest,
+                                                        self.codec.wire_bytes(copy.numel()) + 64 * len(holders))
+            except Exception as exc:
+                log.info("no update of expert %d from %s (%s): downloading it whole", e, holder, exc)
+                continue
+            if meta.get("base") != base:
+                return False  # our copy is not the anchor the group moved from
+            try:
+                average = self.codec.decode_parts(messages, copy.numel())
+            except TransportError as exc:
+                log.warning("refused the update of expert %d from %s: %s", e, holder, exc)
+                continue
+            value = self.outer.step_frozen(f"expert:{e}", copy, average)
+            if value is None:
+                return False
+            tensors, offset = [], 0
+            for t in like:
+                tensors.append(value[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            if tensor_digest(tensors) != digest:
+                log.warning("expert %d rebuilt from %s's update does not match the agreed digest", e, holder)
+                return False
+            model.write_expert(e, tensors)
+            self.stats["delta_refreshes"] += 1
+            return True
+        return False
 
     def refresh(self, model: MoETransformer, peers: Mapping[str, PeerRecord], experts: Iterable[int],
                 versions: Mapping[str, VersionRecord] | None = None,
@@ -89,6 +134,11 @@ class Refresher:
                     continue
                 holders = sorted(p for p, v in versions.items() if p != self.peer_id and v.experts.get(e) == best)
                 uid = f"expert:{e}@{best}"
+                if tensor_digest(model.expert_tensors(e)) == best:
+                    continue  # already the agreed version
+                if self._by_delta(model, e, best, holders):
+                    fetched += 1
+                    continue
             like = [t.detach() for t in model.expert_tensors(e)]
             for holder in (h for h in holders if h not in unreachable):
                 try:
@@ -101,6 +151,8 @@ class Refresher:
                     unreachable.add(holder)
                     continue
                 model.write_expert(e, tensors)
+                if self.outer is not None and self.outer.stateful:  # our outer steps on it must match its holders'
+                    self.outer.fetch_momentum(self.downloader, holder, f"expert:{e}", sum(t.numel() for t in like))
                 fetched += 1
                 break
             else:

@@ -28,6 +28,7 @@ from p2p_spes.placement import free_partition, least_covered
 from p2p_spes.swarm.runtime import Runtime
 
 log = logging.getLogger(__name__)
+SYNC_PROTOCOL = 2  # 1: groups averaged weights; 2: pseudo-gradients through a codec (compression.py)
 
 
 def describe_difference(ours: dict, theirs: dict) -> str:
@@ -39,6 +40,22 @@ def describe_difference(ours: dict, theirs: dict) -> str:
             if a.get(key) != b.get(key):
                 diffs.append(f"{section}.{key}: ours {a.get(key)!r}, run's {b.get(key)!r}")
     return "; ".join(diffs) or "fingerprints differ"
+
+
+def sync_settings(compression: Any, topk_fraction: Any) -> dict[str, Any]:
+    """What peers must share to average together: the protocol (pseudo-gradients since version 2)
+    and the codec; ``topk_fraction`` only matters to ``topk``."""
+    out = {"protocol": SYNC_PROTOCOL, "compression": compression}
+    if compression == "topk":
+        out["topk_fraction"] = topk_fraction
+    return out
+
+
+def describe_sync(settings: Any) -> str:
+    if not isinstance(settings, dict) or settings.get("protocol") != SYNC_PROTOCOL:
+        return "an older p2p-spes (it averages weights, not pseudo-gradients: upgrade every peer)"
+    extra = f" (topk_fraction {settings['topk_fraction']})" if "topk_fraction" in settings else ""
+    return f"compression {settings.get('compression')}{extra}"
 
 
 class Membership:
@@ -97,8 +114,10 @@ class Membership:
         for peer, value in run_configs.items():
             published = value.get("config") if isinstance(value.get("config"), dict) else {}
             moe = published.get("moe") if isinstance(published.get("moe"), dict) else {}
+            swarm = published.get("swarm") if isinstance(published.get("swarm"), dict) else {}
             records.setdefault(peer, {"fingerprint": value.get("fingerprint"), "model": {
-                "model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours["moe"]}}})
+                "model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours["moe"]}},
+                "sync": sync_settings(swarm.get("compression"), swarm.get("topk_fraction"))})
         for peer, value in records.items():
             if isinstance(value, dict) and value.get("fingerprint") != self.fingerprint:
                 theirs = value.get("model") if isinstance(value.get("model"), dict) else {}
@@ -107,13 +126,21 @@ class Membership:
                     f"{describe_difference(ours, theirs)}. Join with --config-from-swarm to use the run's config, "
                     "or pick another --run-id"
                 )
+        sync = sync_settings(self.cfg.swarm.compression, self.cfg.swarm.topk_fraction)
+        for peer, value in records.items():
+            other = value.get("sync") if isinstance(value, dict) else None
+            if peer != self.peer_id and other != sync:
+                raise SwarmError(
+                    f"run {rt.run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
+                    f"{describe_sync(other)} there, {describe_sync(sync)} here. swarm.compression and "
+                    "swarm.topk_fraction are run-wide: set them as the run does, or join with --config-from-swarm")
         theirs = {v.get("hash") for p, v in run_configs.items() if p != self.peer_id}
         if theirs and self.run_config["hash"] not in theirs:
             log.warning("this config (hash %s) differs from the one the run publishes (%s) in settings other than "
                         "the model; join with --config-from-swarm to train with the run's",
                         self.run_config["hash"][:16],
                         ", ".join(h[:16] for h in sorted(h for h in theirs if isinstance(h, str))))
-        self._published = [(config_key(rt.run_id), {"fingerprint": self.fingerprint, "model": ours}),
+        self._published = [(config_key(rt.run_id), {"fingerprint": self.fingerprint, "model": ours, "sync": sync}),
                            (run_config_key(rt.run_id), self.run_config)]
         for key, value in self._published:
             rt.call(rt.store(key, value, ttl=self.cfg.swarm.record_ttl))

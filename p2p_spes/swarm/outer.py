@@ -1,9 +1,12 @@
 """What a peer does with a group's average: the outer step, its anchors and momentum, and the update guard.
 
-SPES replaces the weights by the group's average; DiLoCo's outer Nesterov step is the option
-(``swarm.outer_optimizer``). Either way every member of a group must compute the same result from
-the same inputs, so the anchor (the value the group last agreed on) and the momentum move only when
-a group succeeds, and a joiner copies both from a live peer.
+Groups average pseudo-gradients, ``anchor - current``, where the anchor is the value the group last
+agreed on (identical on every member: the group checks it by digest, ``allreduce.py``). The new
+value is the anchor minus the outer step of the decoded average: SPES's ``average`` (the anchor
+minus the average, i.e. the average of the members' weights) or DiLoCo's Nesterov step
+(``swarm.outer_optimizer``). Every member computes it from the same inputs, so copies stay
+bit-identical; the anchor and momentum move only when a group succeeds. Anchors, momentum and the
+error-feedback residuals live on the CPU in fp32, never on the accelerator.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from collections.abc import Iterable
 import torch
 
 from p2p_spes.config import SwarmConfig
+from p2p_spes.matchmaking import Base
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.state import Downloader
-from p2p_spes.transport import TransportError
+from p2p_spes.transport import TransportError, tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -29,49 +33,76 @@ def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 class OuterOptimizer:
-    """Anchors and momentum per group uid (``shared``, ``expert:E``); stateless under ``average``."""
+    """Anchors (with their round and digest) and Nesterov momentum, per group uid (``shared``, ``expert:E``)."""
 
     def __init__(self, sw: SwarmConfig) -> None:
         self.sw = sw
-        self.anchor: dict[str, torch.Tensor] = {}  # Nesterov: the value each group last agreed on
+        self.anchor: dict[str, torch.Tensor] = {}  # the value each group last agreed on (replaced, never written)
+        self.anchor_round: dict[str, int] = {}
+        self._digests: dict[str, str] = {}
         self.momentum: dict[str, torch.Tensor] = {}  # Nesterov outer momentum per group uid
 
     @property
     def stateful(self) -> bool:
+        """Whether the outer step keeps momentum (Nesterov): joiners must copy it."""
         return self.sw.outer_optimizer != "average"
 
-    def reset_anchors(self, model: MoETransformer) -> None:
+    def reset_anchors(self, model: MoETransformer, round_no: int = -1) -> None:
         """Anchors = the weights as they stand now, agreed (at start, or just downloaded)."""
-        if not self.stateful:
-            self.anchor = {}
-            return
-        self.anchor = {"shared": flatten(p for _, p in model.shared_parameters())}
+        self.anchor, self.anchor_round, self._digests = {}, {}, {}
+        self.set_anchor("shared", flatten(p for _, p in model.shared_parameters()), round_no)
         for e in model.local_experts:
-            self.anchor[f"expert:{e}"] = flatten(model.expert_tensors(e))
+            self.set_anchor(f"expert:{e}", flatten(model.expert_tensors(e)), round_no)
+
+    def set_anchor(self, uid: str, flat: torch.Tensor, round_no: int) -> None:
+        self.anchor[uid], self.anchor_round[uid] = flat, round_no
+        self._digests.pop(uid, None)
 
     def reanchor(self, uid: str, tensors: Iterable[torch.Tensor], only_existing: bool = False) -> None:
         """Set ``uid``'s anchor to ``tensors`` (after a merge, an adoption or a takeover changed them)."""
-        if self.stateful and (uid in self.anchor or not only_existing):
-            self.anchor[uid] = flatten(tensors)
+        if uid in self.anchor or not only_existing:
+            self.set_anchor(uid, flatten(tensors), self.anchor_round.get(uid, -1))
 
-    def step(self, uid: str, averaged: torch.Tensor) -> torch.Tensor:
-        """The group's new value from its average.
+    def base(self, uid: str) -> Base:
+        """What ``uid``'s pseudo-gradients are relative to: its anchor's digest and round."""
+        if uid not in self._digests:
+            self._digests[uid] = tensor_digest([self.anchor[uid]])
+        return Base(self._digests[uid], self.anchor_round[uid])
 
-        The pseudo-gradient is the anchor minus the new average. The anchor moves only when a group
-        succeeds, so after a failed round every member still has the same anchor, average and
-        momentum, and results stay identical.
-        """
-        if not self.stateful or uid not in self.anchor:
-            return averaged
+    def pseudo_gradient(self, uid: str, current: torch.Tensor) -> torch.Tensor:
+        """``anchor - current``: what this peer learned since the group last agreed."""
+        return self.anchor[uid] - current
+
+    def outer_step(self, anchor: torch.Tensor, average: torch.Tensor,
+                   momentum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The new value from ``anchor`` and the averaged pseudo-gradient (and the new momentum)."""
+        if not self.stateful:
+            return anchor - average, None
         sw = self.sw
-        anchor = self.anchor[uid]
-        delta = anchor - averaged
-        momentum = self.momentum.get(uid)
-        momentum = delta.clone() if momentum is None else momentum.mul_(sw.outer_momentum).add_(delta)
-        self.momentum[uid] = momentum
-        result = anchor - sw.outer_lr * (delta + sw.outer_momentum * momentum)
-        self.anchor[uid] = result.clone()
-        return result
+        momentum = average.clone() if momentum is None else momentum * sw.outer_momentum + average
+        return anchor - sw.outer_lr * (average + sw.outer_momentum * momentum), momentum
+
+    def step(self, uid: str, average: torch.Tensor, round_no: int) -> torch.Tensor:
+        """Apply a successful group's averaged pseudo-gradient: the new value becomes the anchor."""
+        value, momentum = self.outer_step(self.anchor[uid], average, self.momentum.get(uid))
+        if momentum is not None:
+            self.momentum[uid] = momentum
+        self.set_anchor(uid, value, round_no)
+        return value.clone()
+
+    def step_frozen(self, uid: str, copy: torch.Tensor, average: torch.Tensor) -> torch.Tensor | None:
+        """A frozen copy moved by its group's average, as the group's members moved it; None when the
+        outer step needs momentum we do not track for ``uid`` (then the expert is downloaded whole)."""
+        if self.stateful and uid not in self.momentum:
+            return None
+        value, momentum = self.outer_step(copy, average, self.momentum.get(uid))
+        if momentum is not None:
+            self.momentum[uid] = momentum
+        return value
+
+    def nbytes(self) -> int:
+        """CPU bytes of the anchors and momentum."""
+        return sum(t.numel() * t.element_size() for d in (self.anchor, self.momentum) for t in d.values())
 
     def fetch_momentum(self, downloader: Downloader, peer: str, uid: str, size: int) -> None:
         """Take a peer's outer momentum for ``uid`` so our outer steps match theirs (Nesterov only)."""
@@ -84,7 +115,7 @@ class OuterOptimizer:
             return
         self.momentum[uid] = momentum
 
-    def fetch_anchor(self, downloader: Downloader, peer: str, uid: str) -> None:
+    def fetch_anchor(self, downloader: Downloader, peer: str, uid: str, round_no: int) -> None:
         """Take a peer's anchor for ``uid``: its last agreed value, which may differ from the weights it
         serves when its last round failed. Every member of a group needs the same one."""
         if uid not in self.anchor:
@@ -94,7 +125,7 @@ class OuterOptimizer:
         except TransportError as exc:
             log.warning("could not fetch the outer-step anchor of %s from %s: %s", uid, peer, exc)
             return
-        self.anchor[uid] = anchor
+        self.set_anchor(uid, anchor, round_no)
 
 
 class UpdateGuard:

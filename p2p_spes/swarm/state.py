@@ -1,8 +1,9 @@
 """What a peer serves and fetches: frozen snapshots of its weights over the ``{run}.state`` RPC.
 
 A peer serves, by uid, the shared parameters (``shared``), each expert it trains (``expert:E``), its
-Nesterov momentum and anchors, and a frozen copy of any other expert it holds (so an expert whose
-holders all left survives). Each entry is frozen at a sync boundary and named by its digest, so a
+Nesterov momentum and anchors, a frozen copy of any other expert it holds (so an expert whose
+holders all left survives), and each group's last encoded average (``update:UID``), from which a
+peer holding the group's anchor rebuilds the new value without downloading it whole. Each entry is frozen at a sync boundary and named by its digest, so a
 peer that asks for ``expert:3@<digest>`` gets exactly the agreed version or an error, never a newer
 one; the previous version is kept one round so late refreshers still find it. Tensors go out as
 hivemind protobuf parts (never pickles) and every download is checked against the digest.
@@ -51,6 +52,7 @@ class StateServer:
         self.members: set[str] = set()
         self.model: MoETransformer | None = None
         self._snapshot: dict[str, list[Entry]] = {}
+        self._updates: dict[str, list[Entry]] = {}  # uid -> [(meta: digest, base; encoded parts)], newest last
 
     async def start(self) -> None:
         await self.runtime.p2p.add_protobuf_handler(
@@ -75,6 +77,12 @@ class StateServer:
             snapshot[uid] = previous + [(meta, tensors)]
         self._snapshot = snapshot
 
+    def keep_update(self, uid: str, base: str, digest: str, messages: list[torch.Tensor]) -> None:
+        """Serve the encoded average that took ``uid`` from the anchor ``base`` (a flat digest) to the
+        value ``digest``, as ``update:UID@digest``; the previous one is kept one round, like snapshots."""
+        entry = ({"digest": digest, "base": base, "parts": len(messages)}, list(messages))
+        self._updates[uid] = [e for e in self._updates.get(uid, [])[-1:] if e[0]["digest"] != digest] + [entry]
+
     def current(self, uid: str) -> dict:
         """The meta (round, step, digest) of the newest version of ``uid`` we serve."""
         return self._snapshot[uid][-1][0]
@@ -98,6 +106,8 @@ class StateServer:
         if uid.startswith("meta:"):
             versions = self._snapshot.get(uid[len("meta:"):], [])
             return (versions[-1][0], []) if versions else None
+        if uid.startswith("update:"):
+            return next((v for v in self._updates.get(uid[len("update:"):], []) if v[0]["digest"] == digest), None)
         versions = self._snapshot.get(uid, [])
         entry = next((v for v in versions if v[0]["digest"] == digest), None) if digest else (versions or [None])[-1]
         anchors = self._anchors()
@@ -160,6 +170,14 @@ class Downloader:
             raise TransportError(f"{peer} did not serve {uid}: {meta.get('error') if isinstance(meta, dict) else meta}")
         if uid.startswith("meta:"):
             return meta, []  # what it serves, not the tensors: nothing to check against the digest
+        if uid.startswith("update:"):  # encoded parts: the caller decodes them and checks the result's digest
+            if not parts or len(parts) > 4096 or not isinstance(meta.get("base"), str):
+                raise TransportError(f"{peer} served a malformed update for {uid}")
+            messages = [parse_tensor(p) for p in parts]
+            if any(m.dtype != torch.uint8 or m.dim() != 1 for m in messages):
+                raise TransportError(f"{peer} served an update for {uid} that is not encoded messages")
+            self.stats["bytes_received"] += sum(c.ByteSize() for p in parts for c in p)
+            return meta, messages
         if len(parts) != len(like):
             raise TransportError(f"{peer} sent {len(parts)} tensors for {uid}, expected {len(like)}")
         tensors = [parse_tensor(p, tuple(t.shape), t.dtype) for p, t in zip(parts, like)]
@@ -191,6 +209,12 @@ class Downloader:
                 log.info("download of %s from %s failed (%s); retrying", uid, peer, exc)
                 time.sleep(2.0 * (attempt + 1))  # libp2p refuses re-dials for a few seconds after a failure
         raise AssertionError("unreachable")
+
+    def update(self, peer: str, uid: str, digest: str, wire_bytes: int) -> Entry:
+        """The encoded average that brought ``uid`` to ``digest``, from ``peer`` (meta names its base)."""
+        deadline = self.timeout if self.deadlines is None else min(self.deadlines.transfer_timeout(wire_bytes),
+                                                                    self.timeout)
+        return self.runtime.call(asyncio.wait_for(self.fetch(peer, f"update:{uid}@{digest}", []), deadline))
 
     def meta(self, peer: str, uid: str) -> dict:
         """The (round, step, digest) of the newest ``uid`` that ``peer`` serves, without its tensors."""

@@ -1,10 +1,13 @@
 """One sync round of one peer, no server anywhere:
 
-1. the shared parameters are all-reduced across every live peer, weighted by tokens since the last sync;
-2. each expert this peer trains is all-reduced among that expert's holders, all groups at once (a lone
-   holder's copy is the truth);
-3. digests of what each peer now holds are published; every peer downloads the experts it does not
-   train from a holder, once, by the agreed digest (``agreement.py``);
+1. the shared parameters' pseudo-gradient (``anchor - current``, plus what our last message dropped)
+   is all-reduced across every live peer, encoded with the run's codec and weighted by tokens since
+   the last sync; every member applies the same decoded average to the same anchor (``outer.py``);
+2. each expert this peer trains is all-reduced the same way among that expert's holders, all groups
+   at once (a lone holder's group is itself, through the same codec);
+3. digests of what each peer now holds are published; every peer brings the experts it does not
+   train to the agreed digest (``agreement.py``): from the group's encoded average when its copy is
+   the group's anchor, else by downloading the whole expert once;
 4. at merge rounds every peer applies the same warm-up merge to the same state.
 
 A group that fails (a peer died, a deadline passed) is discarded whole: the peer keeps its own values
@@ -25,7 +28,9 @@ import torch
 from dht.keys import peers_key, version_key
 from dht.records import PeerRecord, VersionRecord
 from p2p_spes.allreduce import GroupAllReduce, GroupResult
+from p2p_spes.compression import ErrorFeedback
 from p2p_spes.config import SwarmConfig
+from p2p_spes.matchmaking import Base
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.model import MoETransformer, copy_into
 from p2p_spes.swarm.agreement import Refresher, group_id, majority, wait_versions
@@ -71,6 +76,7 @@ class RoundRunner:
         self.server, self.downloader, self.refresher = server, downloader, refresher
         self.outer, self.guard, self.deadlines, self.stats = outer, guard, deadlines, stats
         self.peer_id = runtime.peer_id
+        self.feedback = ErrorFeedback(reducer.codec)  # what our messages dropped, sent next round
         self.last_versions: dict[str, VersionRecord] = {}  # the digests published in our last round, by peer
 
     def run(self, model: MoETransformer, round_no: int, step: int, weight: float,
@@ -89,10 +95,13 @@ class RoundRunner:
         shared = [p for _, p in model.shared_parameters()]
         flat = flatten(shared)
         window = self.deadlines.join_window()
-        shared_res = call(self.reducer.run(round_no, "shared", flat, weight, set(peers), on_members=on_joined,
-                                           window=window, timeout=self._group_timeout(flat, len(peers))))
+        sending: dict[str, torch.Tensor] = {}  # uid -> the pseudo-gradient (with residual) we send
+        shared_res = call(self.reducer.run(
+            round_no, "shared", self._contribution("shared", flat, sending), weight, set(peers),
+            on_members=on_joined, window=window, timeout=self._group_timeout(flat, len(peers)),
+            base=self.outer.base("shared"), rebase=self._rebase("shared", flat.numel())))
         self.deadlines.observe_arrivals(shared_res.lateness)
-        report.groups["shared"] = self._apply(shared_res, shared, "shared", flat)
+        report.groups["shared"] = self._apply(shared_res, shared, "shared", flat, sending, round_no)
         report.join_window = shared_res.window
 
         # a peer that missed the shared group is dead, frozen or late: waiting for it in every expert
@@ -112,13 +121,16 @@ class RoundRunner:
             # the groups share the link: each one's deadline is for all of their bytes together
             payload = torch.empty(sum(flats[e].numel() for e in pooled))
             return await asyncio.gather(*(
-                self.reducer.run(round_no, f"expert{e}", flats[e], weight, groups[e], window=window,
-                                 timeout=self._group_timeout(payload, max(len(groups[e]), 2))) for e in pooled))
+                self.reducer.run(round_no, f"expert{e}", self._contribution(f"expert:{e}", flats[e], sending), weight,
+                                 groups[e], window=window, timeout=self._group_timeout(payload, max(len(groups[e]), 2)),
+                                 base=self.outer.base(f"expert:{e}"), rebase=self._rebase(f"expert:{e}", flats[e].numel()))
+                for e in pooled))
 
         results = dict(zip(pooled, call(expert_groups()))) if pooled else {}
         for e, flat in flats.items():
-            res = results[e] if e in results else GroupResult(flat, [self.peer_id])
-            report.groups[f"expert{e}"] = self._apply(res, model.expert_tensors(e), f"expert:{e}", flat)
+            uid = f"expert:{e}"
+            res = results[e] if e in results else self.reducer.solo(self._contribution(uid, flat, sending)())
+            report.groups[f"expert{e}"] = self._apply(res, model.expert_tensors(e), uid, flat, sending, round_no)
 
         self.server.take_snapshot(round_no, step, self.outer.momentum)
         # experts no live peer trains: every peer keeps a copy, and the copies must agree
@@ -176,11 +188,42 @@ class RoundRunner:
         """The transfer deadline of an all-reduce of ``flat`` among ``members``: each member sends and
         receives about (members - 1) / members of it, twice (contributions, then averaged parts)."""
         members = max(members, 2)
-        return self.deadlines.transfer_timeout(int(4 * flat.numel() * 2 * (members - 1) / members))
+        wire = self.reducer.codec.wire_bytes(flat.numel())
+        return self.deadlines.transfer_timeout(int(wire * 2 * (members - 1) / members))
 
-    def _apply(self, res: GroupResult, targets: list[torch.Tensor], uid: str, local: torch.Tensor) -> GroupReport:
-        """Write a successful group's result (after the outer step) into the model; a failed one is
-        dropped, and so is one the update guard refuses (we keep our values and take no one's)."""
+    def _contribution(self, uid: str, current: torch.Tensor, sending: dict[str, torch.Tensor]):
+        """What we send for ``uid``, computed once the group's anchor is ours (after any rebase)."""
+        def make() -> torch.Tensor:
+            sending[uid] = self.feedback.compensate(uid, self.outer.pseudo_gradient(uid, current))
+            return sending[uid]
+        return make
+
+    def _rebase(self, uid: str, numel: int):
+        """Take the anchor a group agreed on from one of its members that holds it (and, for the
+        Nesterov step, its momentum): our own is stale (we missed a round, restarted, or joined)."""
+        async def rebase(base: Base, holders: list[str]) -> None:
+            for peer in holders:
+                try:
+                    _, (anchor,) = await self.downloader.fetch(peer, f"anchor:{uid}@{base.digest}", [torch.empty(numel)])
+                    if self.outer.stateful:
+                        _, (momentum,) = await self.downloader.fetch(peer, f"momentum:{uid}", [torch.empty(numel)])
+                        self.outer.momentum[uid] = momentum
+                except Exception as exc:
+                    log.info("could not take the anchor of %s from %s: %s", uid, peer, exc)
+                    continue
+                self.outer.set_anchor(uid, anchor, base.round)
+                self.feedback.drop(uid)  # it was relative to our old anchor
+                self.stats["anchors_rebased"] += 1
+                log.info("took the agreed anchor of %s (round %d) from %s", uid, base.round, peer)
+                return
+            raise RuntimeError(f"no member served the agreed anchor of {uid}")
+        return rebase
+
+    def _apply(self, res: GroupResult, targets: list[torch.Tensor], uid: str, local: torch.Tensor,
+               sending: dict[str, torch.Tensor], round_no: int) -> GroupReport:
+        """Write a successful group's result (the outer step of its decoded average, from the agreed
+        anchor) into the model and keep its encoded parts to serve; a failed one is dropped, and so is
+        one the update guard refuses (we keep our values and take no one's)."""
         info = GroupReport(ok=res.ok, members=len(res.members), group_id=group_id(res.members),
                            bytes_sent=res.bytes_sent, bytes_received=res.bytes_received, seconds=round(res.seconds, 3))
         if not res.ok:
@@ -189,13 +232,16 @@ class RoundRunner:
         if len(res.members) > 1:
             self.deadlines.observe_transfer(res.bytes_sent + res.bytes_received, res.transfer_seconds)
         if len(res.members) > 1:
-            reason = self.guard.implausible(uid.split(":")[0], local, res.tensor)
+            reason = self.guard.implausible(uid.split(":")[0], local, self.outer.anchor[uid] - res.tensor)
             if reason:
                 log.warning("refused the %s result of this round: %s", uid, reason)
                 self.stats["updates_refused"] += 1
                 info.ok, info.refused, info.error = False, reason, f"refused: {reason}"
                 return info
-        copy_into(targets, split_like(self.outer.step(uid, res.tensor), targets))
+        base = self.outer.base(uid)
+        copy_into(targets, split_like(self.outer.step(uid, res.tensor, round_no), targets))
+        self.feedback.settle(uid, sending[uid], res.sent)
+        self.server.keep_update(uid, base.digest, tensor_digest(targets), res.messages)
         return info
 
     def _adopt_shared(self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord]) -> str | None:
@@ -211,7 +257,8 @@ class RoundRunner:
         peer, (_, tensors) = found
         model.write_shared(tensors)
         self.outer.fetch_momentum(self.downloader, peer, "shared", sum(t.numel() for t in like))
-        self.outer.reanchor("shared", tensors, only_existing=True)
+        self.outer.set_anchor("shared", flatten(tensors), round_no)
+        self.feedback.drop("shared")
         self.server.take_snapshot(round_no, self.server.current("shared")["step"], self.outer.momentum)
         self.stats["rounds_adopted"] += 1
         return peer

@@ -1,0 +1,320 @@
+"""How pseudo-gradients travel: codecs with an integrity envelope, and error feedback.
+
+A group averages ``anchor - current`` (the pseudo-gradient) and every member applies the same
+decoded average to the same anchor, so the codec may lose information without breaking
+bit-identity: only decoding must be deterministic, and it is (element-wise ops and a scatter into
+distinct slots). What a codec drops is kept by the sender (:class:`ErrorFeedback`) and added to its
+next message, so nothing a peer learned is lost, only delayed.
+
+Codecs (``swarm.compression``), values in blocks of :data:`BLOCK`:
+
+* ``none``: fp32; ``fp16``: half precision (clamped to its range);
+* ``int8`` / ``int4``: symmetric blockwise quantization, one fp16 scale per block (absmax / 127 or 7);
+* ``topk``: per block, the ``k`` largest magnitudes (``swarm.topk_fraction`` of the block), their
+  positions as uint8 offsets in increasing order, their values at 2 bits on the levels
+  ``{-1, -1/3, 1/3, 1} x scale`` with one fp16 scale (the block's largest kept magnitude).
+
+Why not hivemind's codecs alone: they are per-tensor (its blockwise 8-bit needs bitsandbytes), have
+no 4-bit or top-k, and carry no integrity check. hivemind still serializes and streams the result.
+
+Every message is one uint8 tensor: a 32-byte header (magic with version, codec, numel, topk k, a
+BLAKE2b-64 checksum of the body) and the body. A message whose header, size, checksum, index order
+or scales do not check out is refused (:class:`~p2p_spes.transport.TransportError`), never applied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from p2p_spes.transport import TransportError
+
+BLOCK = 256
+CODECS = ("none", "fp16", "int8", "int4", "topk")
+LOSSLESS = ("none",)
+MAGIC = b"PSG1"
+_HEADER = struct.Struct("<4sBxxxQH6x")  # magic, codec id, numel, topk k (24 bytes; the checksum follows)
+_CHECK = 8
+HEADER_BYTES = _HEADER.size + _CHECK
+FP16_MAX = 65504.0
+_MIN_SCALE = 2.0 ** -14  # fp16's smallest normal: scales never underflow to zero or subnormals
+_TOPK_LEVELS = torch.tensor([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0])
+
+
+def _blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (flat) as rows of :data:`BLOCK`, zero-padded."""
+    out = torch.zeros(_blocks(x.numel()) * BLOCK, dtype=torch.float32)
+    out[: x.numel()] = x
+    return out.view(-1, BLOCK)
+
+
+def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """fp16 per-block scales for values up to ``absmax`` over ``top`` levels (never zero, never inf)."""
+    return (absmax / top).clamp(_MIN_SCALE, FP16_MAX).half()
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit values (0..15) two per byte, low nibble first."""
+    q = q.to(torch.uint8)
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    return q[0::2] | (q[1::2] << 4)
+
+
+def _unpack4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
+
+
+def _pack2(q: torch.Tensor) -> torch.Tensor:
+    """2-bit values (0..3) four per byte, lowest bits first."""
+    q = q.to(torch.uint8)
+    pad = (-q.numel()) % 4
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad)])
+    q = q.view(-1, 4)
+    return q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
+
+
+def _unpack2(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.stack([(packed >> s) & 0x03 for s in (0, 2, 4, 6)], dim=1).reshape(-1)[:n]
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One of :data:`CODECS`; ``topk_fraction`` is the share of each block ``topk`` keeps."""
+
+    name: str = "none"
+    topk_fraction: float = 1 / 64
+
+    def __post_init__(self) -> None:
+        if self.name not in CODECS:
+            raise ValueError(f"unknown compression {self.name!r}; choose one of {', '.join(CODECS)}")
+        if not 0 < self.topk_fraction <= 1:
+            raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
+
+    @property
+    def lossless(self) -> bool:
+        return self.name in LOSSLESS
+
+    @property
+    def k(self) -> int:
+        """Values ``topk`` keeps per block of :data:`BLOCK`."""
+        return max(1, min(BLOCK, round(self.topk_fraction * BLOCK)))
+
+    def body_bytes(self, numel: int) -> int:
+        """The exact size of the body of a message of ``numel`` values (what the receiver checks)."""
+        blocks = _blocks(numel)
+        if self.name == "none":
+            return 4 * numel
+        if self.name == "fp16":
+            return 2 * numel
+        if self.name == "int8":
+            return 2 * blocks + numel
+        if self.name == "int4":
+            return 2 * blocks + (numel + 1) // 2
+        kept = self._kept(numel)
+        return 2 * blocks + kept + (kept + 3) // 4
+
+    def wire_bytes(self, numel: int) -> int:
+        """Header plus body: the payload of one message before hivemind's protobuf framing."""
+        return HEADER_BYTES + self.body_bytes(numel)
+
+    def _kept(self, numel: int) -> int:
+        """Values kept over all blocks: ``k`` per full block, at most the length of the last one."""
+        full, rest = divmod(numel, BLOCK)
+        return full * self.k + min(self.k, rest)
+
+    # Encoding ------------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (flat, finite) as one uint8 message: header, checksum, body."""
+        x = x.detach().reshape(-1).float().cpu()
+        body = getattr(self, f"_encode_{self.name}")(x)
+        assert len(body) == self.body_bytes(x.numel())
+        header = _HEADER.pack(MAGIC, CODECS.index(self.name), x.numel(), self.k)
+        checksum = hashlib.blake2b(header + body, digest_size=_CHECK).digest()
+        return torch.frombuffer(bytearray(header + checksum + body), dtype=torch.uint8)
+
+    def _encode_none(self, x: torch.Tensor) -> bytes:
+        return _bytes(x)
+
+    def _encode_fp16(self, x: torch.Tensor) -> bytes:
+        return _bytes(x.clamp(-FP16_MAX, FP16_MAX).half())
+
+    def _encode_int(self, x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = _padded(x)
+        scales = _scales(rows.abs().amax(dim=1), top)
+        q = torch.round(rows / scales.float()[:, None]).clamp(-top, top).to(torch.int8).reshape(-1)[: x.numel()]
+        return scales, q
+
+    def _encode_int8(self, x: torch.Tensor) -> bytes:
+        scales, q = self._encode_int(x, 127)
+        return _bytes(scales) + _bytes(q)
+
+    def _encode_int4(self, x: torch.Tensor) -> bytes:
+        scales, q = self._encode_int(x, 7)
+        return _bytes(scales) + _bytes(_pack4(q.to(torch.int16) + 8))
+
+    def _encode_topk(self, x: torch.Tensor) -> bytes:
+        rows = _padded(x)
+        n, k = x.numel(), self.k
+        idx = rows.abs().topk(k, dim=1).indices.sort(dim=1).values  # positions in increasing order
+        vals = rows.gather(1, idx)
+        scales = _scales(vals.abs().amax(dim=1), 1.0)
+        # nearest of the four levels: -1, -1/3, 1/3, 1 (x scale)
+        q = torch.round((vals / scales.float()[:, None]).clamp(-1, 1) * 1.5 + 1.5).clamp(0, 3)
+        keep = self._keep_mask(n)
+        idx, q = idx.reshape(-1)[keep], q.reshape(-1)[keep]
+        return _bytes(scales) + _bytes(idx.to(torch.uint8)) + _bytes(_pack2(q))
+
+    def _keep_mask(self, numel: int) -> torch.Tensor:
+        """Which of the ``blocks x k`` slots are real: the last block keeps at most its own length."""
+        blocks, rest = _blocks(numel), numel % BLOCK
+        mask = torch.ones(blocks, self.k, dtype=torch.bool)
+        if rest and rest < self.k:
+            mask[-1, rest:] = False
+        return mask.reshape(-1)
+
+    # Decoding ------------------------------------------------------------------------------------
+    def decode(self, message: torch.Tensor, numel: int) -> torch.Tensor:
+        """The fp32 values of ``message``, which must hold ``numel`` values in this codec."""
+        if message.dtype != torch.uint8 or message.dim() != 1:
+            raise TransportError(f"a compressed message must be a flat uint8 tensor, got {message.dtype}")
+        raw = _bytes(message)
+        if len(raw) < HEADER_BYTES:
+            raise TransportError(f"compressed message of {len(raw)} bytes is shorter than its header")
+        magic, codec, count, k = _HEADER.unpack(raw[: _HEADER.size])
+        if magic != MAGIC:
+            raise TransportError("not a p2p-spes compressed message (bad magic)")
+        if codec >= len(CODECS) or CODECS[codec] != self.name:
+            theirs = CODECS[codec] if codec < len(CODECS) else f"unknown ({codec})"
+            raise TransportError(f"message compressed with {theirs}, this run uses {self.name} (swarm.compression)")
+        if count != numel or (self.name == "topk" and k != self.k):
+            raise TransportError(f"message of {count} values (k={k}) where {numel} (k={self.k}) were expected")
+        body = raw[HEADER_BYTES:]
+        if len(body) != self.body_bytes(numel):
+            raise TransportError(f"compressed body of {len(body)} bytes where {self.body_bytes(numel)} were expected "
+                                 "(truncated or padded)")
+        checksum = hashlib.blake2b(raw[: _HEADER.size] + body, digest_size=_CHECK).digest()
+        if checksum != raw[_HEADER.size:HEADER_BYTES]:
+            raise TransportError("compressed message fails its checksum (corrupt)")
+        out = getattr(self, f"_decode_{self.name}")(torch.frombuffer(bytearray(body), dtype=torch.uint8), numel)
+        if not torch.isfinite(out).all():
+            raise TransportError("compressed message decodes to NaN or infinite values")
+        return out
+
+    def _decode_none(self, body: torch.Tensor, numel: int) -> torch.Tensor:
+        return body.view(torch.float32).clone()
+
+    def _decode_fp16(self, body: torch.Tensor, numel: int) -> torch.Tensor:
+        return body.view(torch.float16).float()
+
+    def _scales_of(self, body: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cut = 2 * _blocks(numel)
+        scales = body[:cut].view(torch.float16).float()
+        if not torch.isfinite(scales).all() or (scales < 0).any():
+            raise TransportError("compressed message has invalid block scales")
+        return scales, body[cut:]
+
+    def _decode_int(self, q: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+        rows = torch.zeros(_blocks(numel) * BLOCK)
+        rows[:numel] = q.float()
+        return (rows.view(-1, BLOCK) * scales[:, None]).reshape(-1)[:numel].contiguous()
+
+    def _decode_int8(self, body: torch.Tensor, numel: int) -> torch.Tensor:
+        scales, rest = self._scales_of(body, numel)
+        q = rest.view(torch.int8)
+        if (q == -128).any():
+            raise TransportError("int8 message holds -128, outside the symmetric range")
+        return self._decode_int(q, scales, numel)
+
+    def _decode_int4(self, body: torch.Tensor, numel: int) -> torch.Tensor:
+        scales, rest = self._scales_of(body, numel)
+        q = _unpack4(rest, numel).to(torch.int16) - 8
+        if (q < -7).any():
+            raise TransportError("int4 message holds -8, outside the symmetric range")
+        return self._decode_int(q, scales, numel)
+
+    def _decode_topk(self, body: torch.Tensor, numel: int) -> torch.Tensor:
+        scales, rest = self._scales_of(body, numel)
+        kept = self._kept(numel)
+        idx, packed = rest[:kept], rest[kept:]
+        slots = torch.zeros(_blocks(numel) * self.k, dtype=torch.int64)
+        keep = self._keep_mask(numel)
+        slots[keep] = idx.long()
+        slots = slots.view(-1, self.k)
+        mask = keep.view(-1, self.k)
+        # positions strictly increasing inside each block and inside the block's length: no slot twice
+        if mask.shape[1] > 1 and ((slots[:, 1:] <= slots[:, :-1]) & mask[:, 1:]).any():
+            raise TransportError("top-k message has positions out of order or repeated")
+        lengths = torch.full((slots.shape[0],), BLOCK)
+        if numel % BLOCK:
+            lengths[-1] = numel % BLOCK
+        if ((slots >= lengths[:, None]) & mask).any():
+            raise TransportError("top-k message has a position past the end of its block")
+        values = _TOPK_LEVELS[_unpack2(packed, kept).long()] * scales.repeat_interleave(mask.sum(dim=1))
+        positions = (torch.arange(slots.shape[0])[:, None] * BLOCK + slots)[mask]
+        out = torch.zeros(slots.shape[0] * BLOCK)
+        out[positions] = values  # distinct positions (checked above): deterministic
+        return out[:numel].contiguous()
+
+    # Splitting -----------------------------------------------------------------------------------
+    def decode_parts(self, messages: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+        """A tensor of ``numel`` values sent as ``len(messages)`` parts (``torch.tensor_split`` order)."""
+        sizes = [len(c) for c in torch.tensor_split(torch.empty(numel, dtype=torch.bool), len(messages))]
+        return torch.cat([self.decode(m, n) for m, n in zip(messages, sizes)])
+
+
+class ErrorFeedback:
+    """What each peer's messages dropped, per group uid, added to its next message.
+
+    ``compensate`` returns the value to send (input plus residual); ``settle`` keeps what the sent
+    message dropped, once the group succeeded. After a failure nothing changes: the next
+    pseudo-gradient is measured from the same anchor, so it still holds everything the failed
+    message carried. Lossless codecs keep nothing. Residuals live on the CPU in fp32: one copy of
+    the values this peer sends.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.residual: dict[str, torch.Tensor] = {}
+
+    def compensate(self, uid: str, x: torch.Tensor) -> torch.Tensor:
+        r = self.residual.get(uid)
+        return x if r is None or r.shape != x.shape else x + r
+
+    def settle(self, uid: str, sent: torch.Tensor, decoded: torch.Tensor) -> None:
+        """``sent`` went out and the receivers decoded ``decoded``: keep the difference for next time."""
+        if not self.codec.lossless:
+            self.residual[uid] = sent - decoded
+
+    def drop(self, uid: str) -> None:
+        """Forget ``uid``'s residual (its anchor was replaced: what it held is relative to another)."""
+        self.residual.pop(uid, None)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.residual.values())
+
+
+def bits_per_value(codec: Codec, numel: int = 1 << 20) -> float:
+    """Wire bits per value of ``codec`` for a message of ``numel`` values (header included)."""
+    return 8 * codec.wire_bytes(numel) / numel
+
+
+def fraction_label(codec: Codec) -> str:
+    """``topk`` with its kept share, e.g. ``topk 1.56%``; other codecs by name."""
+    if codec.name != "topk":
+        return codec.name
+    return f"topk {100 * codec.k / BLOCK:.3g}%"
+

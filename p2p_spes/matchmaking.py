@@ -1,0 +1,99 @@
+"""Who averages together: a group's members, its join window and the base its tensors are relative to.
+
+Each member writes ``(weight, arrival time, proposed window, base)`` under the group's DHT key (a
+signed subkey: nobody joins in another's name). The group is everyone who arrived within the first
+arrival's proposed window (at most ``matchmaking_time``) of it; a member stops waiting early once
+every peer it expects has arrived, and re-reads once after a grace period so that records landing
+just before the cutoff are seen by everyone. Every member computes the same members, window and
+agreed base from the same records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from hivemind.utils import get_dht_time
+
+from dht.records import signed_values
+
+
+@dataclass(frozen=True)
+class Base:
+    """What a member's tensor is relative to: the digest of its anchor and the round that set it."""
+
+    digest: str
+    round: int
+
+
+def agreed_base(bases: dict[str, Base]) -> Base | None:
+    """The base a group uses, the same for every member (all read the same records): by digest, the
+    newest round that names it, then the most members naming it, then the larger digest."""
+    if not bases:
+        return None
+    rounds: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for b in bases.values():
+        rounds[b.digest] = max(rounds.get(b.digest, b.round), b.round)
+        counts[b.digest] = counts.get(b.digest, 0) + 1
+    digest = max(counts, key=lambda d: (rounds[d], counts[d], d))
+    return Base(digest, rounds[digest])
+
+
+def agreed_window(records: dict[str, dict], matchmaking_time: float) -> float:
+    """The join window the first arrival proposed (ties by peer id), at most ``matchmaking_time``."""
+    first = min(records, key=lambda p: (records[p]["t"], p))
+    proposed = records[first].get("m")
+    if isinstance(proposed, (int, float)) and not isinstance(proposed, bool) and proposed > 0:
+        return min(float(proposed), matchmaking_time)
+    return matchmaking_time
+
+
+@dataclass
+class Joined:
+    """A decided membership: sorted members, every arrival's delay after the first, the window used and
+    the bases the members named."""
+
+    members: list[str]
+    lateness: dict[str, float] = field(default_factory=dict)
+    window: float = 0.0
+    bases: dict[str, Base] = field(default_factory=dict)
+
+
+async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[str], weight: float, window: float,
+                     base: Base | None, *, matchmaking_time: float, ttl: float) -> Joined:
+    """Join the group under ``key`` and return its decided membership (see the module docstring).
+
+    Every DHT request is bounded: one that never answers raises ``asyncio.TimeoutError``.
+    """
+    arrival = get_dht_time()
+    give_up = time.monotonic() + matchmaking_time + 10
+    mine = {"peer_id": peer_id, "w": float(weight), "t": arrival, "m": float(window)}
+    if base is not None:
+        mine.update(b=base.digest, br=int(base.round))
+    await asyncio.wait_for(dht.store(key, mine, expiration_time=arrival + ttl, subkey=owner, return_future=True),
+                           matchmaking_time + 10)
+    records: dict[str, dict] = {}
+
+    async def read() -> tuple[dict[str, float], float]:
+        nonlocal records
+        found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True),
+                                       max(give_up - time.monotonic(), 0.0) + 5)
+        records = {p: v for p, v in signed_values(found).items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
+        records.setdefault(peer_id, mine)
+        return {p: v["t"] for p, v in records.items()}, agreed_window(records, matchmaking_time)
+
+    while True:
+        times, agreed = await read()
+        cutoff = min(times.values()) + agreed
+        if expected <= set(times) or get_dht_time() >= cutoff or time.monotonic() > give_up:
+            break
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(0.5)
+    times, agreed = await read()
+    first = min(times.values())
+    members = sorted(p for p, t in times.items() if t <= first + agreed)
+    bases = {p: Base(records[p]["b"], records[p]["br"]) for p in members
+             if isinstance(records[p].get("b"), str) and type(records[p].get("br")) is int}
+    return Joined(members, {p: t - first for p, t in times.items()}, agreed, bases)
