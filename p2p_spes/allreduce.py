@@ -308,8 +308,14 @@ class GroupAllReduce:
                         weight=float(weight) if j == 0 else 0.0, tensor_part=c,
                     )
 
-            reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self._contribute_name, messages(),
-                                                         averaging_pb2.AveragingData)
+            try:
+                reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self._contribute_name,
+                                                             messages(), averaging_pb2.AveragingData)
+            except ValueError as exc:
+                # the stream closed before the reply (a reducer that finished its round and moved on):
+                # whether it took our part shows when we fetch its result, which it serves only if it did
+                log.info("no reply from %s to our contribution (%s); its result will tell", peer, exc)
+                return
             if reply.code != OK:
                 raise TransportError(f"{peer} refused our contribution (code {reply.code})")
 

@@ -286,6 +286,8 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "bytes_received": int(swarm.stats["bytes_received"]),
                 "bytes_served": int(swarm.stats["bytes_served"]),
                 "refresh_missed": int(swarm.stats["refresh_missed"]),
+                "delta_refreshes": int(swarm.stats["delta_refreshes"]),
+                "anchors_rebased": int(swarm.stats["anchors_rebased"]),
                 "steps_skipped": int(swarm.stats["steps_skipped"]),
                 "updates_refused": int(swarm.stats["updates_refused"]),
                 "experts_taken_over": int(swarm.stats["experts_taken_over"]),

@@ -38,6 +38,7 @@ class RoundReport:
     reducer_in_bytes: int = 0  # as a reducer: contributions received
     reducer_out_bytes: int = 0  # as a reducer: averaged parts served
     refreshed: int = 0  # frozen experts brought to the agreed version
+    refreshed_by_delta: int = 0  # of which rebuilt from their group's encoded average
     refresh_missed: int = 0
     orphaned: list[int] = field(default_factory=list)  # experts no live peer trained this round
     orphans_agreed: int = 0
@@ -86,7 +87,8 @@ class RoundReport:
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "downloaded_bytes": self.downloaded_bytes, "served_bytes": self.served_bytes,
             "reducer_in_bytes": self.reducer_in_bytes, "reducer_out_bytes": self.reducer_out_bytes,
-            "refreshed": self.refreshed, "refresh_missed": self.refresh_missed, "orphaned": self.orphaned,
+            "refreshed": self.refreshed, "refreshed_by_delta": self.refreshed_by_delta,
+            "refresh_missed": self.refresh_missed, "orphaned": self.orphaned,
             "orphans_agreed": self.orphans_agreed, "versions_missing": self.versions_missing,
             "merge_alpha": self.merge_alpha,
             "shared_digest": self.shared_digest, "expert_digests": self.expert_digests,

@@ -153,7 +153,9 @@ class RoundRunner:
         agreed = {p: v for p, v in versions.items() if p in shared_members} if decided else versions
         self.last_versions = versions
         frozen = [e for e in held if e not in model.local_experts]  # none in partial residency
+        by_delta = self.stats["delta_refreshes"]
         report.refreshed, report.refresh_missed = self.refresher.refresh(model, peers, frozen, versions, agreed)
+        report.refreshed_by_delta = self.stats["delta_refreshes"] - by_delta
         report.orphaned = orphaned
         # an expert a peer trained this round is not orphaned, even if its record came too late for
         # our snapshot of the live peers (a joiner): its holder's version, refreshed above, stands

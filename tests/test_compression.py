@@ -1,0 +1,159 @@
+"""Codecs for pseudo-gradients (p2p_spes/compression.py): round trips, refusals, error feedback."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from p2p_spes.compression import BLOCK, CODECS, HEADER_BYTES, Codec, ErrorFeedback
+from p2p_spes.transport import TransportError
+
+SIZES = [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17, 20_000]
+
+
+def reseal(message: torch.Tensor) -> torch.Tensor:
+    """``message`` with its checksum recomputed: a well-formed envelope around a body we tampered with."""
+    raw = bytearray(message.numpy().tobytes())
+    raw[24:HEADER_BYTES] = hashlib.blake2b(bytes(raw[:24]) + bytes(raw[HEADER_BYTES:]), digest_size=8).digest()
+    return torch.frombuffer(raw, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("numel", SIZES)
+def test_round_trip_size_and_error(name, numel):
+    torch.manual_seed(numel)
+    x = torch.randn(numel) * 0.02
+    codec = Codec(name)
+    message = codec.encode(x)
+    assert message.dtype == torch.uint8 and len(message) == codec.wire_bytes(numel)
+    y = codec.decode(message, numel)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    rows = torch.nn.functional.pad(x, (0, (-numel) % BLOCK)).view(-1, BLOCK)
+    absmax = rows.abs().amax(dim=1).repeat_interleave(BLOCK)[:numel]
+    if name == "none":
+        assert torch.equal(x, y)
+    elif name == "fp16":
+        torch.testing.assert_close(y, x.half().float())
+    elif name in ("int8", "int4"):
+        levels = 127 if name == "int8" else 7
+        # half a quantization step, plus the fp16 rounding of the block's scale
+        assert ((x - y).abs() <= absmax / levels * 0.5 * 1.01 + 1e-7).all()
+    else:
+        k = codec.k
+        for b, row in enumerate(rows):
+            length = min(BLOCK, numel - b * BLOCK)
+            kept = y[b * BLOCK: b * BLOCK + length].nonzero().flatten()
+            largest = row[:length].abs().topk(min(k, length)).indices.sort().values
+            assert torch.equal(kept, largest), f"block {b} kept other positions than its {k} largest"
+            scale = row[:length].abs().max()
+            # each kept value lands on the nearest of +-1/3, +-1 x scale: within a third of the scale
+            assert ((y[b * BLOCK + kept] - row[kept]).abs() <= scale / 3 * 1.01 + 1e-7).all()
+
+
+def test_top_k_sends_the_advertised_share():
+    codec = Codec("topk", topk_fraction=1 / 64)
+    assert codec.k == 4
+    bits = 8 * codec.wire_bytes(1 << 20) / (1 << 20)
+    # 4 positions (1 byte each), 4 values at 2 bits and a 2-byte scale per 256 values: 0.22 bits a value
+    assert bits == pytest.approx((4 * 8 + 4 * 2 + 16) / 256, rel=0.01)
+    assert 32 / bits > 140, "at least 140x fewer bits than fp32"
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_corrupt_truncated_or_foreign_messages_are_refused(name):
+    codec = Codec(name)
+    x = torch.randn(1000)
+    message = codec.encode(x)
+    flipped = message.clone()
+    flipped[-1] ^= 0x40
+    with pytest.raises(TransportError, match="checksum"):
+        codec.decode(flipped, 1000)
+    with pytest.raises(TransportError, match="truncated"):
+        codec.decode(message[:-3], 1000)
+    with pytest.raises(TransportError, match="shorter than its header"):
+        codec.decode(message[:10], 1000)
+    with pytest.raises(TransportError, match="values"):
+        codec.decode(message, 999)
+    bad_magic = message.clone()
+    bad_magic[0] = ord("X")
+    with pytest.raises(TransportError, match="magic"):
+        codec.decode(bad_magic, 1000)
+    other = Codec("int8" if name != "int8" else "int4")
+    with pytest.raises(TransportError, match=f"compressed with {name}"):
+        other.decode(message, 1000)
+    with pytest.raises(TransportError, match="uint8"):
+        codec.decode(message.view(torch.int8), 1000)
+
+
+def test_well_sealed_but_invalid_bodies_are_refused():
+    """A sender that computes the checksum over a bad body still gets refused by the body checks."""
+    x = torch.randn(2 * BLOCK)
+    topk = Codec("topk")
+    message = topk.encode(x)
+    scales = 2 * 2  # two fp16 scales, then the positions
+    swapped = message.clone()
+    start = HEADER_BYTES + scales
+    swapped[start], swapped[start + 1] = message[start + 1], message[start]
+    with pytest.raises(TransportError, match="out of order or repeated"):
+        topk.decode(reseal(swapped), 2 * BLOCK)
+    inf_scale = message.clone()
+    inf_scale[HEADER_BYTES:HEADER_BYTES + 2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
+    with pytest.raises(TransportError, match="scales"):
+        topk.decode(reseal(inf_scale), 2 * BLOCK)
+    int8 = Codec("int8")
+    message = int8.encode(x)
+    message[HEADER_BYTES + scales] = 0x80  # -128: outside the symmetric range the encoder uses
+    with pytest.raises(TransportError, match="-128"):
+        int8.decode(reseal(message), 2 * BLOCK)
+    short = Codec("topk").encode(torch.randn(BLOCK + 2))  # the last block holds 2 values
+    last = HEADER_BYTES + 2 * 2 + topk.k  # the first position of the last block
+    short[last + 1] = 5  # in order, but past its length
+    with pytest.raises(TransportError, match="past the end"):
+        topk.decode(reseal(short), BLOCK + 2)
+
+
+def test_parts_decode_in_tensor_split_order():
+    codec = Codec("int8")
+    x = torch.randn(1001)
+    messages = [codec.encode(c) for c in torch.tensor_split(x, 3)]
+    torch.testing.assert_close(codec.decode_parts(messages, 1001), torch.cat([codec.decode(m, len(c)) for m, c in
+                                                                               zip(messages, torch.tensor_split(x, 3))]))
+
+
+@pytest.mark.parametrize("name", ["int4", "topk"])
+def test_error_feedback_carries_exactly_what_was_dropped(name):
+    """Over rounds, what was received plus what is still held back equals everything that was sent."""
+    codec = Codec(name)
+    feedback = ErrorFeedback(codec)
+    torch.manual_seed(1)
+    total_in = torch.zeros(3000, dtype=torch.float64)
+    total_out = torch.zeros(3000, dtype=torch.float64)
+    for _ in range(12):
+        g = torch.randn(3000) * 0.01
+        sent = feedback.compensate("shared", g)
+        decoded = codec.decode(codec.encode(sent), 3000)
+        feedback.settle("shared", sent, decoded)
+        assert torch.equal(feedback.residual["shared"], sent - decoded), "the residual is what the message dropped"
+        total_in += g.double()
+        total_out += decoded.double()
+    torch.testing.assert_close(total_out + feedback.residual["shared"].double(), total_in, atol=1e-5, rtol=0)
+    if name == "topk":  # top-k of the compensated values: everything drips through within a few dozen rounds
+        assert (total_out != 0).float().mean() > 0.15
+    feedback.drop("shared")
+    assert "shared" not in feedback.residual
+
+
+def test_lossless_codec_keeps_no_residual():
+    feedback = ErrorFeedback(Codec("none"))
+    x = torch.randn(10)
+    feedback.settle("shared", x, x)
+    assert feedback.residual == {} and feedback.nbytes() == 0
+
+
+def test_unknown_codec_and_bad_fraction_are_refused():
+    with pytest.raises(ValueError, match="choose one of"):
+        Codec("uint8")
+    with pytest.raises(ValueError, match="topk_fraction"):
+        Codec("topk", topk_fraction=0)

@@ -1,0 +1,121 @@
+"""Frozen experts refresh from their group's encoded average (swarm/agreement.py), in one process.
+
+A holder's group moved expert 1 from the anchor A to the value V by the decoded average D:
+V = A - D. A peer whose frozen copy is A downloads only the encoded D; one whose copy is anything
+else, or who receives a corrupt update, downloads V whole.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from helpers import SMALL_MODEL
+
+from dht.records import PeerRecord, VersionRecord
+from p2p_spes.compression import Codec
+from p2p_spes.config import load_config
+from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.agreement import Refresher
+from p2p_spes.swarm.outer import OuterOptimizer, flatten
+from p2p_spes.transport import TransportError, tensor_digest
+
+EXPERT = 1
+
+
+class FakeDownloader:
+    """Serves what the holder's StateServer would: the encoded update and the whole expert."""
+
+    def __init__(self, update: tuple[dict, list[torch.Tensor]], whole: list[torch.Tensor]) -> None:
+        self.update_entry, self.whole, self.calls = update, whole, Counter()
+
+    def update(self, peer, uid, digest, wire_bytes):
+        self.calls["update"] += 1
+        assert uid == f"expert:{EXPERT}" and digest == self.update_entry[0]["digest"]
+        return self.update_entry
+
+    def download(self, peer, uid, like, attempts=4):
+        self.calls["whole"] += 1
+        assert uid.startswith(f"expert:{EXPERT}@")
+        return {"digest": tensor_digest(self.whole)}, [t.clone() for t in self.whole]
+
+
+def setup(codec: Codec, outer_optimizer: str = "average"):
+    cfg = load_config(None, SMALL_MODEL + [f"swarm.outer_optimizer={outer_optimizer}"])
+    torch.manual_seed(0)
+    model = MoETransformer(cfg.model, cfg.moe, local_experts=[0])  # expert 1 is frozen here
+    anchor = flatten(model.expert_tensors(EXPERT))
+    average = torch.randn(anchor.numel()) * 1e-3
+    messages = [codec.encode(c) for c in torch.tensor_split(average, 3)]  # three reducers' parts
+    holder = OuterOptimizer(cfg.swarm)
+    holder.set_anchor(f"expert:{EXPERT}", anchor.clone(), 3)
+    value = holder.step(f"expert:{EXPERT}", codec.decode_parts(messages, anchor.numel()), 4)
+    like = model.expert_tensors(EXPERT)
+    tensors, offset = [], 0
+    for t in like:
+        tensors.append(value[offset:offset + t.numel()].view(t.shape).clone())
+        offset += t.numel()
+    digest = tensor_digest(tensors)
+    update = ({"digest": digest, "base": tensor_digest([anchor]), "parts": 3}, messages)
+    peers = {"holder": PeerRecord("holder", [EXPERT], 40, 4, "fp", [])}
+    versions = {"holder": VersionRecord("holder", True, "s", {EXPERT: digest}, {})}
+    return cfg, model, FakeDownloader(update, tensors), peers, versions, digest
+
+
+@pytest.mark.parametrize("name", ["int8", "topk"])
+def test_a_copy_at_the_anchor_takes_the_encoded_average_only(name):
+    codec = Codec(name)
+    cfg, model, downloader, peers, versions, digest = setup(codec)
+    stats = Counter()
+    refresher = Refresher("me", downloader, stats, OuterOptimizer(cfg.swarm), codec)
+    fetched, missed = refresher.refresh(model, peers, [EXPERT], versions, versions)
+    assert (fetched, missed) == (1, 0)
+    assert downloader.calls == Counter(update=1), "the whole expert was downloaded"
+    assert tensor_digest(model.expert_tensors(EXPERT)) == digest, "not bit-identical to the holder's value"
+    assert stats["delta_refreshes"] == 1
+    # the update is a small fraction of the expert it rebuilds
+    update_bytes = sum(len(m) for m in downloader.update_entry[1])
+    assert update_bytes < {"int8": 0.3, "topk": 0.05}[name] * 4 * flatten(model.expert_tensors(EXPERT)).numel()
+    # already at the agreed version: nothing to fetch at all
+    assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (0, 0)
+    assert downloader.calls == Counter(update=1)
+
+
+def test_a_copy_off_the_anchor_downloads_the_whole_expert_once():
+    codec = Codec("topk")
+    cfg, model, downloader, peers, versions, digest = setup(codec)
+    with torch.no_grad():
+        model.expert_tensors(EXPERT)[0].add_(1e-3)  # not the group's anchor any more
+    stats = Counter()
+    refresher = Refresher("me", downloader, stats, OuterOptimizer(cfg.swarm), codec)
+    assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
+    assert downloader.calls == Counter(update=1, whole=1)
+    assert tensor_digest(model.expert_tensors(EXPERT)) == digest
+    assert stats["delta_refreshes"] == 0
+
+
+def test_a_corrupt_update_is_refused_and_the_expert_downloaded_whole():
+    codec = Codec("int8")
+    cfg, model, downloader, peers, versions, digest = setup(codec)
+    meta, messages = downloader.update_entry
+    bad = messages[1].clone()
+    bad[-1] ^= 0x01
+    downloader.update_entry = (meta, [messages[0], bad, messages[2]])
+    sizes = [len(c) for c in torch.tensor_split(flatten(model.expert_tensors(EXPERT)), 3)]
+    with pytest.raises(TransportError, match="checksum"):
+        codec.decode(bad, sizes[1])
+    refresher = Refresher("me", downloader, Counter(), OuterOptimizer(cfg.swarm), codec)
+    assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
+    assert downloader.calls["whole"] == 1, "the corrupt update was applied instead of refused"
+    assert tensor_digest(model.expert_tensors(EXPERT)) == digest
+
+
+def test_nesterov_needs_the_momentum_before_a_delta_refresh():
+    """The Nesterov step of a frozen copy needs the holders' momentum: without it the expert comes whole."""
+    codec = Codec("int8")
+    cfg, model, downloader, peers, versions, _ = setup(codec, "nesterov")
+    refresher = Refresher("me", downloader, Counter(), OuterOptimizer(cfg.swarm), codec)
+    refresher.outer.fetch_momentum = lambda *args: None  # the holder serves no momentum here
+    assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
+    assert downloader.calls["whole"] == 1
