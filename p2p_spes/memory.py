@@ -31,6 +31,26 @@ class MemoryReport:
         return out
 
 
+@dataclass
+class SyncMemory:
+    """What syncing keeps per peer, in host memory (``device``), never on the accelerator: the anchors
+    (last agreed value of the shared parameters and of each trained expert), the Nesterov momentum,
+    the error-feedback residuals of what our messages dropped, and a reducer's residual of its slices."""
+
+    anchors: int = 0
+    momentum: int = 0
+    residuals: int = 0
+    reducer_residuals: int = 0
+    device: str = "cpu"
+
+    @property
+    def total(self) -> int:
+        return self.anchors + self.momentum + self.residuals + self.reducer_residuals
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
 def _group_of(name: str) -> str:
     leaf = name.rsplit(".", 1)[-1]
     if ".experts." in name and leaf.startswith("frozen_"):

@@ -293,6 +293,8 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "experts_taken_over": int(swarm.stats["experts_taken_over"]),
                 "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),
                 "residency": cfg.swarm.residency,
+                "compression": cfg.swarm.compression,
+                "sync_memory": swarm.sync_memory().to_dict(),
                 "data_partition": partition,
                 "last_round": swarm.rounds[-1].metrics(trainer.step) if swarm.rounds else None,
             }

@@ -15,11 +15,6 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-COMPRESSION = {
-    "none": runtime_pb2.CompressionType.NONE,
-    "fp16": runtime_pb2.CompressionType.FLOAT16,
-    "uint8": runtime_pb2.CompressionType.UNIFORM_8BIT,
-}
 CHUNK_BYTES = 2**19
 
 
@@ -50,17 +45,11 @@ def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def serialize_parts(tensor: torch.Tensor, compression: str = "none") -> list[runtime_pb2.Tensor]:
-    """One tensor as protobuf chunks small enough for a libp2p stream."""
-    serialized = serialize_torch_tensor(tensor.detach().cpu(), COMPRESSION[compression])
+def serialize_parts(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
+    """One tensor, as it is (compression happens before: ``compression.py``), in protobuf chunks small
+    enough for a libp2p stream."""
+    serialized = serialize_torch_tensor(tensor.detach().cpu(), runtime_pb2.CompressionType.NONE)
     return list(split_for_streaming(serialized, CHUNK_BYTES))
-
-
-def roundtrip(tensor: torch.Tensor, compression: str) -> torch.Tensor:
-    """What a receiver will hold after ``compression``; the sender keeps the same, so copies agree."""
-    if compression == "none":
-        return tensor
-    return deserialize_torch_tensor(serialize_torch_tensor(tensor.detach().cpu(), COMPRESSION[compression]))
 
 
 def parse_tensor(parts: Sequence[runtime_pb2.Tensor], shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:

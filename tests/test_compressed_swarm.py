@@ -45,6 +45,10 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
         assert later and all(r["refreshed_by_delta"] == r["refreshed"] == 3 for r in later), \
             [(r["refreshed"], r["refreshed_by_delta"]) for r in later]
         assert s["delta_refreshes"] >= 3 * len(later)
+        # anchors (shared + 3 own experts) and the residuals of what our messages dropped, on the CPU
+        memory = s["sync_memory"]
+        assert memory["device"] == "cpu" and memory["anchors"] > 3 * expert_bytes()
+        assert memory["residuals"] == memory["anchors"], "one residual per anchored value"
         limit = {"topk": 0.05, "int8": 0.3}[compression] * 3 * expert_bytes()
         assert all(r["downloaded_bytes"] < limit for r in later), \
             f"refreshes downloaded {[r['downloaded_bytes'] for r in later]} bytes, 3 whole experts are {3 * expert_bytes()}"

@@ -29,6 +29,7 @@ from p2p_spes.allreduce import GroupAllReduce
 from p2p_spes.compression import Codec
 from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
+from p2p_spes.memory import SyncMemory
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.agreement import Refresher
 from p2p_spes.swarm.coverage import Coverage
@@ -222,6 +223,16 @@ class Swarm:
                            recent_rounds=[r.summary() for r in self.rounds[-5:]], **self.deadlines.describe())
         self.runner.publish_record()
         return report
+
+    def sync_memory(self) -> SyncMemory:
+        """Bytes of the sync state this peer keeps on the CPU (memory.py)."""
+        outer = self.outer
+        return SyncMemory(
+            anchors=sum(t.numel() * t.element_size() for t in outer.anchor.values()),
+            momentum=sum(t.numel() * t.element_size() for t in outer.momentum.values()),
+            residuals=self.runner.feedback.nbytes(),
+            reducer_residuals=sum(t.numel() * t.element_size() for _, t in self.reducer.reducer_residual.values()),
+        )
 
     # Self-healing coverage -----------------------------------------------------------------------
     def experts_to_take(self) -> list[int]:

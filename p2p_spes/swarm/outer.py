@@ -100,10 +100,6 @@ class OuterOptimizer:
             self.momentum[uid] = momentum
         return value
 
-    def nbytes(self) -> int:
-        """CPU bytes of the anchors and momentum."""
-        return sum(t.numel() * t.element_size() for d in (self.anchor, self.momentum) for t in d.values())
-
     def fetch_momentum(self, downloader: Downloader, peer: str, uid: str, size: int) -> None:
         """Take a peer's outer momentum for ``uid`` so our outer steps match theirs (Nesterov only)."""
         if not self.stateful:

@@ -139,7 +139,7 @@ class StateServer:
             return
         first = True
         for tensor in tensors:
-            for chunk in serialize_parts(tensor, "none"):
+            for chunk in serialize_parts(tensor):
                 self.stats["bytes_served"] += chunk.ByteSize()
                 yield averaging_pb2.DownloadData(tensor_part=chunk, metadata=pack(meta) if first else b"")
                 first = False
