@@ -19,7 +19,7 @@ from p2p_spes.chaos import group_alive
 
 __all__ = [
     "P2P", "ROOT", "SMALL", "SMALL_MODEL", "assert_groups_applied_whole", "assert_identical_after_rounds",
-    "free_port", "group_alive", "last_step", "rounds", "start_bootstrap", "start_volunteer", "stop",
+    "free_port", "group_alive", "join_once", "last_step", "rounds", "start_bootstrap", "start_volunteer", "stop",
     "volunteer_output", "wait_for",
 ]
 
@@ -111,6 +111,15 @@ def start_volunteer(tmp_path: Path, maddrs: list[str], run_id: str) -> subproces
 def volunteer_output(tmp_path: Path) -> str:
     log = tmp_path / "vol" / "peer.log"
     return (tmp_path / "volunteer.out").read_text() + (log.read_text()[-3000:] if log.exists() else "")
+
+
+def join_once(run_dir: Path, maddrs: list[str], overrides: list[str]) -> subprocess.CompletedProcess:
+    """A peer of run ``local`` with ``overrides`` started against ``maddrs`` and run to its end (or refusal)."""
+    cmd = [*P2P, "train", "--no-progress", "--run-dir", str(run_dir), "--run-id", "local", "--initial-peers", *maddrs,
+           "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"]
+    for item in overrides:
+        cmd += ["--set", item]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True)
 
 
 # A peer's metrics ----------------------------------------------------------------------------------

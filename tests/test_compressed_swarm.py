@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from helpers import SMALL, assert_identical_after_rounds, rounds
+from helpers import SMALL, assert_identical_after_rounds, join_once, rounds
 
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
@@ -60,11 +57,7 @@ def test_a_peer_with_another_codec_is_refused_before_sending_anything(tmp_path):
     try:
         swarm.start()
         maddrs = swarm.wait_for_maddrs(0)
-        cmd = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--run-dir", str(tmp_path / "other"),
-               "--run-id", "local", "--initial-peers", *maddrs, "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"]
-        for item in SMALL + ["swarm.compression=int8"]:
-            cmd += ["--set", item]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True)
+        proc = join_once(tmp_path / "other", maddrs, SMALL + ["swarm.compression=int8"])
     finally:
         swarm.stop()
     assert proc.returncode == 2, proc.stderr[-2000:]

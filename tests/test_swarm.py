@@ -15,7 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import SMALL, assert_groups_applied_whole, assert_identical_after_rounds, group_alive, last_step, rounds
+from helpers import (
+    SMALL,
+    assert_groups_applied_whole,
+    assert_identical_after_rounds,
+    group_alive,
+    join_once,
+    last_step,
+    rounds,
+)
 
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
@@ -220,11 +228,7 @@ def test_peer_with_another_model_is_refused(tmp_path):
     try:
         swarm.start()
         maddrs = swarm.wait_for_maddrs(0)
-        cmd = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--run-dir", str(tmp_path / "other"),
-               "--run-id", "local", "--initial-peers", *maddrs, "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"]
-        for item in SMALL + ["model.num_layers=3"]:
-            cmd += ["--set", item]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True)
+        proc = join_once(tmp_path / "other", maddrs, SMALL + ["model.num_layers=3"])
         # the inspector, a client-only DHT peer, lists the live peer and the coverage, and not the refused one
         inspect = subprocess.run(
             [sys.executable, "-m", "p2p_spes", "inspect", "--json", "--run-id", "local", "--initial-peers", *maddrs],
