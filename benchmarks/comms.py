@@ -1,23 +1,38 @@
-"""Bytes per peer per sync round: this project against the SPES reference protocol and DiLoCo.
+"""Bytes per peer per sync round, for every compression codec: this project against the SPES reference
+protocol and an fp32 all-reduce of the whole model.
 
-    python benchmarks/comms.py                     # 4 loopback peers x compression none/fp16/uint8, ~6 min
-    python benchmarks/comms.py --compressions none --rounds 4
+    python benchmarks/comms.py                                 # 5 codecs x 4 loopback peers x 4 rounds: ~5 min
+    python benchmarks/comms.py --compressions int8 topk --rounds 4
+    python benchmarks/comms.py --no-run --run-dir DIR          # tables again from the records of an earlier run
 
-Measured: a real 4-peer loopback swarm of a config whose payloads dominate (shared parameters and 8
-experts of a few MB each), one run per compression. Each peer's round records hold what its groups
-sent and received plus the expert refreshes it downloaded and what others downloaded from it; the
-table averages rounds after the first (peers join and catch up before it).
+Measured: one real 4-peer loopback swarm per codec (``swarm.compression``: none fp16 int8 int4 topk) of a
+config whose payloads dominate (4.7M shared parameters, 8 experts of 0.79M, one holder each). Each
+peer's ``sync_round`` records in ``metrics.jsonl`` give what it moved as a client of the shared group
+(contributions out, averaged parts in), as a reducer (contributions in, its averaged part served to
+the members) and outside the groups (encoded updates of its own experts that others downloaded; what
+it downloaded to refresh the experts it holds frozen). Only rounds after each peer's first, in which
+every peer was in the shared group, no group failed, no refresh was missed and every frozen expert
+came as its group's encoded update (``refreshed_by_delta``), are averaged. Byte counts are hivemind's
+protobuf chunks (``ByteSize``): the codec's payload plus hivemind's framing. What a peer served is
+taken from the downloaders' count (equal in those rounds): a server counts only while its own round
+runs and misses downloads that come after it (its own count is kept in the JSON). Runtime: about a
+minute per codec on 2 shared CPU cores, ~5 min in all.
 
-Computed from the same model's parameter counts (fp32, P peers, each training E/P experts, one
-holder per expert), per peer and round:
+Computed, per peer and round (mean over peers), with ``c(n) = Codec(codec).wire_bytes(n)`` (the exact
+payload of one message of n values, 32-byte header included), P peers each training E/P of the E
+experts (one holder each), S shared parameters and X parameters per expert:
 
-* this project: shared group all-reduce (reduce-scatter + all-gather: 2(P-1)/P of the shared
-  parameters each way, compressed) + downloading each expert it does not train once, fp32
-  (E - E/P experts) + serving its own experts to the P-1 others;
-* SPES reference: upload the trained keys (shared + own experts), download the whole model, fp32;
-* DiLoCo (full replicas): butterfly all-reduce of the whole model, 2(P-1)/P each way, fp32.
+* this project: shared group, reduce-scatter + all-gather of P parts: as a client, (P-1)/P of
+  sum(c(part)) out and in; as a reducer, the same in (P-1 contributions to its part) and out (its
+  averaged part to P-1 members); own experts (lone holders: no group traffic), c(X) served to each of
+  the P-1 others; frozen experts, c(X) downloaded for each of the E - E/P;
+* SPES reference (central server): upload the shared parameters and the own experts, download the
+  whole model; at fp32, and at the codec's own bytes per value (``c`` on the same transfers);
+* an fp32 all-reduce of the whole model (DiLoCo, full replicas): 2(P-1)/P of it each way.
 
-The same formulas project to the 1B and 7B configs. Writes ``benchmarks/results/comms.json``.
+The framing overhead of a codec is measured / computed on the loopback run; the projections to
+spes-1b and spes-7b at 4 and 16 peers multiply the computed payload by it. Writes
+``benchmarks/results/comms.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -34,18 +50,27 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from p2p_spes.compression import CODECS, Codec, bits_per_value
 from p2p_spes.config import load_config
+from p2p_spes.errors import SwarmError
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.model import MoETransformer
 
 RESULTS = Path(__file__).parent / "results" / "comms.json"
+SYNC_STEPS = 3
 PAYLOAD = [
     "model.d_model=256", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=64",
     "moe.num_experts=8", "moe.ffn_dim=512", "train.batch_size=2", "train.warmup_steps=2",
     "train.eval_interval=100000", "train.log_interval=100000", "train.checkpoint_interval=100000",
-    "swarm.sync_steps=3", "swarm.matchmaking_time=4", "swarm.averaging_timeout=30",
+    f"swarm.sync_steps={SYNC_STEPS}", "swarm.matchmaking_time=4", "swarm.averaging_timeout=30",
 ]
-CODEC_BYTES = {"none": 4.0, "fp16": 2.0, "uint8": 1.0}  # per element on the wire (uint8 adds a codebook)
+PROJECTED = ("spes-1b", "spes-7b")
+PROJECTED_PEERS = (4, 16)
+# what each round record field counts (``p2p_spes/swarm/report.py``), by direction
+SENT = {"client_sent": "bytes_sent", "reducer_out": "reducer_out_bytes", "served": "served_bytes"}
+RECEIVED = {"client_received": "bytes_received", "reducer_in": "reducer_in_bytes", "downloaded": "downloaded_bytes"}
+FIELDS = {**SENT, **RECEIVED}
+TARGETS = {"best_vs_spes_fp32": 50.0, "best_vs_allreduce_fp32": 140.0, "int8_vs_spes_fp32": 3.5, "flat_within": 0.10}
 
 
 def parameter_split(overrides: list[str] | None = None, name: str | None = None) -> tuple[int, int, int]:
@@ -57,98 +82,306 @@ def parameter_split(overrides: list[str] | None = None, name: str | None = None)
     return total - cfg.moe.num_experts * per_expert, per_expert, cfg.moe.num_experts
 
 
-def computed(shared: int, expert: int, experts: int, peers: int, codec: str = "none") -> dict[str, dict[str, float]]:
-    """Bytes sent and received per peer per round for each protocol (see the module docstring)."""
-    own = experts // peers
-    ring = 2 * (peers - 1) / peers
-    whole = shared + experts * expert
-    return {
-        f"p2p-spes ({codec})": {
-            "sent": ring * shared * CODEC_BYTES[codec] + (peers - 1) * own * expert * 4,
-            "received": ring * shared * CODEC_BYTES[codec] + (experts - own) * expert * 4,
-        },
-        "SPES reference": {"sent": (shared + own * expert) * 4, "received": whole * 4},
-        "DiLoCo all-reduce": {"sent": ring * whole * 4, "received": ring * whole * 4},
-    }
+def part_sizes(numel: int, parts: int) -> list[int]:
+    """The sizes ``torch.tensor_split`` cuts ``numel`` values into (the all-reduce's parts)."""
+    q, r = divmod(numel, parts)
+    return [q + 1] * r + [q] * (parts - r)
 
 
-def measure(codec: str, peers: int, rounds: int, run_dir: Path) -> dict[str, float]:
-    """Mean bytes sent/received per peer per round on a loopback swarm (rounds after the first)."""
-    overrides = PAYLOAD + [f"swarm.compression={codec}", f"train.max_steps={3 * (rounds + 1)}"]
-    swarm = LocalSwarm(None, overrides, peers=peers, run_dir=run_dir / codec, run_id=f"comms-{codec}")
-    swarm.run(timeout=600, stagger=1.0)
-    sent, received = [], []
+def totals(parts: dict[str, float]) -> dict[str, float]:
+    """``parts`` with sent, received and total added."""
+    sent = sum(parts.get(k, 0.0) for k in SENT)
+    received = sum(parts.get(k, 0.0) for k in RECEIVED)
+    return {**parts, "sent": sent, "received": received, "total": sent + received}
+
+
+def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int) -> dict[str, float]:
+    """This project's payload bytes per peer per round, mean over peers, by component (docstring)."""
+    ring = (peers - 1) / peers * sum(codec.wire_bytes(n) for n in part_sizes(shared, peers))
+    own = experts / peers
+    return totals({"client_sent": ring, "client_received": ring, "reducer_in": ring, "reducer_out": ring,
+                   "served": (peers - 1) * own * codec.wire_bytes(expert),
+                   "downloaded": (experts - own) * codec.wire_bytes(expert)})
+
+
+def spes_reference(codec: Codec | None, shared: int, expert: int, experts: int, peers: int) -> dict[str, float]:
+    """The SPES reference per peer: upload shared + own experts, download the whole model; fp32 when
+    ``codec`` is None, else at the codec's bytes (one message per tensor group)."""
+    size = (lambda n: 4.0 * n) if codec is None else codec.wire_bytes
+    return _direct(size(shared) + experts / peers * size(expert), size(shared) + experts * size(expert))
+
+
+def _direct(sent: float, received: float) -> dict[str, float]:
+    return {"sent": sent, "received": received, "total": sent + received}
+
+
+def allreduce_fp32(shared: int, expert: int, experts: int, peers: int) -> dict[str, float]:
+    """A reduce-scatter + all-gather of the whole model in fp32: 2(P-1)/P of it each way."""
+    each_way = 2 * (peers - 1) / peers * 4.0 * (shared + experts * expert)
+    return _direct(each_way, each_way)
+
+
+# Measuring ---------------------------------------------------------------------------------------
+def run_swarm(codec: str, args: argparse.Namespace, run_dir: Path) -> dict:
+    """One loopback swarm with ``codec``; its records stay in ``run_dir / codec``."""
+    overrides = PAYLOAD + [f"swarm.compression={codec}", f"swarm.topk_fraction={args.topk_fraction}",
+                           f"train.max_steps={SYNC_STEPS * (args.rounds + 1)}"]
+    swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir / codec, run_id=f"comms-{codec}")
+    t0 = time.monotonic()
+    error = None
+    try:
+        swarm.run(timeout=args.timeout, stagger=1.0)
+    except SwarmError as exc:
+        error = str(exc).splitlines()[0]
+    return {"seconds": round(time.monotonic() - t0, 1), "error": error}
+
+
+def incomplete(record: dict, peers: int) -> str | None:
+    """Why a round record does not count (None: it does)."""
+    if not record["shared_ok"] or record["shared_members"] != peers:
+        return f"shared group of {record['shared_members']} ({record['outcome']})"
+    if record["groups_failed"]:
+        return f"failed groups {record['groups_failed']}"
+    if record["refresh_missed"]:
+        return f"{record['refresh_missed']} refreshes missed"
+    own = sum(1 for g in record["groups"] if g != "shared")
+    frozen = len(record["expert_digests"]) - own
+    if record["refreshed_by_delta"] != frozen or record["refreshed"] != frozen:
+        return f"{record['refreshed_by_delta']} of {frozen} frozen experts by encoded update ({record['refreshed']} refreshed)"
+    return None
+
+
+def read_records(run_dir: Path, peers: int) -> dict:
+    """Mean bytes per peer per round by component over the complete rounds after each peer's first."""
+    by_round: dict[int, dict[int, dict]] = {}
     for i in range(peers):
-        lines = (run_dir / codec / f"peer{i}" / "metrics.jsonl").read_text().splitlines()
+        path = run_dir / f"peer{i}" / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
         records = [json.loads(line) for line in lines if '"sync_round"' in line]
-        for r in records[1:]:
-            if r["shared_ok"] and not r["groups_failed"] and not r["refresh_missed"]:
-                # as a client (contributions out, averaged parts in), as a reducer for the others
-                # (contributions in, averaged parts out), and expert copies downloaded and served
-                sent.append(r["bytes_sent"] + r["reducer_out_bytes"] + r["served_bytes"])
-                received.append(r["bytes_received"] + r["reducer_in_bytes"] + r["downloaded_bytes"])
-    if not sent:
-        raise SystemExit(f"no complete round after the first; logs in {run_dir / codec}")
-    return {"sent": statistics.fmean(sent), "received": statistics.fmean(received), "rounds": len(sent)}
+        for r in records[1:]:  # the first: peers join and catch up
+            by_round.setdefault(r["sync_round"], {})[i] = r
+    counted, excluded = [], {}
+    for round_no, records in sorted(by_round.items()):
+        reasons = {f"peer{i}": why for i, r in records.items() if (why := incomplete(r, peers))}
+        if len(records) < peers:
+            reasons["missing"] = f"{peers - len(records)} peers have no record after their first"
+        if reasons:
+            excluded[round_no] = reasons
+        else:
+            counted.append(round_no)
+    rows = [by_round[n][i] for n in counted for i in range(peers)]
+    out: dict = {"rounds": counted, "records": len(rows), "excluded": excluded}
+    if not rows:
+        return out
+    logged = {k: statistics.fmean(r[f] for r in rows) for k, f in FIELDS.items()}
+    # what a peer served is counted by its server only while its own round runs, and others download
+    # its experts' updates at the end of theirs, often after its round closed: those bytes fall between
+    # its records. Every frozen expert of a counted round came from its holder in the swarm, so the
+    # mean served per peer is the mean the others downloaded, counted by them inside their rounds.
+    out["bytes"] = totals({**logged, "served": logged["downloaded"]})
+    out["served_logged_by_servers"] = logged["served"]
+    out["own_experts"] = statistics.fmean(sum(1 for g in r["groups"] if g != "shared") for r in rows)
+    out["refreshed_by_delta"] = sum(r["refreshed_by_delta"] for r in rows)
+    out["refreshed"] = sum(r["refreshed"] for r in rows)
+    # every byte one peer sends another receives: the counts of both ends should agree
+    out["balance"] = {"client_sent / reducer_in": logged["client_sent"] / max(logged["reducer_in"], 1),
+                      "reducer_out / client_received": logged["reducer_out"] / max(logged["client_received"], 1),
+                      "served (server logs) / downloaded": logged["served"] / max(logged["downloaded"], 1)}
+    out["seconds_per_round"] = statistics.fmean(r["sync_seconds"] for r in rows)
+    return out
+
+
+# Printing ----------------------------------------------------------------------------------------
+def less(ratio: float) -> str:
+    """``ratio`` = theirs / ours as words: above 1 we move less."""
+    if ratio >= 1:
+        return f"{ratio:.1f}x less" if ratio >= 10 else f"{ratio:.2f}x less"
+    return f"{1 / ratio:.2f}x MORE"
+
+
+def sentence(ratio: float, what: str) -> str:
+    if ratio >= 1:
+        return f"sends+receives {ratio:.1f} times less than {what}"
+    return f"sends+receives {1 / ratio:.2f} times MORE than {what}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=4, help="sync rounds per run (the first is not counted)")
-    parser.add_argument("--compressions", nargs="+", default=["none", "fp16", "uint8"], choices=list(CODEC_BYTES))
+    parser.add_argument("--rounds", type=int, default=4, help="sync rounds per run (each peer's first is not counted)")
+    parser.add_argument("--compressions", nargs="+", default=list(CODECS), choices=list(CODECS))
+    parser.add_argument("--topk-fraction", type=float, default=1 / 64, help="swarm.topk_fraction")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may run")
+    parser.add_argument("--run-dir", type=Path, help="where the swarms run (default: a new temporary directory)")
+    parser.add_argument("--no-run", action="store_true", help="only read the records already in --run-dir")
     args = parser.parse_args()
-    console = Console(width=130)
-    mb = 1e6
+    if args.no_run and args.run_dir is None:
+        parser.error("--no-run needs --run-dir")
+    console = Console(width=200)
+    mb, gb = 1e6, 1e9
+    codecs = {name: Codec(name, args.topk_fraction) for name in args.compressions}
 
     shared, expert, experts = parameter_split(PAYLOAD)
-    run_dir = Path(tempfile.mkdtemp(prefix="p2p-spes-comms-"))
-    table = Table(title=f"bytes per peer per sync round, {args.peers} loopback peers, {shared / 1e6:.1f}M shared + "
-                        f"{experts} x {expert / 1e6:.2f}M expert parameters")
-    for col in ("protocol", "sent MB", "received MB", "total MB", "computed MB", "SPES ref / this", "DiLoCo / this"):
-        table.add_column(col, justify="left" if col == "protocol" else "right")
-    base = computed(shared, expert, experts, args.peers)
-    ref = base["SPES reference"]["sent"] + base["SPES reference"]["received"]
-    diloco = base["DiLoCo all-reduce"]["sent"] + base["DiLoCo all-reduce"]["received"]
-    rows = []
-    for codec in args.compressions:
-        got = measure(codec, args.peers, args.rounds, run_dir)
-        model = computed(shared, expert, experts, args.peers, codec)[f"p2p-spes ({codec})"]
-        total = got["sent"] + got["received"]
-        rows.append({"protocol": f"p2p-spes ({codec})", "measured": got, "computed": model,
-                     "vs_spes_reference": ref / total, "vs_diloco": diloco / total})
-        table.add_row(f"p2p-spes ({codec}), measured", f"{got['sent'] / mb:.2f}", f"{got['received'] / mb:.2f}",
-                      f"{total / mb:.2f}", f"{(model['sent'] + model['received']) / mb:.2f}",
-                      f"{ref / total:.2f}x", f"{diloco / total:.2f}x")
-    for name in ("SPES reference", "DiLoCo all-reduce"):
-        b = base[name]
-        table.add_row(f"{name}, computed", f"{b['sent'] / mb:.2f}", f"{b['received'] / mb:.2f}",
-                      f"{(b['sent'] + b['received']) / mb:.2f}", "", "", "")
-    console.print(table)
-    console.print("ratios above 1: this project moves less per peer. The SPES reference also needs a central server "
-                  f"that moves {args.peers}x a peer's traffic every round ({args.peers * ref / mb:.0f} MB here).")
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="p2p-spes-comms-"))
+    t_start = time.monotonic()
+    measured, computed, overhead = {}, {}, {}
+    for name, codec in codecs.items():
+        run = {"seconds": None, "error": None} if args.no_run else run_swarm(name, args, run_dir)
+        got = read_records(run_dir / name, args.peers)
+        measured[name] = {**run, **got, "run_dir": str(run_dir / name)}
+        computed[name] = ours(codec, shared, expert, experts, args.peers)
+        if "bytes" in got:
+            overhead[name] = got["bytes"]["total"] / computed[name]["total"]
+        status = f"error: {run['error']}" if run["error"] else "ok"
+        console.print(f"{name}: {len(got['rounds'])} rounds counted ({got['records']} records), "
+                      f"{len(got['excluded'])} excluded, run {run['seconds']} s, {status}; {run_dir / name}")
+    wall = time.monotonic() - t_start
 
-    projection = Table(title=f"computed bytes per peer per round, {args.peers} peers, fp32 unless noted")
-    for col in ("config", "protocol", "sent GB", "received GB", "total GB", "vs this (none)"):
-        projection.add_column(col, justify="left" if col in ("config", "protocol") else "right")
-    projected = {}
-    for name in ("spes-1b", "spes-7b"):
-        s, x, e = parameter_split(name=name)
-        protocols = {**computed(s, x, e, args.peers), **computed(s, x, e, args.peers, "uint8")}
-        ours = sum(protocols["p2p-spes (none)"].values())
-        projected[name] = protocols
-        for proto, b in protocols.items():
-            total = b["sent"] + b["received"]
-            projection.add_row(name, proto, f"{b['sent'] / 1e9:.2f}", f"{b['received'] / 1e9:.2f}", f"{total / 1e9:.2f}",
-                               f"{total / ours:.2f}x")
-    console.print(projection)
+    table = Table(title=f"measured bytes per peer per sync round (MB), {args.peers} loopback peers, {shared / 1e6:.2f}M "
+                        f"shared + {experts} x {expert / 1e6:.3f}M expert parameters, {experts // args.peers} experts "
+                        "trained per peer; mean over complete rounds after each peer's first")
+    for col in ("codec", "bits/value", "rounds x peers", "client out / in", "reducer in / out", "served (server log)", "downloaded",
+                "frozen by update", "sent", "received", "total", "computed payload", "measured / computed"):
+        table.add_column(col, justify="left" if col == "codec" else "right")
+    for name, got in measured.items():
+        c = computed[name]
+        if "bytes" not in got:
+            table.add_row(name, f"{bits_per_value(codecs[name]):.3f}", "0", *["-"] * 8, f"{c['total'] / mb:.3f}", "-")
+            continue
+        b = got["bytes"]
+        table.add_row(
+            name, f"{bits_per_value(codecs[name]):.3f}", str(got["records"]),
+            f"{b['client_sent'] / mb:.3f} / {b['client_received'] / mb:.3f}",
+            f"{b['reducer_in'] / mb:.3f} / {b['reducer_out'] / mb:.3f}",
+            f"{b['served'] / mb:.3f} ({got['served_logged_by_servers'] / mb:.3f})",
+            f"{b['downloaded'] / mb:.3f}", f"{got['refreshed_by_delta']}/{got['refreshed']}",
+            f"{b['sent'] / mb:.3f}", f"{b['received'] / mb:.3f}", f"{b['total'] / mb:.3f}",
+            f"{c['total'] / mb:.3f}", f"{overhead[name]:.4f}")
+    console.print(table)
+    ref = spes_reference(None, shared, expert, experts, args.peers)
+    ar = allreduce_fp32(shared, expert, experts, args.peers)
+    for name, got in measured.items():
+        if "bytes" in got:
+            total = got["bytes"]["total"]
+            console.print(f"  loopback, {name}: a peer {sentence(ref['total'] / total, 'the SPES reference at fp32')} "
+                          f"({ref['total'] / mb:.1f} MB), {sentence(ar['total'] / total, 'an fp32 all-reduce of the whole model')}"
+                          f" ({ar['total'] / mb:.1f} MB)")
+    console.print("served: what the others downloaded from a peer's experts, counted by them (a server counts only "
+                  "during its own round and misses downloads that come after it; its log in brackets). measured / "
+                  "computed is hivemind's protobuf framing on top of the codec's payload: the framing overhead used "
+                  "below (a codec without complete rounds is projected without it, 1.0).")
+
+    projections: dict = {}
+    for config in PROJECTED:
+        s, x, e = parameter_split(name=config)
+        projections[config] = {"shared_params": s, "expert_params": x, "experts": e, "peers": {}}
+        for peers in PROJECTED_PEERS:
+            ref32 = spes_reference(None, s, x, e, peers)
+            ar32 = allreduce_fp32(s, x, e, peers)
+            rows = {}
+            for name, codec in codecs.items():
+                payload = ours(codec, s, x, e, peers)
+                factor = overhead.get(name, 1.0)
+                mine = {k: v * factor for k, v in payload.items()}
+                same = spes_reference(codec, s, x, e, peers)
+                rows[name] = {
+                    "ours": mine, "ours_payload": payload, "framing_overhead": factor, "spes_reference_same_precision": same,
+                    "times_less_than_spes_reference_fp32": ref32["total"] / mine["total"],
+                    "times_less_than_spes_reference_same_precision": same["total"] / mine["total"],
+                    "times_less_than_allreduce_fp32": ar32["total"] / mine["total"],
+                }
+            projections[config]["peers"][str(peers)] = {"spes_reference_fp32": ref32, "allreduce_fp32": ar32, "codecs": rows}
+
+    for config, proj in projections.items():
+        table = Table(title=f"{config} ({proj['shared_params'] / 1e6:.0f}M shared + {proj['experts']} x "
+                            f"{proj['expert_params'] / 1e6:.1f}M expert parameters): computed GB per peer per round, "
+                            "this project with the measured framing overhead; 'N x less': the baseline moves N times "
+                            "what we move")
+        for col in ("peers", "protocol", "sent GB", "received GB", "total GB", "vs SPES reference at fp32",
+                    "vs SPES reference at the codec's precision", "vs fp32 all-reduce of the whole model"):
+            table.add_column(col, justify="left" if col in ("peers", "protocol") else "right")
+        for peers, p in proj["peers"].items():
+            for name, row in p["codecs"].items():
+                m = row["ours"]
+                table.add_row(peers, f"p2p-spes, {name}", f"{m['sent'] / gb:.4f}", f"{m['received'] / gb:.4f}",
+                              f"{m['total'] / gb:.4f}", less(row["times_less_than_spes_reference_fp32"]),
+                              less(row["times_less_than_spes_reference_same_precision"]),
+                              less(row["times_less_than_allreduce_fp32"]))
+            for label, b in (("SPES reference, fp32", p["spes_reference_fp32"]), ("fp32 all-reduce", p["allreduce_fp32"])):
+                table.add_row(peers, label, f"{b['sent'] / gb:.3f}", f"{b['received'] / gb:.3f}", f"{b['total'] / gb:.3f}",
+                              "", "", "", end_section=label == "fp32 all-reduce")
+        console.print(table)
+
+    flat = Table(title="per peer, 4 -> 16 peers: every term of this project grows as (P-1)/P, so a peer moves at "
+                       "most 4/3 of its 4-peer bytes at any P (up to E); the SPES reference's server moves P times a "
+                       "peer's traffic")
+    for col in ("config", "protocol", "GB at 4 peers", "GB at 16 peers", "16 / 4 peers"):
+        flat.add_column(col, justify="left" if col in ("config", "protocol") else "right")
+    flatness: dict = {}
+    for config, proj in projections.items():
+        p4, p16 = proj["peers"]["4"], proj["peers"]["16"]
+        flatness[config] = {}
+        for name in codecs:
+            a, b = p4["codecs"][name]["ours"]["total"], p16["codecs"][name]["ours"]["total"]
+            flatness[config][name] = b / a
+            flat.add_row(config, f"p2p-spes, {name}", f"{a / gb:.4f}", f"{b / gb:.4f}", f"{b / a:.3f}x")
+        for label, key in (("SPES reference, fp32", "spes_reference_fp32"), ("fp32 all-reduce", "allreduce_fp32")):
+            a, b = p4[key]["total"], p16[key]["total"]
+            flatness[config][label] = b / a
+            flat.add_row(config, label, f"{a / gb:.3f}", f"{b / gb:.3f}", f"{b / a:.3f}x", end_section=label == "fp32 all-reduce")
+    console.print(flat)
+
+    # the targets, on spes-1b at 4 and 16 peers
+    targets: dict = {}
+    proj = projections["spes-1b"]["peers"]
+    for peers in ("4", "16"):
+        rows = proj[peers]["codecs"]
+        best = max(rows, key=lambda n: rows[n]["times_less_than_spes_reference_fp32"])
+        t = {"best_codec": best,
+             "best_vs_spes_reference_fp32": rows[best]["times_less_than_spes_reference_fp32"],
+             "best_vs_allreduce_fp32": rows[best]["times_less_than_allreduce_fp32"]}
+        t["best_met"] = t["best_vs_spes_reference_fp32"] >= TARGETS["best_vs_spes_fp32"]
+        t["best_vs_allreduce_met"] = t["best_vs_allreduce_fp32"] >= TARGETS["best_vs_allreduce_fp32"]
+        if "int8" in rows:
+            t["int8_vs_spes_reference_fp32"] = rows["int8"]["times_less_than_spes_reference_fp32"]
+            t["int8_met"] = t["int8_vs_spes_reference_fp32"] >= TARGETS["int8_vs_spes_fp32"]
+        targets[peers] = t
+    growth = {n: flatness["spes-1b"][n] for n in codecs}
+    targets["flat"] = {"growth_16_over_4": growth,
+                       "met": all(g <= 1 + TARGETS["flat_within"] for g in growth.values())}
+    console.print("[bold]targets (spes-1b):[/bold]")
+    for peers in ("4", "16"):
+        t = targets[peers]
+        console.print(f"  {peers} peers: best codec {t['best_codec']} "
+                      f"{sentence(t['best_vs_spes_reference_fp32'], 'the SPES reference at fp32')} "
+                      f"(target >= {TARGETS['best_vs_spes_fp32']:.0f}: {'met' if t['best_met'] else 'NOT met'}) and "
+                      f"{t['best_vs_allreduce_fp32']:.1f} times less than an fp32 all-reduce of the whole model "
+                      f"(target ~{TARGETS['best_vs_allreduce_fp32']:.0f}: {'met' if t['best_vs_allreduce_met'] else 'NOT met'})")
+        if "int8_met" in t:
+            console.print(f"  {peers} peers: int8 {sentence(t['int8_vs_spes_reference_fp32'], 'the SPES reference at fp32')} "
+                          f"(target >= {TARGETS['int8_vs_spes_fp32']}: {'met' if t['int8_met'] else 'NOT met'})")
+    console.print(f"  flat in peers (16 peers within {TARGETS['flat_within']:.0%} of 4): "
+                  f"{'met' if targets['flat']['met'] else 'NOT met'}: per peer x"
+                  + ", x".join(f"{g:.3f} ({n})" for n, g in growth.items()) + " from 4 to 16 peers (the (P-1)/P "
+                  "of an all-reduce; at most x1.333 for any number of peers)")
+
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "command": "python benchmarks/comms.py " + " ".join(sys.argv[1:]), "peers": args.peers,
+        "command": "python benchmarks/comms.py " + " ".join(sys.argv[1:]),
+        "wall_seconds": round(wall, 1), "peers": args.peers, "rounds": args.rounds, "codecs": list(codecs),
+        "topk_fraction": args.topk_fraction, "topk_k_per_block": codecs["topk"].k if "topk" in codecs else None,
+        "bits_per_value": {n: bits_per_value(c) for n, c in codecs.items()},
         "payload_config": PAYLOAD, "shared_params": shared, "expert_params": expert, "experts": experts,
-        "measured": rows, "computed_baselines": base, "projected": projected,
+        "measured": measured, "computed": computed, "framing_overhead": overhead,
+        "measured_over_computed": {n: overhead[n] for n in overhead},
+        "loopback_baselines": {"spes_reference_fp32": ref, "allreduce_fp32": ar},
+        "loopback_times_less_than": {
+            n: {"spes_reference_fp32": ref["total"] / m["bytes"]["total"], "allreduce_fp32": ar["total"] / m["bytes"]["total"]}
+            for n, m in measured.items() if "bytes" in m},
+        "projections": projections, "per_peer_growth_16_over_4_peers": flatness,
+        "targets": {"wanted": TARGETS, "spes-1b": targets},
     }, indent=1))
-    console.print(f"wrote {RESULTS}")
+    console.print(f"wrote {RESULTS}; records in {run_dir}; {wall / 60:.1f} min")
 
 
 if __name__ == "__main__":
