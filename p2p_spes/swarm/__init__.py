@@ -179,8 +179,10 @@ class Swarm:
         self.outer.fetch_momentum(self.downloader, source, "shared", sum(t.numel() for t in like))
         wanted = [e for e in model.held_experts() if e not in set(keep)]
         fetched, _ = self.refresher.refresh(model, peers, wanted, any_copy=True)
+        # the anchors are what we downloaded: the source's last agreed values unless its last round
+        # failed, and then our first group sees the digests differ and takes the agreed one (a rebase),
+        # so a joiner downloads the shared parameters once, not twice
         self.outer.reset_anchors(model, meta["round"])
-        self.outer.fetch_anchor(self.downloader, source, "shared", meta["round"])
         self.server.take_snapshot(meta["round"], meta["step"], self.outer.momentum)
         log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"],
                  fetched)

@@ -111,18 +111,6 @@ class OuterOptimizer:
             return
         self.momentum[uid] = momentum
 
-    def fetch_anchor(self, downloader: Downloader, peer: str, uid: str, round_no: int) -> None:
-        """Take a peer's anchor for ``uid``: its last agreed value, which may differ from the weights it
-        serves when its last round failed. Every member of a group needs the same one."""
-        if uid not in self.anchor:
-            return
-        try:
-            _, (anchor,) = downloader.download(peer, f"anchor:{uid}", [torch.empty_like(self.anchor[uid])], attempts=2)
-        except TransportError as exc:
-            log.warning("could not fetch the outer-step anchor of %s from %s: %s", uid, peer, exc)
-            return
-        self.set_anchor(uid, anchor, round_no)
-
 
 class UpdateGuard:
     """Refuses group results that are not finite or move our values far more than recent results did."""
