@@ -1,6 +1,6 @@
 """Validation loss at equal tokens: centralized training against 4-peer swarms, all scored on the same tokens.
 
-    .venv/bin/python benchmarks/convergence.py      # 7 arms x 3 seeds x 480 steps: ~70 min on 2 cores
+    .venv/bin/python benchmarks/convergence.py      # 7 arms x 3 seeds x 480 steps: ~76 min on 2 cores
     .venv/bin/python benchmarks/convergence.py --arms centralized spes --seeds 0 --steps 120 --out /tmp/conv
                                                     # a quick look: ~2.5 min
 
