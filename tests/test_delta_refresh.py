@@ -18,7 +18,7 @@ from p2p_spes.compression import Codec
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.agreement import Refresher
-from p2p_spes.swarm.outer import OuterOptimizer, flatten
+from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 from p2p_spes.transport import TransportError, tensor_digest
 
 EXPERT = 1
@@ -51,11 +51,7 @@ def setup(codec: Codec, outer_optimizer: str = "average"):
     holder = OuterOptimizer(cfg.swarm)
     holder.set_anchor(f"expert:{EXPERT}", anchor.clone(), 3)
     value = holder.step(f"expert:{EXPERT}", codec.decode_parts(messages, anchor.numel()), 4)
-    like = model.expert_tensors(EXPERT)
-    tensors, offset = [], 0
-    for t in like:
-        tensors.append(value[offset:offset + t.numel()].view(t.shape).clone())
-        offset += t.numel()
+    tensors = [t.clone() for t in split_like(value, model.expert_tensors(EXPERT))]
     digest = tensor_digest(tensors)
     update = ({"digest": digest, "base": tensor_digest([anchor]), "parts": 3}, messages)
     peers = {"holder": PeerRecord("holder", [EXPERT], 40, 4, "fp", [])}

@@ -23,7 +23,7 @@ from dht.keys import version_key
 from dht.records import PeerRecord, VersionRecord
 from p2p_spes.compression import Codec
 from p2p_spes.model import MoETransformer
-from p2p_spes.swarm.outer import OuterOptimizer, flatten
+from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader
 from p2p_spes.transport import TransportError, tensor_digest
@@ -93,10 +93,7 @@ class Refresher:
             value = self.outer.step_frozen(f"expert:{e}", copy, average)
             if value is None:
                 return False
-            tensors, offset = [], 0
-            for t in like:
-                tensors.append(value[offset:offset + t.numel()].view(t.shape))
-                offset += t.numel()
+            tensors = split_like(value, like)
             if tensor_digest(tensors) != digest:
                 log.warning("expert %d rebuilt from %s's update does not match the agreed digest", e, holder)
                 return False

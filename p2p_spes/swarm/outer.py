@@ -32,6 +32,15 @@ def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().float().cpu().reshape(-1) for t in tensors])
 
 
+def split_like(flat: torch.Tensor, targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into views shaped like ``targets`` (the inverse of :func:`flatten`)."""
+    out, offset = [], 0
+    for t in targets:
+        out.append(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
 class OuterOptimizer:
     """Anchors (with their round and digest) and Nesterov momentum, per group uid (``shared``, ``expert:E``)."""
 

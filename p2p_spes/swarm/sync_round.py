@@ -35,7 +35,7 @@ from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.model import MoETransformer, copy_into
 from p2p_spes.swarm.agreement import Refresher, group_id, majority, wait_versions
 from p2p_spes.swarm.membership import Membership
-from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten
+from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten, split_like
 from p2p_spes.swarm.pacing import Deadlines
 from p2p_spes.swarm.report import GroupReport, RoundReport
 from p2p_spes.swarm.runtime import Runtime
@@ -55,15 +55,6 @@ def sync_deadline(sw: SwarmConfig) -> float:
     """The longest a sync round can hold a peer up, whatever the others do: join window, averaging
     timeout, then the version window (downloads of refreshed experts come on top, bounded by size)."""
     return sw.matchmaking_time + sw.averaging_timeout + version_window(sw)
-
-
-def split_like(flat: torch.Tensor, targets: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``flat`` cut into views shaped like ``targets`` (the inverse of :func:`flatten`)."""
-    out, offset = [], 0
-    for t in targets:
-        out.append(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
 
 
 class RoundRunner:
