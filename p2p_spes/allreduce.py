@@ -22,7 +22,10 @@ loop:
 
 Any missing contribution or part before the deadline fails the round *for the whole group*: a
 reducer either serves one result to everybody or none, and a member applies nothing unless it has
-every part. Views of the membership that differ give different group ids and fail loudly.
+every part. Views of the membership that differ give different group ids and fail loudly. A stream
+cut short (hivemind ends one silently when its connection closes) is not a failure yet: the part is
+sent or fetched again, up to ``ATTEMPTS`` times within the deadline, and a reducer that already holds
+a contribution whose reply was lost says so (``TAKEN``) instead of refusing it.
 """
 
 from __future__ import annotations
@@ -35,17 +38,28 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2
 
 from dht.keys import group_key
 from p2p_spes.aggregation import Aggregator, weighted_mean
 from p2p_spes.compression import Codec
 from p2p_spes.matchmaking import Base, agreed_base, join_group
-from p2p_spes.transport import TransportError, collect_tensors, pack, parse_tensor, serialize_parts, unpack
+from p2p_spes.transport import (
+    TransportError,
+    TruncatedStream,
+    collect_tensors,
+    pack,
+    parse_tensor,
+    serialize_parts,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 OK, BAD = averaging_pb2.AVERAGED_PART, averaging_pb2.BAD_GROUP_ID
+AGAIN = averaging_pb2.CANCELLED  # a contribution's stream ended early: send it again
+TAKEN = averaging_pb2.DUPLICATE_PEER_ID  # we already hold this sender's contribution (its reply was lost)
+ATTEMPTS = 3  # sends and fetches of one part, within the group's deadline
 
 
 Rebase = Callable[[Base, list[str]], Awaitable[None]]
@@ -65,6 +79,7 @@ class GroupResult:
     sent: torch.Tensor | None = None  # our contribution as the reducers decoded it (error feedback)
     messages: list[torch.Tensor] = field(default_factory=list)  # the encoded averaged parts, in order
     base: Base | None = None  # the base the group agreed on
+    retries: int = 0  # parts sent or fetched again after their stream was cut short
 
     @property
     def ok(self) -> bool:
@@ -147,7 +162,7 @@ class GroupAllReduce:
         try:
             messages = [m async for m in stream]
             if not messages:
-                return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return averaging_pb2.AveragingData(code=AGAIN)
             first = messages[0]
 
             async def replay():
@@ -155,14 +170,19 @@ class GroupAllReduce:
                     yield m
 
             _, tensors = await collect_tensors(replay())
-            if len(tensors) != 1 or not first.weight > 0:
+            if len(tensors) > 1 or not first.weight > 0:
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             part = await self._wait_part(first.group_id)
-            if part is None or sender not in part.members or sender in part.contributions or part.done.is_set():
+            if part is not None and sender in part.contributions:
+                return averaging_pb2.AveragingData(code=TAKEN)
+            if part is None or sender not in part.members or part.done.is_set():
                 return averaging_pb2.AveragingData(code=BAD)
-            message = parse_tensor(tensors[0])
+            message = parse_tensor(tensors[0] if tensors else [])
             tensor = self.codec.decode(message, part.shape[0])
             self.served_in += sum(m.tensor_part.ByteSize() for m in messages)
+        except TruncatedStream as exc:
+            log.info("a contribution from %s came truncated (%s); asking for it again", sender, exc)
+            return averaging_pb2.AveragingData(code=AGAIN)
         except TransportError as exc:
             log.warning("refused a contribution from %s: %s", sender, exc)
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -308,22 +328,27 @@ class GroupAllReduce:
                         weight=float(weight) if j == 0 else 0.0, tensor_part=c,
                     )
 
-            try:
-                reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self._contribute_name,
-                                                             messages(), averaging_pb2.AveragingData)
-            except ValueError as exc:
-                # the stream closed before the reply (a reducer that finished its round and moved on):
-                # whether it took our part shows when we fetch its result, which it serves only if it did
-                log.info("no reply from %s to our contribution (%s); its result will tell", peer, exc)
-                return
-            if reply.code != OK:
-                raise TransportError(f"{peer} refused our contribution (code {reply.code})")
+            for attempt in range(ATTEMPTS):
+                try:
+                    reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self._contribute_name,
+                                                                 messages(), averaging_pb2.AveragingData)
+                except (ValueError, P2PHandlerError) as exc:
+                    # the stream closed before the reply: the reducer answers TAKEN if our part got there
+                    if attempt == ATTEMPTS - 1:
+                        # (or it finished its round and moved on: its result, served only if it has
+                        # every contribution, will tell)
+                        log.info("no reply from %s to our contribution (%s); its result will tell", peer, exc)
+                        return
+                    reply = averaging_pb2.AveragingData(code=AGAIN)
+                if reply.code in (OK, TAKEN):
+                    return
+                if reply.code != AGAIN:
+                    raise TransportError(f"{peer} refused our contribution (code {reply.code})")
+                result.retries += 1
+                result.bytes_sent += sum(c.ByteSize() for c in chunk_parts)
+            raise TruncatedStream(f"our contribution to {peer} was cut short {ATTEMPTS} times")
 
-        async def fetch(i: int, peer: str) -> torch.Tensor:
-            if peer == self.peer_id:
-                await part.done.wait()
-                return part.result
-
+        async def fetch_once(i: int, peer: str) -> torch.Tensor:
             stream = await self.p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer), self._fetch_name, averaging_pb2.AveragingData(group_id=keys[i]),
                 averaging_pb2.AveragingData,
@@ -336,6 +361,20 @@ class GroupAllReduce:
                 result.bytes_received += message.tensor_part.ByteSize()
             received[i] = parse_tensor(chunks_in)
             return self.codec.decode(received[i], sizes[i])
+
+        async def fetch(i: int, peer: str) -> torch.Tensor:
+            if peer == self.peer_id:
+                await part.done.wait()
+                return part.result
+            for attempt in range(ATTEMPTS):
+                try:
+                    return await fetch_once(i, peer)
+                except TruncatedStream as exc:  # the reducer serves the same bytes until the round is over
+                    if attempt == ATTEMPTS - 1:
+                        raise
+                    log.info("averaged part %d from %s came truncated (%s); fetching it again", i, peer, exc)
+                    result.retries += 1
+            raise AssertionError("unreachable")
 
         try:
             messages_out[:] = await asyncio.wait_for(prepare(), timeout)

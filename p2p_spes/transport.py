@@ -7,6 +7,7 @@ dtypes the receiver expects, and refused if it is not finite.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import msgpack
@@ -20,6 +21,11 @@ CHUNK_BYTES = 2**19
 
 class TransportError(ValueError):
     """A peer sent something malformed, of the wrong shape or dtype, or not finite."""
+
+
+class TruncatedStream(TransportError):
+    """A tensor stream ended before all of its bytes came. hivemind ends a stream silently when its
+    connection closes (seen under load on loopback): unlike a malformed tensor, worth asking again."""
 
 
 def pack(obj) -> bytes:
@@ -55,9 +61,13 @@ def serialize_parts(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
 def parse_tensor(parts: Sequence[runtime_pb2.Tensor], shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Reassemble, check and return a tensor received as chunks."""
     if not parts:
-        raise TransportError("empty tensor stream")
+        raise TruncatedStream("empty tensor stream")
+    combined = combine_from_streaming(list(parts))
+    want = _payload_bytes(combined)
+    if want is not None and len(combined.buffer) < want:
+        raise TruncatedStream(f"tensor stream ended after {len(combined.buffer)} of its {want} bytes")
     try:
-        tensor = deserialize_torch_tensor(combine_from_streaming(list(parts)))
+        tensor = deserialize_torch_tensor(combined)
     except Exception as exc:
         raise TransportError(f"could not deserialize a tensor: {exc}") from None
     if shape is not None and tuple(tensor.shape) != tuple(shape):
@@ -69,6 +79,14 @@ def parse_tensor(parts: Sequence[runtime_pb2.Tensor], shape: Sequence[int] | Non
     if tensor.dtype.is_floating_point and not torch.isfinite(tensor).all():
         raise TransportError("tensor with NaN or infinite values refused")
     return tensor
+
+
+def _payload_bytes(serialized: runtime_pb2.Tensor) -> int | None:
+    """The bytes an uncompressed serialized tensor's buffer must hold (None when that is not known)."""
+    dtype = getattr(torch, serialized.dtype, None)
+    if serialized.compression != runtime_pb2.CompressionType.NONE or not isinstance(dtype, torch.dtype):
+        return None
+    return math.prod(serialized.size) * dtype.itemsize
 
 
 async def collect_tensors(stream: AsyncIterator, field: str = "tensor_part") -> tuple[bytes, list[list[runtime_pb2.Tensor]]]:

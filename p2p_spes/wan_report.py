@@ -38,6 +38,7 @@ class RoundRow:
     shared_digest: str
     expert_digests: dict[str, str]
     time: float  # when it was logged (its end), wall clock
+    shared_error: str | None = None  # why its shared group failed, when it did
 
     @property
     def began(self) -> float:
@@ -121,6 +122,7 @@ def round_row(peer: int, record: dict[str, Any]) -> RoundRow:
         tokens_contributed=record.get("tokens_contributed"), schedule_jump=record.get("schedule_jump"),
         shared_digest=str(record.get("shared_digest", "")), expert_digests=dict(record.get("expert_digests", {})),
         time=float(record.get("time", 0.0)),
+        shared_error=record.get("groups", {}).get("shared", {}).get("error"),
     )
 
 

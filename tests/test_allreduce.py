@@ -7,12 +7,13 @@ import threading
 
 import pytest
 import torch
+from hivemind.proto import averaging_pb2
 
 from dht.node import start_dht
 from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import GroupAllReduce, weighted_mean
 from p2p_spes.compression import Codec
-from p2p_spes.transport import TransportError, parse_tensor, serialize_parts, tensor_digest
+from p2p_spes.transport import TransportError, TruncatedStream, parse_tensor, serialize_parts, tensor_digest
 
 WINDOW = 2.0  # seconds a group stays open for members after the first one arrives (matchmaking_time)
 
@@ -51,15 +52,16 @@ def dhts():
     peers.close()
 
 
-def run_group(peers, tensors, weights, compression, run_id, present=None, aggregate=None):
+def run_group(peers, tensors, weights, compression, run_id, present=None, aggregate=None, kinds=None):
     present = list(range(len(peers))) if present is None else present
     dhts = peers.nodes
+    kinds = kinds or {}
 
     async def main():
         reducers = []
         for i in present:
             p2p = peers.p2ps[i]
-            reducer = GroupAllReduce(dhts[i], p2p, dhts[i].peer_id.to_base58(), run_id, owner=peers.owners[i],
+            reducer = kinds.get(i, GroupAllReduce)(dhts[i], p2p, dhts[i].peer_id.to_base58(), run_id, owner=peers.owners[i],
                                      compression=compression, matchmaking_time=WINDOW, timeout=10.0,
                                      aggregate=aggregate)
             await reducer.start()
@@ -99,6 +101,60 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, compression):
         assert results[0].bytes_sent < uncompressed[0].bytes_sent * ratio
 
 
+class CutShort(GroupAllReduce):
+    """A reducer whose streams end early, as hivemind's do when a connection closes: the first
+    contribution it receives is cut after its first chunk, the second one is taken but its sender
+    hears no OK (it sends again), and the first averaged part it serves stops after one chunk."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cuts = {"contribution": 1, "reply": 1, "part": 1}
+
+    async def _rpc_contribute(self, stream, context):
+        messages = [m async for m in stream]
+        if self.cuts["contribution"]:
+            self.cuts["contribution"] -= 1
+            messages = messages[:1]
+
+        async def replay():
+            for m in messages:
+                yield m
+
+        reply = await super()._rpc_contribute(replay(), context)
+        if self.cuts["reply"] and reply.code == averaging_pb2.AVERAGED_PART:
+            self.cuts["reply"] -= 1
+            raise ConnectionResetError("the reply was lost")
+        return reply
+
+    async def _rpc_fetch(self, request, context):
+        async for message in super()._rpc_fetch(request, context):
+            yield message
+            if self.cuts["part"] and message.code == averaging_pb2.AVERAGED_PART:
+                self.cuts["part"] -= 1
+                return
+
+
+@pytest.mark.slow
+def test_a_stream_cut_short_is_sent_or_fetched_again(dhts):
+    """Each stream the first member's reducer cuts costs a retry, not the round: every member ends
+    with the exact mean and the same bits."""
+    numel = 3 * 200_000  # each member's part is 800 kB: two stream chunks
+    tensors = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
+    cut: list[CutShort] = []
+
+    def cut_short(*args, **kwargs) -> CutShort:
+        cut.append(CutShort(*args, **kwargs))
+        return cut[-1]
+
+    results = run_group(dhts, tensors, [1.0, 1.0, 2.0], "none", run_id="t-cut", kinds={0: cut_short})
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert cut[0].cuts == {"contribution": 0, "reply": 0, "part": 0}, "a cut was not exercised"
+    assert sum(r.retries for r in results) >= 3  # the cut contribution, the lost reply, the cut part
+    assert len({tensor_digest([r.tensor]) for r in results}) == 1
+    expected = (tensors[0] + tensors[1] + 2 * tensors[2]) / 4
+    torch.testing.assert_close(results[0].tensor, expected)
+
+
 @pytest.mark.slow
 def test_absent_member_is_waited_for_only_until_the_window_closes(dhts):
     """The third expected member never comes: the two others wait out the 2 s join window (not the 10 s
@@ -124,6 +180,15 @@ def test_non_finite_and_misshapen_tensors_are_refused():
         parse_tensor(serialize_parts(torch.ones(2)), (3,), torch.float32)
     with pytest.raises(TransportError, match="floating tensor"):
         parse_tensor(serialize_parts(torch.ones(2, dtype=torch.int64)), (2,), torch.float32)
+
+
+def test_a_stream_that_ended_early_is_told_from_a_malformed_one():
+    parts = serialize_parts(torch.ones(300_000))  # three chunks
+    with pytest.raises(TruncatedStream, match="ended after 1048576 of its 1200000 bytes"):
+        parse_tensor(parts[:2], (300_000,), torch.float32)
+    with pytest.raises(TruncatedStream, match="empty"):
+        parse_tensor([], (300_000,), torch.float32)
+    assert torch.equal(parse_tensor(parts, (300_000,), torch.float32), torch.ones(300_000))
 
 
 def test_weighted_mean():

@@ -190,7 +190,8 @@ def run_in_lab(run_dir: Path) -> tuple[SwarmReport, Lab, LocalSwarm]:
 def describe(report: SwarmReport) -> str:
     return "; ".join(
         f"peer {p.peer} (from step {p.start_step}, skipped {p.steps_skipped}): "
-        + " ".join(f"r{r.round}:{r.members}/{r.outcome}" for r in p.rounds) for p in report.peers)
+        + " ".join(f"r{r.round}:{r.members}/{r.outcome}" + (f" ({r.shared_error})" if r.shared_error else "")
+                   for r in p.rounds) for p in report.peers)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ class GroupReport:
     seconds: float = 0.0
     error: str | None = None
     refused: str | None = None  # why the result was not applied (the update guard), when it was not
+    retries: int | None = None  # parts sent or fetched again after a stream was cut short, when any
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -27,6 +27,7 @@ from p2p_spes.swarm.pacing import Deadlines
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.transport import (
     TransportError,
+    TruncatedStream,
     collect_tensors,
     pack,
     parse_tensor,
@@ -165,6 +166,8 @@ class Downloader:
             averaging_pb2.DownloadData,
         )
         metadata, parts = await collect_tensors(stream)
+        if not metadata and not parts:
+            raise TruncatedStream(f"{peer} closed the stream of {uid} before sending anything")
         meta = unpack(metadata) if metadata else {}
         if not isinstance(meta, dict) or "error" in meta or "digest" not in meta:
             raise TransportError(f"{peer} did not serve {uid}: {meta.get('error') if isinstance(meta, dict) else meta}")
@@ -201,6 +204,10 @@ class Downloader:
                     self.deadlines.observe_transfer(sum(t.numel() * t.element_size() for t in entry[1]),
                                                     time.monotonic() - t0)
                 return entry
+            except TruncatedStream as exc:  # the connection closed mid-stream: ask again at once
+                if attempt == attempts - 1:
+                    raise
+                log.info("download of %s from %s was cut short (%s); retrying", uid, peer, exc)
             except (TransportError, asyncio.TimeoutError):
                 raise
             except Exception as exc:

@@ -218,7 +218,8 @@ class RoundRunner:
         anchor) into the model and keep its encoded parts to serve; a failed one is dropped, and so is
         one the update guard refuses (we keep our values and take no one's)."""
         info = GroupReport(ok=res.ok, members=len(res.members), group_id=group_id(res.members),
-                           bytes_sent=res.bytes_sent, bytes_received=res.bytes_received, seconds=round(res.seconds, 3))
+                           bytes_sent=res.bytes_sent, bytes_received=res.bytes_received, seconds=round(res.seconds, 3),
+                           retries=res.retries or None)
         if not res.ok:
             info.error = res.error
             return info
