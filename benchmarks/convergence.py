@@ -47,8 +47,11 @@ windows 0 .. W-1 (``--val-windows``, default 1024 of the 2324) of the embedded c
 ``i * seq_len`` of the validation token stream (``TokenDataset.windows``), so with seq_len 64 it is
 the prediction of tokens 1 .. 64 W of that stream. The training processes' own validation is
 switched off (``train.eval_batches=1``, once at the end), since its windows follow the batch size.
-A swarm's value at a step is the mean over its peers' checkpoints; after an averaged round they are
-bit-identical, and the JSON says at each step how many distinct weight files the peers held. The
+A swarm's value at a step is its model: the shared weights with each expert taken from the checkpoint
+of the peer that trains it. After an averaged round uncompressed peers are bit-identical; under a
+lossy codec a lone holder trains ahead of the copies the others follow by encoded deltas, so its own
+checkpoint is where its expert is. The JSON also keeps the mean over the peers' own checkpoints
+(``peer_mean_curve``) and says at each step how many distinct weight files the peers held. The
 checkpoints are deleted once scored.
 
 Prints a table, writes ``benchmarks/results/convergence.json`` (per arm and seed: the curve, the final
@@ -137,14 +140,34 @@ class Validation:
         }
         self._models: dict[str, MoETransformer] = {}
 
-    @torch.no_grad()
-    def score(self, checkpoint: Path, state: dict[str, Any]) -> float:
+    def load(self, checkpoint: Path, state: dict[str, Any], slot: int = 0) -> MoETransformer:
+        """The checkpoint in a full model (every expert trainable: all of them are ordinary weights);
+        ``slot`` picks one of several models kept per configuration."""
         cfg = checkpoint_config(state, checkpoint)
-        key = cfg.model_fingerprint()
-        if key not in self._models:  # every expert trainable: all of them are ordinary weights
+        key = f"{cfg.model_fingerprint()}/{slot}"
+        if key not in self._models:
             self._models[key] = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(cfg.moe.num_experts)))
         model = self._models[key]
         load_checkpoint(checkpoint, model, state=state)
+        return model
+
+    def score(self, checkpoint: Path, state: dict[str, Any]) -> float:
+        return self.loss(self.load(checkpoint, state))
+
+    def score_assembled(self, checkpoints: list[tuple[Path, dict[str, Any]]], holders: list[list[int]]) -> float:
+        """The swarm's model: the first peer's checkpoint with each expert taken from a peer that trains
+        it. A lone holder under a lossy codec trains ahead of the copies the other peers follow by
+        encoded deltas, so its own checkpoint is where its expert's weights are."""
+        model = self.load(*checkpoints[0], slot=0)
+        for (path, state), experts in zip(checkpoints[1:], holders[1:]):
+            source = self.load(path, state, slot=1)
+            for e in experts:
+                if e not in holders[0]:
+                    model.write_expert(e, source.expert_tensors(e))
+        return self.loss(model)
+
+    @torch.no_grad()
+    def loss(self, model: MoETransformer) -> float:
         model.eval()
         total = 0.0
         for x, y in self.batches:
@@ -153,18 +176,23 @@ class Validation:
         return total / (self.count * self.seq_len)
 
 
-def score_run(peer_dirs: list[Path], validation: Validation, boundaries: list[int]) -> dict[str, Any]:
-    """The validation loss of every peer's checkpoint at every boundary (identical weights scored once)."""
+def score_run(peer_dirs: list[Path], validation: Validation, boundaries: list[int],
+              holders: list[list[int]] | None = None) -> dict[str, Any]:
+    """The validation loss at every boundary of the swarm's model (with ``holders``, each peer's
+    experts: shared weights and each expert from a peer that trains it; else the mean over peers) and
+    of every peer's own checkpoint (identical weights scored once)."""
     cache: dict[str, float] = {}
     per_step: dict[int, list[float]] = {}
+    assembled: dict[int, float] = {}
     distinct: dict[int, int] = {}
     for step in boundaries:
-        losses, digests = [], set()
+        losses, digests, found = [], set(), []
         for peer in peer_dirs:
             path = peer / "checkpoints" / f"step_{step:08d}"
             if not path.is_dir():
                 continue
             state = read_state(path)  # also checks the files against their SHA-256
+            found.append((path, state))
             digest = state["checksums"][WEIGHTS]
             if digest not in cache:
                 cache[digest] = validation.score(path, state)
@@ -173,8 +201,12 @@ def score_run(peer_dirs: list[Path], validation: Validation, boundaries: list[in
         if losses:
             per_step[step] = losses
             distinct[step] = len(digests)
+        if holders and len(found) == len(peer_dirs):
+            assembled[step] = cache[next(iter(digests))] if len(digests) == 1 else validation.score_assembled(found, holders)
+    curve = {s: statistics.fmean(v) for s, v in per_step.items()}
     return {
-        "curve": {s: statistics.fmean(v) for s, v in per_step.items()},
+        "curve": {s: assembled.get(s, v) for s, v in curve.items()},
+        "peer_mean_curve": curve,
         "peers_scored": {s: len(v) for s, v in per_step.items()},
         "distinct_weights": distinct,
         "peer_spread": {s: max(v) - min(v) for s, v in per_step.items()},
@@ -293,7 +325,8 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, common: list[str], wo
         report["barrier_timeouts"] = sorted(p.name for p in gate.glob("timeout-*"))
         tokens = report["tokens"]
     seconds = time.monotonic() - t0
-    scored = score_run(peer_dirs, validation, boundaries)
+    holders = None if report is None else [p.get("local_experts") or [] for p in report["peers"]]
+    scored = score_run(peer_dirs, validation, boundaries, holders)
     score_seconds = time.monotonic() - t0 - seconds
     if args.steps not in scored["curve"]:
         raise SystemExit(f"{arm} seed {seed}: no checkpoint at the last step {args.steps} (see {run_dir})")

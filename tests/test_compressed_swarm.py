@@ -5,9 +5,19 @@ from __future__ import annotations
 import pytest
 from helpers import SMALL, assert_identical_after_rounds, join_once, rounds
 
+from p2p_spes.checkpoint import find_checkpoint, load_checkpoint
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.model import MoETransformer
+from p2p_spes.transport import tensor_digest
+
+
+def checkpoint_experts(run_dir, local: list[int]) -> dict[str, str]:
+    """The digest of every expert in a peer's newest checkpoint (its own ones and its frozen copies)."""
+    cfg = load_config(None, SMALL)
+    model = MoETransformer(cfg.model, cfg.moe, local_experts=local)
+    load_checkpoint(find_checkpoint(run_dir), model)
+    return {str(e): tensor_digest(model.expert_tensors(e)) for e in range(cfg.moe.num_experts)}
 
 
 def expert_bytes() -> int:
@@ -20,7 +30,9 @@ def expert_bytes() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("compression", ["topk", "int8"])
 def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta(tmp_path, compression):
-    swarm = LocalSwarm(None, SMALL + ["train.max_steps=50", "swarm.merge_interval=0",
+    # warm-up merges at steps 20 and 40: every peer merges the values all of them hold, and a lone
+    # holder keeps its lead over them
+    swarm = LocalSwarm(None, SMALL + ["train.max_steps=50", "swarm.merge_interval=20",
                                       f"swarm.compression={compression}"], peers=2, run_dir=tmp_path)
     try:
         swarm.start()
@@ -34,8 +46,8 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
     summaries = swarm.summaries()
     for s, d in zip(summaries, dirs):
         assert s["rounds_joined"] >= 4 and s["updates_refused"] == 0
-        # top-k sends 1/64 of each pseudo-gradient per round (the rest follows through error feedback):
-        # in 5 rounds it has moved less of the local progress than int8
+        # top-k sends 1/64 of the shared pseudo-gradient per round (the rest follows through error
+        # feedback): in 5 rounds it has averaged less of the peers' progress than int8
         assert s["final_val_loss"] < s["first_train_loss"] - {"topk": 0.2, "int8": 0.5}[compression]
         # each peer holds the other's 3 experts frozen. Once both have averaged together once, their copies
         # are the groups' anchors and every refresh comes as an encoded average (before, a joiner's experts
@@ -46,10 +58,19 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
         assert later and all(r["refreshed_by_delta"] == r["refreshed"] == 3 for r in later), \
             [(r["refreshed"], r["refreshed_by_delta"]) for r in later]
         assert s["delta_refreshes"] >= 3 * len(later)
-        # anchors (shared + 3 own experts) and the residuals of what our messages dropped, on the CPU
+        # anchors (shared + 3 own experts) and the residual of what our shared messages dropped, on the
+        # CPU; the experts each peer holds alone keep none: their anchors trail the weights instead
         memory = s["sync_memory"]
         assert memory["device"] == "cpu" and memory["anchors"] > 3 * expert_bytes()
-        assert memory["residuals"] == memory["anchors"], "one residual per anchored value"
+        assert memory["residuals"] == memory["anchors"] - 3 * expert_bytes()
+    # a lone holder trains on its own weights, never on what the codec carried of them: its checkpoint
+    # holds experts ahead of the copies the other peer follows, which are the version it published
+    last = [rounds(d)[max(rounds(d))] for d in dirs]
+    held = [checkpoint_experts(d, s["local_experts"]) for d, s in zip(dirs, summaries)]
+    for me, other in ((0, 1), (1, 0)):
+        for e in map(str, summaries[me]["local_experts"]):
+            assert held[other][e] == last[me]["expert_digests"][e] == last[other]["expert_digests"][e]
+            assert held[me][e] != held[other][e], f"expert {e}: the holder's weights are not ahead of its anchor"
         limit = {"topk": 0.05, "int8": 0.3}[compression] * 3 * expert_bytes()
         assert all(r["downloaded_bytes"] < limit for r in later), \
             f"refreshes downloaded {[r['downloaded_bytes'] for r in later]} bytes, 3 whole experts are {3 * expert_bytes()}"

@@ -61,7 +61,7 @@ class Swarm:
         self.membership = Membership(self.runtime, cfg, self.stats, experts=self._local_experts)
         self.outer = OuterOptimizer(sw)
         self.server = StateServer(self.runtime, self.auth, self.stats, self.membership.refresh_members,
-                                  anchors=lambda: self.outer.anchor)
+                                  anchors=lambda: self.outer.anchor, public=self.outer.public_values)
         self.deadlines = Deadlines(sw)
         self.downloader = Downloader(self.runtime, self.stats, timeout=sw.averaging_timeout, deadlines=self.deadlines)
         self.watch = RoundWatch(self.runtime, poll=min(1.0, sw.matchmaking_time / 4))

@@ -50,6 +50,10 @@ class OuterOptimizer:
         self.anchor_round: dict[str, int] = {}
         self._digests: dict[str, str] = {}
         self.momentum: dict[str, torch.Tensor] = {}  # Nesterov outer momentum per group uid
+        # groups whose weights run ahead of their anchor: a lone holder under a lossy codec keeps
+        # what it trained, and its anchor (what it serves, and what frozen copies follow by encoded
+        # deltas) trails it by what the codec has not carried yet
+        self.ahead: set[str] = set()
 
     @property
     def stateful(self) -> bool:
@@ -58,7 +62,7 @@ class OuterOptimizer:
 
     def reset_anchors(self, model: MoETransformer, round_no: int = -1) -> None:
         """Anchors = the weights as they stand now, agreed (at start, or just downloaded)."""
-        self.anchor, self.anchor_round, self._digests = {}, {}, {}
+        self.anchor, self.anchor_round, self._digests, self.ahead = {}, {}, {}, set()
         self.set_anchor("shared", flatten(p for _, p in model.shared_parameters()), round_no)
         for e in model.local_experts:
             self.set_anchor(f"expert:{e}", flatten(model.expert_tensors(e)), round_no)
@@ -66,6 +70,25 @@ class OuterOptimizer:
     def set_anchor(self, uid: str, flat: torch.Tensor, round_no: int) -> None:
         self.anchor[uid], self.anchor_round[uid] = flat, round_no
         self._digests.pop(uid, None)
+        self.ahead.discard(uid)
+
+    def keeps_own(self, members: int, lossy: bool) -> bool:
+        """Whether a group's result leaves our weights as they are: a lone holder (``members == 1``)
+        under a lossy codec, with the plain average (whose result would be our own weights, but for
+        what the codec dropped). Its anchor still takes the result: the value others can follow."""
+        return members == 1 and lossy and not self.stateful
+
+    def public(self, uid: str, targets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``uid``'s anchor shaped (and typed) like ``targets``: the value we serve and publish."""
+        return [v.to(t.dtype) for v, t in zip(split_like(self.anchor[uid], targets), targets)]
+
+    def public_values(self, model: MoETransformer) -> dict[str, list[torch.Tensor]]:
+        """The served values of the groups whose weights run ahead of their anchor."""
+        def targets(uid: str) -> list[torch.Tensor]:
+            if uid == "shared":
+                return [p.detach() for _, p in model.shared_parameters()]
+            return list(model.expert_tensors(int(uid.split(":")[1])))
+        return {uid: self.public(uid, targets(uid)) for uid in self.ahead}
 
     def reanchor(self, uid: str, tensors: Iterable[torch.Tensor], only_existing: bool = False) -> None:
         """Set ``uid``'s anchor to ``tensors`` (after a merge, an adoption or a takeover changed them)."""

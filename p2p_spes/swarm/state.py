@@ -45,11 +45,15 @@ class StateServer:
 
     def __init__(self, runtime: Runtime, auth: RunAuth, stats: Counter,
                  refresh_members: Callable[[], Awaitable[set[str]]],
-                 anchors: Callable[[], dict[str, torch.Tensor]]) -> None:
+                 anchors: Callable[[], dict[str, torch.Tensor]],
+                 public: Callable[[MoETransformer], dict[str, list[torch.Tensor]]] | None = None) -> None:
         """``refresh_members`` re-reads the run's members (private runs); ``anchors`` returns the outer
-        optimizer's anchors by group uid (they are replaced, never written in place: safe to stream)."""
+        optimizer's anchors by group uid (they are replaced, never written in place: safe to stream);
+        ``public`` the values to serve instead of the model's for groups whose weights run ahead of
+        what the others can follow (a lone holder under a lossy codec)."""
         self.runtime, self.auth, self.stats = runtime, auth, stats
         self._refresh_members, self._anchors = refresh_members, anchors
+        self._public = public or (lambda model: {})
         self.members: set[str] = set()
         self.model: MoETransformer | None = None
         self._snapshot: dict[str, list[Entry]] = {}
@@ -69,6 +73,7 @@ class StateServer:
         entries = {"shared": [p.detach().cpu().clone() for _, p in model.shared_parameters()]}
         for e in model.local_experts:
             entries[f"expert:{e}"] = [t.detach().cpu().clone() for t in model.expert_tensors(e)]
+        entries.update({uid: [t.cpu().clone() for t in tensors] for uid, tensors in self._public(model).items()})
         for uid, value in momentum.items():
             entries[f"momentum:{uid}"] = [value.clone()]
         snapshot = {}

@@ -157,17 +157,16 @@ class RoundRunner:
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
             if alpha > 0:
-                merge_experts(model, alpha)
-                for e in model.local_experts:
-                    self.outer.reanchor(f"expert:{e}", model.expert_tensors(e), only_existing=True)
+                self._merge(model, alpha)
                 self.server.take_snapshot(round_no, step, self.outer.momentum)
                 report.merge_alpha = alpha
 
         report.seconds = time.monotonic() - t0
         report.bytes_sent = sum(g.bytes_sent for g in report.groups.values())
         report.bytes_received = sum(g.bytes_received for g in report.groups.values())
-        report.shared_digest = tensor_digest(p.detach() for _, p in model.shared_parameters())
-        report.expert_digests = {str(e): tensor_digest(model.expert_tensors(e)) for e in held}
+        public = self.outer.public_values(model)  # what we serve where our weights run ahead of it
+        report.shared_digest = tensor_digest(public.get("shared", [p.detach() for _, p in model.shared_parameters()]))
+        report.expert_digests = {str(e): tensor_digest(public.get(f"expert:{e}", model.expert_tensors(e))) for e in held}
         self.stats[{"averaged": "rounds_joined", "alone": "rounds_alone"}.get(report.outcome, "rounds_failed")] += 1
         report.downloaded_bytes = self.stats["bytes_received"] - downloaded0
         report.served_bytes = self.stats["bytes_served"] - served0
@@ -233,10 +232,38 @@ class RoundRunner:
                 info.ok, info.refused, info.error = False, reason, f"refused: {reason}"
                 return info
         base = self.outer.base(uid)
-        copy_into(targets, split_like(self.outer.step(uid, res.tensor, round_no), targets))
-        self.feedback.settle(uid, sending[uid], res.sent)
-        self.server.keep_update(uid, base.digest, tensor_digest(targets), res.messages)
+        value = self.outer.step(uid, res.tensor, round_no)
+        if self.outer.keeps_own(len(res.members), self.reducer.codec.name != "none"):
+            # our weights stay what we trained; the anchor, what we serve, took the encoded value, and
+            # the next pseudo-gradient (anchor - weights) carries what this message dropped: no residual
+            self.outer.ahead.add(uid)
+            self.feedback.drop(uid)
+            digest = tensor_digest(self.outer.public(uid, targets))
+        else:
+            copy_into(targets, split_like(value, targets))
+            self.feedback.settle(uid, sending[uid], res.sent)
+            digest = tensor_digest(targets)
+        self.server.keep_update(uid, base.digest, digest, res.messages)
         return info
+
+    def _merge(self, model: MoETransformer, alpha: float) -> None:
+        """The warm-up merge, on the values every peer holds: an expert whose weights run ahead of its
+        anchor is merged at its anchor (as the others hold it) and keeps its lead on top."""
+        leads = {}
+        for e in model.local_experts:
+            uid, targets = f"expert:{e}", model.expert_tensors(e)
+            if uid in self.outer.ahead:
+                public = self.outer.public(uid, targets)
+                leads[uid] = [t.detach() - p.to(t.device) for t, p in zip(targets, public)]
+                copy_into(targets, public)
+        merge_experts(model, alpha)
+        for e in model.local_experts:
+            self.outer.reanchor(f"expert:{e}", model.expert_tensors(e), only_existing=True)
+        for e in model.local_experts:
+            if f"expert:{e}" in leads:
+                targets = model.expert_tensors(e)
+                copy_into(targets, [t.detach() + d for t, d in zip(targets, leads[f"expert:{e}"])])
+                self.outer.ahead.add(f"expert:{e}")
 
     def _adopt_shared(self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord]) -> str | None:
         """After missing the shared group, take the result the others agreed on (as a joiner would)."""
