@@ -329,6 +329,9 @@ class GroupAllReduce:
                     )
 
             for attempt in range(ATTEMPTS):
+                if attempt:  # the last send was cut short or its reply lost: it goes again
+                    result.retries += 1
+                    result.bytes_sent += sum(c.ByteSize() for c in chunk_parts)
                 try:
                     reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self._contribute_name,
                                                                  messages(), averaging_pb2.AveragingData)
@@ -344,8 +347,6 @@ class GroupAllReduce:
                     return
                 if reply.code != AGAIN:
                     raise TransportError(f"{peer} refused our contribution (code {reply.code})")
-                result.retries += 1
-                result.bytes_sent += sum(c.ByteSize() for c in chunk_parts)
             raise TruncatedStream(f"our contribution to {peer} was cut short {ATTEMPTS} times")
 
         async def fetch_once(i: int, peer: str) -> torch.Tensor:

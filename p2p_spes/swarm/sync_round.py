@@ -233,7 +233,7 @@ class RoundRunner:
                 return info
         base = self.outer.base(uid)
         value = self.outer.step(uid, res.tensor, round_no)
-        if self.outer.keeps_own(len(res.members), self.reducer.codec.name != "none"):
+        if self.outer.keeps_own(len(res.members), not self.reducer.codec.lossless):
             # our weights stay what we trained; the anchor, what we serve, took the encoded value, and
             # the next pseudo-gradient (anchor - weights) carries what this message dropped: no residual
             self.outer.ahead.add(uid)
@@ -258,12 +258,11 @@ class RoundRunner:
                 copy_into(targets, public)
         merge_experts(model, alpha)
         for e in model.local_experts:
-            self.outer.reanchor(f"expert:{e}", model.expert_tensors(e), only_existing=True)
-        for e in model.local_experts:
-            if f"expert:{e}" in leads:
-                targets = model.expert_tensors(e)
-                copy_into(targets, [t.detach() + d for t, d in zip(targets, leads[f"expert:{e}"])])
-                self.outer.ahead.add(f"expert:{e}")
+            uid, targets = f"expert:{e}", model.expert_tensors(e)
+            self.outer.reanchor(uid, targets, only_existing=True)
+            if uid in leads:
+                copy_into(targets, [t.detach() + d for t, d in zip(targets, leads[uid])])
+                self.outer.ahead.add(uid)
 
     def _adopt_shared(self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord]) -> str | None:
         """After missing the shared group, take the result the others agreed on (as a joiner would)."""
