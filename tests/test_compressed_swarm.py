@@ -30,11 +30,12 @@ def expert_bytes() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("compression", ["topk", "int8"])
 def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta(tmp_path, compression):
-    # warm-up merges at steps 20 and 40: every peer merges the values all of them hold, and a lone
+    # warm-up merges at steps 20, 40 and 60: every peer merges the values all of them hold, and a lone
     # holder keeps its lead over them. Each peer trains its 3 of the 6 experts and no more: on a loaded
     # machine a peer whose record came late at two boundaries looked gone, and the other took over
-    # one of its experts (then 2 holders averaged it, and the test's premise no longer held)
-    swarm = LocalSwarm(None, SMALL + ["train.max_steps=50", "swarm.merge_interval=20", "swarm.max_experts_per_peer=3",
+    # one of its experts (then 2 holders averaged it, and the test's premise no longer held). 70 steps give
+    # 7 boundaries: a peer that starts late under CI load still joins at least 4 rounds
+    swarm = LocalSwarm(None, SMALL + ["train.max_steps=70", "swarm.merge_interval=20", "swarm.max_experts_per_peer=3",
                                       f"swarm.compression={compression}"], peers=2, run_dir=tmp_path)
     try:
         swarm.start()
@@ -49,7 +50,7 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
     for s, d in zip(summaries, dirs):
         assert s["rounds_joined"] >= 4 and s["updates_refused"] == 0
         # top-k sends 1/64 of the shared pseudo-gradient per round (the rest follows through error
-        # feedback): in 5 rounds it has averaged less of the peers' progress than int8
+        # feedback): in 4-7 rounds it has averaged less of the peers' progress than int8
         assert s["final_val_loss"] < s["first_train_loss"] - {"topk": 0.2, "int8": 0.5}[compression]
         # each peer holds the other's 3 experts frozen. Once both have averaged together once, their copies
         # are the groups' anchors and every refresh comes as an encoded average (before, a joiner's experts
