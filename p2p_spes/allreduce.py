@@ -13,19 +13,26 @@ loop:
    tensor is relative to (a pseudo-gradient's anchor): the group agrees on the newest one its members
    name, and a member holding another first takes the agreed one from a member (``rebase``).
 2. **Reduce-scatter.** The flat tensor is cut into one part per member; member i receives part i
-   from everyone, encoded with the run's codec (``compression.py``), and computes the weighted mean in
+   from everyone (its side is ``reducer.py``), encoded with the run's codec (``compression.py``), and computes the weighted mean in
    member order.
 3. **All-gather.** The reducer encodes its averaged part once (adding what its last encoding of that
    range dropped: error feedback on the reducer's side too) and serves those same bytes to everyone,
    so every member decodes bit-identical values. Members keep the encoded parts: a peer that holds
    the base can rebuild the result from them alone (a frozen expert's refresh).
 
-Any missing contribution or part before the deadline fails the round *for the whole group*: a
+Any missing contribution or part before the deadline fails the attempt *for the whole group*: a
 reducer either serves one result to everybody or none, and a member applies nothing unless it has
-every part. Views of the membership that differ give different group ids and fail loudly. A stream
-cut short (hivemind ends one silently when its connection closes) is not a failure yet: the part is
-sent or fetched again, up to ``ATTEMPTS`` times within the deadline, and a reducer that already holds
-a contribution whose reply was lost says so (``TAKEN``) instead of refusing it.
+every part. A member lost mid-round then costs the others a retry, not the round: every member whose
+attempt failed in the transfers joins the group again under the attempt's own key (``group~2``, ...,
+up to ``retries`` more times within the round), with the same tensor, and the members that come
+average among themselves. A dead member does not come; a slow one that does is welcome. Each attempt
+is all-or-nothing, so no partial average is ever applied; the members of the attempt that succeeds
+end bit-identical, and the lost members are reported (``GroupResult.lost``). A member alone at a
+retry fails instead (the others may have applied the first attempt). Views of the membership that
+differ give different group ids and fail loudly. A stream cut short (hivemind ends one silently when
+its connection closes) is not a failure yet: the part is sent or fetched again, up to ``ATTEMPTS``
+times within the deadline, and a reducer that already holds a contribution whose reply was lost says
+so (``TAKEN``) instead of refusing it.
 """
 
 from __future__ import annotations
@@ -45,24 +52,18 @@ from dht.keys import group_key
 from p2p_spes.aggregation import Aggregator, weighted_mean
 from p2p_spes.compression import Codec
 from p2p_spes.matchmaking import Base, agreed_base, join_group
-from p2p_spes.transport import (
-    TransportError,
-    TruncatedStream,
-    collect_tensors,
-    pack,
-    parse_tensor,
-    serialize_parts,
-    unpack,
-)
+from p2p_spes.reducer import AGAIN, MISSING, OK, TAKEN, Part, PartServer
+from p2p_spes.transport import TransportError, TruncatedStream, pack, parse_tensor, serialize_parts
 
 log = logging.getLogger(__name__)
-OK, BAD = averaging_pb2.AVERAGED_PART, averaging_pb2.BAD_GROUP_ID
-AGAIN = averaging_pb2.CANCELLED  # a contribution's stream ended early: send it again
-TAKEN = averaging_pb2.DUPLICATE_PEER_ID  # we already hold this sender's contribution (its reply was lost)
 ATTEMPTS = 3  # sends and fetches of one part, within the group's deadline
 
 
 Rebase = Callable[[Base, list[str]], Awaitable[None]]
+
+
+class PartMissing(TransportError):
+    """A reducer answered but had no averaged part to serve: a contribution it needed never came."""
 
 
 @dataclass
@@ -80,25 +81,13 @@ class GroupResult:
     messages: list[torch.Tensor] = field(default_factory=list)  # the encoded averaged parts, in order
     base: Base | None = None  # the base the group agreed on
     retries: int = 0  # parts sent or fetched again after their stream was cut short
+    attempts: int = 1  # times the group formed this round (a failed transfer is retried among those who come)
+    lost: list[str] = field(default_factory=list)  # members of the first attempt missing from the one that succeeded
+    retryable: bool = False  # failed in the transfers (not in matchmaking): the survivors may form again
 
     @property
     def ok(self) -> bool:
         return self.tensor is not None
-
-
-@dataclass
-class _Part:
-    members: list[str]
-    gid: str
-    shape: tuple[int, ...]
-    deadline: float
-    name: str = ""  # the group's name (same every round): the reducer's residual is kept under it
-    start: int = 0  # where this part starts in the group's flat tensor
-    contributions: dict[str, tuple[float, torch.Tensor]] = field(default_factory=dict)
-    result_parts: list | None = None
-    message: torch.Tensor | None = None
-    result: torch.Tensor | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class GroupAllReduce:
@@ -107,21 +96,16 @@ class GroupAllReduce:
     def __init__(
         self, dht, p2p, peer_id: str, run_id: str, *, owner: bytes, compression: str | Codec = "none",
         matchmaking_time: float = 3.0, timeout: float = 30.0,
-        aggregate: Aggregator | None = None,
+        aggregate: Aggregator | None = None, retries: int = 1,
     ) -> None:
         self.dht, self.p2p, self.peer_id, self.run_id = dht, p2p, peer_id, run_id
         self.owner = owner  # our signed subkey (dht/identity.py): nobody can join a group in our name
         self.codec = compression if isinstance(compression, Codec) else Codec(compression)
         self.matchmaking_time, self.timeout = matchmaking_time, timeout
         self.aggregate = aggregate or weighted_mean
-        self._parts: dict[bytes, _Part] = {}
-        # what we moved as a reducer for others (contributions in, averaged parts out), for accounting
-        self.served_in = self.served_out = 0
-        self._registered: dict[bytes, asyncio.Event] = {}
-        self._decided: dict[tuple[int, str], str] = {}  # (round, group) -> our group id, once known
-        # what our encodings of averaged parts dropped, by group name: (start, values), added the next
-        # time we reduce an overlapping range (CPU, fp32, about 1/members of each group's tensor)
-        self.reducer_residual: dict[str, tuple[int, torch.Tensor]] = {}
+        self.retries = retries  # attempts after a failed transfer, per group and round
+        # the parts we reduce for the groups we are in (reducer.py); replaceable before start()
+        self.server = PartServer(self.codec, self.aggregate, matchmaking_time + timeout)
 
     @property
     def _contribute_name(self) -> str:
@@ -131,107 +115,23 @@ class GroupAllReduce:
     def _fetch_name(self) -> str:
         return f"{self.run_id}.allreduce.fetch"
 
+    @property
+    def served_in(self) -> int:
+        """Bytes of contributions we received as a reducer."""
+        return self.server.served_in
+
+    @property
+    def served_out(self) -> int:
+        """Bytes of averaged parts we served as a reducer."""
+        return self.server.served_out
+
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(
-            self._contribute_name, self._rpc_contribute, averaging_pb2.AveragingData, stream_input=True
+            self._contribute_name, self.server.contribute, averaging_pb2.AveragingData, stream_input=True
         )
         await self.p2p.add_protobuf_handler(
-            self._fetch_name, self._rpc_fetch, averaging_pb2.AveragingData, stream_output=True
+            self._fetch_name, self.server.fetch, averaging_pb2.AveragingData, stream_output=True
         )
-
-    # Server side ---------------------------------------------------------------------------
-    async def _wait_part(self, key: bytes) -> _Part | None:
-        """Our part for ``key``, waiting while we have not reached that round yet."""
-        try:
-            round_no, group, gid, _ = unpack(key)
-        except (TransportError, ValueError):
-            return None
-        decided = self._decided.get((round_no, group))
-        if decided is not None and decided != gid:
-            return None  # we formed this group with other members: refuse at once
-        if key not in self._parts:
-            event = self._registered.setdefault(key, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), self.matchmaking_time + self.timeout)
-            except asyncio.TimeoutError:
-                return None
-        return self._parts.get(key)
-
-    async def _rpc_contribute(self, stream, context) -> averaging_pb2.AveragingData:
-        sender = context.remote_id.to_base58()
-        try:
-            messages = [m async for m in stream]
-            if not messages:
-                return averaging_pb2.AveragingData(code=AGAIN)
-            first = messages[0]
-
-            async def replay():
-                for m in messages:
-                    yield m
-
-            _, tensors = await collect_tensors(replay())
-            if len(tensors) > 1 or not first.weight > 0:
-                return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            part = await self._wait_part(first.group_id)
-            if part is not None and sender in part.contributions:
-                return averaging_pb2.AveragingData(code=TAKEN)
-            if part is None or sender not in part.members or part.done.is_set():
-                return averaging_pb2.AveragingData(code=BAD)
-            message = parse_tensor(tensors[0] if tensors else [])
-            tensor = self.codec.decode(message, part.shape[0])
-            self.served_in += sum(m.tensor_part.ByteSize() for m in messages)
-        except TruncatedStream as exc:
-            log.info("a contribution from %s came truncated (%s); asking for it again", sender, exc)
-            return averaging_pb2.AveragingData(code=AGAIN)
-        except TransportError as exc:
-            log.warning("refused a contribution from %s: %s", sender, exc)
-            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-        except Exception as exc:
-            log.warning("contribution from %s failed: %r", sender, exc)
-            return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-        self._add(part, sender, first.weight, tensor)
-        return averaging_pb2.AveragingData(code=OK)
-
-    async def _rpc_fetch(self, request: averaging_pb2.AveragingData, context):
-        part = await self._wait_part(request.group_id)
-        if part is None or context.remote_id.to_base58() not in part.members:
-            yield averaging_pb2.AveragingData(code=BAD)
-            return
-        try:
-            await asyncio.wait_for(part.done.wait(), max(part.deadline - time.monotonic(), 0.01))
-        except asyncio.TimeoutError:
-            pass
-        if part.result_parts is None:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-            return
-        for chunk in part.result_parts:
-            self.served_out += chunk.ByteSize()
-            yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
-
-    def _add(self, part: _Part, peer: str, weight: float, tensor: torch.Tensor) -> None:
-        part.contributions[peer] = (weight, tensor)
-        if len(part.contributions) == len(part.members):
-            order = sorted(part.contributions)
-            averaged = self.aggregate([part.contributions[p][1] for p in order], [part.contributions[p][0] for p in order])
-            part.message, part.result = self._encode_result(part, averaged)
-            part.result_parts = serialize_parts(part.message)
-            part.done.set()
-
-    def _encode_result(self, part: _Part, averaged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode our averaged part once, with what our last encoding of an overlapping range dropped."""
-        if self.codec.lossless:
-            message = self.codec.encode(averaged)
-            return message, self.codec.decode(message, averaged.numel())
-        end = part.start + averaged.numel()
-        start0, residual = self.reducer_residual.get(part.name, (0, torch.empty(0)))
-        lo, hi = max(start0, part.start), min(start0 + residual.numel(), end)
-        compensated = averaged.clone()
-        if lo < hi:
-            compensated[lo - part.start:hi - part.start] += residual[lo - start0:hi - start0]
-        message = self.codec.encode(compensated)
-        decoded = self.codec.decode(message, averaged.numel())
-        self.reducer_residual[part.name] = (part.start, compensated - decoded)
-        return message, decoded
 
     # Client side ---------------------------------------------------------------------------
     def solo(self, tensor: torch.Tensor, result: GroupResult | None = None) -> GroupResult:
@@ -256,11 +156,41 @@ class GroupAllReduce:
         take that base or raise); ``tensor`` may then be a function, called after it.
         """
         t0 = time.monotonic()
+        result = await self._attempt(round_no, group, group, tensor, weight, expected, on_members, window,
+                                     timeout, base, rebase)
+        first = result
+        while not result.ok and result.retryable and result.attempts <= self.retries:
+            attempt = result.attempts + 1
+            survivors = set(result.members) - set(result.lost)
+            log.info("round %d group %s: attempt %d among the %d members still answering (%s)", round_no, group,
+                     attempt, len(survivors), result.error)
+            retry = await self._attempt(round_no, group, f"{group}~{attempt}", tensor, weight, survivors, None,
+                                        None, timeout, base, rebase)
+            retry.attempts = attempt
+            retry.bytes_sent += result.bytes_sent
+            retry.bytes_received += result.bytes_received
+            retry.retries += result.retries
+            retry.transfer_seconds += result.transfer_seconds  # the link's speed is measured over all of them
+            retry.lateness, retry.window = first.lateness, first.window  # the round's arrivals, not the retry's
+            if not retry.ok and not retry.members:
+                retry.members = result.members  # nobody came: report the group we had
+            result = retry
+        if result.ok:
+            result.lost = sorted(set(first.members) - set(result.members))
+        result.seconds = time.monotonic() - t0
+        return result
+
+    async def _attempt(self, round_no: int, group: str, key: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
+                       weight: float, expected: set[str], on_members: Callable[[], None] | None,
+                       window: float | None, timeout: float | None, base: Base | None,
+                       rebase: Rebase | None) -> GroupResult:
+        """One formation of ``group`` under DHT key ``key`` and its transfers (see :meth:`run`)."""
+        t0 = time.monotonic()
         window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
         timeout = self.timeout if timeout is None else min(timeout, self.timeout)
         try:
             joined = await join_group(
-                self.dht, group_key(self.run_id, round_no, group), self.peer_id, self.owner,
+                self.dht, group_key(self.run_id, round_no, key), self.peer_id, self.owner,
                 set(expected) | {self.peer_id}, weight, window, base,
                 matchmaking_time=self.matchmaking_time, ttl=self.matchmaking_time + self.timeout + 30)
             members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
@@ -279,15 +209,20 @@ class GroupAllReduce:
             return result
         result.base = agreed_base(bases)
         deadline = time.monotonic() + timeout
+        if len(members) == 1 and key != group:
+            # alone at a retry: the others applied the first attempt's result (or are gone); averaging
+            # with nobody would set us apart from them, failing lets the caller take what they agreed on
+            result.error = "nobody else came to form the group again"
+            return result
         if len(members) == 1:
             self.solo(tensor() if callable(tensor) else tensor, result)
             result.seconds = time.monotonic() - t0
             return result
         gid = hashlib.sha256(pack(members)).hexdigest()[:16]
-        self._decided[(round_no, group)] = gid
-        keys = [pack([round_no, group, gid, i]) for i in range(len(members))]
+        self.server.decided[(round_no, key)] = gid
+        keys = [pack([round_no, key, gid, i]) for i in range(len(members))]
         mine = members.index(self.peer_id)
-        part: _Part | None = None
+        part: Part | None = None
         sizes: list[int] = []
         sent_parts: list[torch.Tensor | None] = [None] * len(members)
         received: list[torch.Tensor | None] = [None] * len(members)
@@ -304,19 +239,19 @@ class GroupAllReduce:
             flat = tensor() if callable(tensor) else tensor
             chunks = torch.tensor_split(flat, len(members))
             sizes[:] = [len(c) for c in chunks]
-            part = _Part(members, gid, (sizes[mine],), deadline, name=group, start=sum(sizes[:mine]))
-            self._parts[keys[mine]] = part
-            if keys[mine] in self._registered:
-                self._registered.pop(keys[mine]).set()
+            part = Part(members, gid, (sizes[mine],), deadline, name=group, start=sum(sizes[:mine]))
+            self.server.register(keys[mine], part)
             return [self.codec.encode(c.contiguous()) for c in chunks]
 
         messages_out: list[torch.Tensor] = []
+        suspects: set[str] = set()  # members that refused or failed us in this attempt
+        contributed: set[str] = set()  # members that took our contribution
 
         async def contribute(i: int, peer: str) -> None:
             message = messages_out[i]
             sent_parts[i] = self.codec.decode(message, sizes[i])  # what the reducer will decode
             if peer == self.peer_id:
-                self._add(part, peer, float(weight), sent_parts[i])
+                self.server.add(part, peer, float(weight), sent_parts[i])
                 return
             chunk_parts = serialize_parts(message)
             result.bytes_sent += sum(c.ByteSize() for c in chunk_parts)
@@ -344,8 +279,10 @@ class GroupAllReduce:
                         return
                     reply = averaging_pb2.AveragingData(code=AGAIN)
                 if reply.code in (OK, TAKEN):
+                    contributed.add(peer)
                     return
                 if reply.code != AGAIN:
+                    suspects.add(peer)
                     raise TransportError(f"{peer} refused our contribution (code {reply.code})")
             raise TruncatedStream(f"our contribution to {peer} was cut short {ATTEMPTS} times")
 
@@ -356,6 +293,8 @@ class GroupAllReduce:
             )
             chunks_in = []
             async for message in stream:
+                if message.code == MISSING:
+                    raise PartMissing(f"{peer} had no averaged part {i} to serve (a contribution never came)")
                 if message.code != OK:
                     raise TransportError(f"{peer} could not serve averaged part {i} (code {message.code})")
                 chunks_in.append(message.tensor_part)
@@ -372,9 +311,15 @@ class GroupAllReduce:
                     return await fetch_once(i, peer)
                 except TruncatedStream as exc:  # the reducer serves the same bytes until the round is over
                     if attempt == ATTEMPTS - 1:
+                        suspects.add(peer)
                         raise
                     log.info("averaged part %d from %s came truncated (%s); fetching it again", i, peer, exc)
                     result.retries += 1
+                except PartMissing:  # it answers: what it lacks is someone else's contribution
+                    raise
+                except Exception:
+                    suspects.add(peer)
+                    raise
             raise AssertionError("unreachable")
 
         try:
@@ -386,12 +331,14 @@ class GroupAllReduce:
             result.tensor, result.sent = torch.cat(parts), torch.cat(sent_parts)
             received[mine] = part.message
             result.messages = list(received)
-        except Exception as exc:  # a failed round is discarded whatever went wrong
-            result.error = f"{type(exc).__name__}: {exc}"
-            log.warning("round %d group %s failed: %s", round_no, group, result.error)
+        except Exception as exc:  # a failed attempt is discarded whatever went wrong
+            if isinstance(exc, asyncio.TimeoutError):  # those that had not taken our contribution by the
+                # deadline (a reducer that has not served its part may be waiting for someone else's)
+                suspects.update(set(members) - contributed - {self.peer_id})
+            result.error = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} after {timeout:.0f} s"
+            result.retryable, result.lost = True, sorted(suspects)
+            log.warning("round %d group %s failed: %s", round_no, key, result.error)
         finally:
-            loop = asyncio.get_running_loop()
-            loop.call_later(self.timeout + self.matchmaking_time, self._parts.pop, keys[mine], None)
-            loop.call_later(3 * (self.timeout + self.matchmaking_time), self._decided.pop, (round_no, group), None)
+            self.server.forget_later(keys[mine], (round_no, key), self.timeout + self.matchmaking_time)
         result.seconds, result.transfer_seconds = time.monotonic() - t0, time.monotonic() - t_decided
         return result

@@ -75,7 +75,8 @@ class Chaos:
     def live(self) -> list[int]:
         return [i for i, p in enumerate(self.swarm.procs) if p.poll() is None and i not in self.down]
 
-    def _last_step(self, index: int) -> int:
+    def last_step(self, index: int) -> int:
+        """The last training step peer ``index`` logged (-1 before its first)."""
         records = [r for r in read_metrics(self.swarm.run_dir / f"peer{index}") if "loss" in r]
         return records[-1]["step"] if records else -1
 
@@ -90,12 +91,12 @@ class Chaos:
         if in_sync:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and proc.poll() is None:
-                step = self._last_step(index)
+                step = self.last_step(index)
                 if step > 0 and step % self.sync_steps == self.sync_steps - 1:
                     break
                 time.sleep(0.02)
             time.sleep(self.rng.uniform(0.3, 2.0))
-            note = f"after step {self._last_step(index)}"
+            note = f"after step {self.last_step(index)}"
         start = time.time()
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

@@ -166,6 +166,9 @@ class SwarmConfig:
     overlap: bool = field(default=False, metadata=LOCAL)
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
+    # a group whose transfers failed (a member died or froze mid-round) forms again among the members
+    # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost
+    group_retries: int = 1
     heartbeat: float = 5.0
     record_ttl: float = 15.0
     # "average": SPES (weights replaced by the average); "nesterov": DiLoCo's outer Nesterov step.
@@ -353,6 +356,8 @@ def validate(config: Config) -> None:
     if not all(0 <= b < 1 for b in tr.betas):
         raise ConfigError(f"train.betas must be in [0, 1), got {list(tr.betas)}")
     sw = config.swarm
+    if sw.group_retries < 0:
+        raise ConfigError(f"swarm.group_retries must be 0 or more (attempts after a failed transfer), got {sw.group_retries}")
     if sw.sync_steps <= 0 or sw.replicas <= 0 or sw.matchmaking_time <= 0 or sw.averaging_timeout <= 0:
         raise ConfigError("swarm.sync_steps, swarm.replicas, swarm.matchmaking_time and swarm.averaging_timeout must be positive")
     if sw.experts_per_peer is not None and not 0 < sw.experts_per_peer <= moe.num_experts:

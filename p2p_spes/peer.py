@@ -126,7 +126,11 @@ class SwarmSync:
         with torch.no_grad():
             for live, after, before in zip(model_tensors(trainer.model), model_tensors(shadow), base):
                 if live.is_floating_point():
-                    live.add_(after.to(live.device) - before.to(live.device))
+                    after, before = after.to(live.device), before.to(live.device)
+                    # values training did not touch meanwhile (frozen copies) take the round's bits
+                    # exactly: before + (after - before) may differ from after in the last bit, and a
+                    # copy one bit off its group's anchor can no longer follow it by encoded deltas
+                    live.copy_(torch.where(live == before, after, live + (after - before)))
         self._after(trainer, report, started)
 
     def _after(self, trainer: Trainer, report: RoundReport, started: int) -> None:

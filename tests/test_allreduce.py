@@ -13,6 +13,7 @@ from dht.node import start_dht
 from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import GroupAllReduce, weighted_mean
 from p2p_spes.compression import Codec
+from p2p_spes.reducer import PartServer
 from p2p_spes.transport import TransportError, TruncatedStream, parse_tensor, serialize_parts, tensor_digest
 
 WINDOW = 2.0  # seconds a group stays open for members after the first one arrives (matchmaking_time)
@@ -101,7 +102,7 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, compression):
         assert results[0].bytes_sent < uncompressed[0].bytes_sent * ratio
 
 
-class CutShort(GroupAllReduce):
+class CutShort(PartServer):
     """A reducer whose streams end early, as hivemind's do when a connection closes: the first
     contribution it receives is cut after its first chunk, the second one is taken but its sender
     hears no OK (it sends again), and the first averaged part it serves stops after one chunk."""
@@ -110,7 +111,7 @@ class CutShort(GroupAllReduce):
         super().__init__(*args, **kwargs)
         self.cuts = {"contribution": 1, "reply": 1, "part": 1}
 
-    async def _rpc_contribute(self, stream, context):
+    async def contribute(self, stream, context):
         messages = [m async for m in stream]
         if self.cuts["contribution"]:
             self.cuts["contribution"] -= 1
@@ -120,14 +121,14 @@ class CutShort(GroupAllReduce):
             for m in messages:
                 yield m
 
-        reply = await super()._rpc_contribute(replay(), context)
+        reply = await super().contribute(replay(), context)
         if self.cuts["reply"] and reply.code == averaging_pb2.AVERAGED_PART:
             self.cuts["reply"] -= 1
             raise ConnectionResetError("the reply was lost")
         return reply
 
-    async def _rpc_fetch(self, request, context):
-        async for message in super()._rpc_fetch(request, context):
+    async def fetch(self, request, context):
+        async for message in super().fetch(request, context):
             yield message
             if self.cuts["part"] and message.code == averaging_pb2.AVERAGED_PART:
                 self.cuts["part"] -= 1
@@ -142,9 +143,11 @@ def test_a_stream_cut_short_is_sent_or_fetched_again(dhts):
     tensors = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
     cut: list[CutShort] = []
 
-    def cut_short(*args, **kwargs) -> CutShort:
-        cut.append(CutShort(*args, **kwargs))
-        return cut[-1]
+    def cut_short(*args, **kwargs) -> GroupAllReduce:
+        reducer = GroupAllReduce(*args, **kwargs)
+        reducer.server = CutShort(reducer.codec, reducer.aggregate, reducer.server.wait)
+        cut.append(reducer.server)
+        return reducer
 
     results = run_group(dhts, tensors, [1.0, 1.0, 2.0], "none", run_id="t-cut", kinds={0: cut_short})
     assert all(r.ok for r in results), [r.error for r in results]
@@ -219,3 +222,87 @@ def test_a_malicious_member_moves_robust_results_a_bounded_amount(dhts, rule):
         outcome[name] = float((results[0].tensor - honest_mean).norm()) / spread
     assert outcome["mean"] > 1000, outcome  # plain averaging follows the attacker
     assert outcome[rule] < 1.0, outcome  # within the honest peers' own disagreement
+
+
+class Forgot(PartServer):
+    """The handlers of a process that restarted and forgot the round: they refuse everyone at once."""
+
+    async def contribute(self, stream, context):
+        async for _ in stream:
+            pass
+        return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+    async def fetch(self, request, context):
+        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+
+class Hangs(PartServer):
+    """The handlers of a SIGSTOPped process: nothing answers for longer than the group's deadline."""
+
+    async def contribute(self, stream, context):
+        await asyncio.sleep(15.0)
+        return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+    async def fetch(self, request, context):
+        await asyncio.sleep(15.0)
+        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+
+class Dies(GroupAllReduce):
+    """A member that joins the group and is gone before the transfers: it sends nothing, and its
+    handlers refuse everyone (as a restarted process that forgot the round would). It never retries."""
+
+    handlers = Forgot
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.server = self.handlers(self.codec, self.aggregate, self.server.wait)
+
+    async def run(self, round_no, group, tensor, weight, expected, **kwargs):
+        self.retries = 0
+
+        def gone():
+            raise RuntimeError("this member died after joining")
+        return await super().run(round_no, group, gone, weight, expected, **kwargs)
+
+
+class Freezes(Dies):
+    """A member that joins and then stops answering: contributions to it and fetches from it hang
+    (for longer than the group's deadline), as a SIGSTOPped process's would."""
+
+    handlers = Hangs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["dies", "freezes"])
+def test_a_member_lost_mid_round_costs_the_others_a_retry_not_the_round(dhts, fault):
+    """The third member joins and is then gone (refusing everyone at once) or frozen (answering nobody
+    until after the 10 s deadline): the two others form the group again without it and end with
+    their own weighted mean, bit-identical, reporting it lost."""
+    tensors = [torch.randn(10_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
+    lost = {"dies": Dies, "freezes": Freezes}[fault]
+    results = run_group(dhts, tensors, [1.0, 3.0, 1.0], "none", run_id=f"t-lost-{fault}", kinds={2: lost})
+    survivors, gone = results[:2], results[2]
+    gone_id = dhts.nodes[2].peer_id.to_base58()
+    assert not gone.ok and len(gone.members) == 3, "the lost member was not in the first attempt"
+    assert all(r.ok for r in survivors), [r.error for r in survivors]
+    assert all(r.attempts == 2 and r.lost == [gone_id] and len(r.members) == 2 for r in survivors), \
+        [(r.attempts, r.lost, r.members) for r in survivors]
+    assert len({tensor_digest([r.tensor]) for r in survivors}) == 1, "the survivors' copies differ"
+    torch.testing.assert_close(survivors[0].tensor, (tensors[0] + 3 * tensors[1]) / 4)
+    # a dead member is noticed at once; a frozen one at the 10 s deadline; then one more join window
+    limit = {"dies": 3 * WINDOW + 3.0, "freezes": 10.0 + 3 * WINDOW + 3.0}[fault]
+    assert max(r.seconds for r in survivors) < limit, [round(r.seconds, 1) for r in survivors]
+
+
+@pytest.mark.slow
+def test_no_retry_when_retries_are_off(dhts):
+    tensors = [torch.ones(64) * i for i in range(3)]
+
+    def no_retries(*args, **kwargs) -> GroupAllReduce:
+        return GroupAllReduce(*args, **kwargs, retries=0)
+    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-no-retry",
+                        kinds={0: no_retries, 1: no_retries, 2: Dies})
+    assert not any(r.ok for r in results)
+    assert all(r.attempts == 1 for r in results[:2])
+    assert all("refused our contribution" in r.error for r in results[:2]), [r.error for r in results[:2]]

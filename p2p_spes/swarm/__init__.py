@@ -69,6 +69,7 @@ class Swarm:
             self.runtime.dht, self.runtime.p2p, self.peer_id, self.runtime.run_id, owner=self.runtime.identity.owner,
             compression=Codec(sw.compression, sw.topk_fraction), matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
             aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),
+            retries=sw.group_retries,
         )
         self.runtime.call(self.reducer.start())
         self.runtime.call(self.server.start())
@@ -233,7 +234,7 @@ class Swarm:
             anchors=sum(t.numel() * t.element_size() for t in outer.anchor.values()),
             momentum=sum(t.numel() * t.element_size() for t in outer.momentum.values()),
             residuals=self.runner.feedback.nbytes(),
-            reducer_residuals=sum(t.numel() * t.element_size() for _, t in self.reducer.reducer_residual.values()),
+            reducer_residuals=sum(t.numel() * t.element_size() for _, t in self.reducer.server.residual.values()),
         )
 
     # Self-healing coverage -----------------------------------------------------------------------

@@ -19,6 +19,8 @@ class GroupReport:
     error: str | None = None
     refused: str | None = None  # why the result was not applied (the update guard), when it was not
     retries: int | None = None  # parts sent or fetched again after a stream was cut short, when any
+    attempts: int | None = None  # times the group formed, when a failed transfer made it form again
+    lost: list[str] | None = None  # members of its first attempt missing from the one that succeeded
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -218,7 +218,8 @@ class RoundRunner:
         one the update guard refuses (we keep our values and take no one's)."""
         info = GroupReport(ok=res.ok, members=len(res.members), group_id=group_id(res.members),
                            bytes_sent=res.bytes_sent, bytes_received=res.bytes_received, seconds=round(res.seconds, 3),
-                           retries=res.retries or None)
+                           retries=res.retries or None, attempts=res.attempts if res.attempts > 1 else None,
+                           lost=res.lost or None)
         if not res.ok:
             info.error = res.error
             return info

@@ -1,0 +1,225 @@
+"""Rounds at size: 8, 16 and 24 loopback peers of a micro config, with peers killed, frozen and restarted.
+
+    python benchmarks/scale.py                                  # 8, 16 and 24 peers, one kill each
+    python benchmarks/scale.py --peers 24 --faults churn        # a fault per round on average
+    python benchmarks/scale.py --peers 16 --faults kill --steps 200 --seed 1
+
+Every peer is a ``p2p-spes train`` process on 127.0.0.1 (``p2p_spes/local_swarm.py``), one thread
+each, all sharing this machine's cores, so they reach each boundary spread out as unequal peers on
+the internet do. The model is a micro config (d_model 64, 2 layers, one expert per peer, sync every
+10 steps). Faults (``p2p_spes/chaos.py``):
+
+* ``kill``: one peer (never the first, whose address the others joined through) SIGKILLed a third of
+  the way into the run; it does not come back;
+* ``churn``: from the first round on, one fault per measured round time on average: a kill (at a
+  random moment or inside a round), a freeze of a whole process group for longer than the sync
+  deadline, or a restart of a killed peer from its own checkpoint;
+* ``none``.
+
+Reported per N: peer-rounds applied / attempted (a peer-round is applied when the peer averaged the
+shared weights with others or took the result its group agreed on), rounds in which every peer that
+ran the round applied an average, the median seconds per round, bytes sent + received + downloaded per
+peer per round, how many different shared weights the surviving peers hold at the end (their last
+common round), groups that needed a retry and members lost from them, the peak resident memory of a
+peer (its process group: trainer, DHT, p2pd) and of the whole swarm, and processes left behind.
+Writes ``benchmarks/results/scale.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from p2p_spes.chaos import Chaos, orphaned, read_metrics
+from p2p_spes.config import load_config
+from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.swarm import sync_deadline
+
+RESULTS = Path(__file__).parent / "results" / "scale.json"
+SYNC_STEPS = 10
+
+
+def micro(peers: int, steps: int) -> list[str]:
+    """The micro config: one expert per peer, small enough for 24 peers on 2 cores."""
+    return [
+        "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
+        f"moe.num_experts={peers}", "moe.ffn_dim=64", "moe.top_k=2", "train.batch_size=4", "train.warmup_steps=5",
+        f"train.max_steps={steps}", "train.eval_interval=1000000", "train.log_interval=5",
+        "train.checkpoint_interval=20", "train.keep_checkpoints=2", f"swarm.sync_steps={SYNC_STEPS}",
+        "swarm.matchmaking_time=10", "swarm.averaging_timeout=30", "swarm.merge_interval=0",
+    ]
+
+
+def group_rss(pgid: int) -> int:
+    """Resident bytes of every process in process group ``pgid`` (a peer: trainer, p2pd)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for line in Path(f"/proc/{entry}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+class MemoryWatch(threading.Thread):
+    """Samples every peer's resident memory every ``period`` seconds until stopped."""
+
+    def __init__(self, swarm: LocalSwarm, period: float = 2.0) -> None:
+        super().__init__(daemon=True)
+        self.swarm, self.period = swarm, period
+        self.peak_peer = self.peak_total = 0
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.period):
+            sizes = [group_rss(p.pid) for p in list(self.swarm.procs) if p.poll() is None]
+            if sizes:
+                self.peak_peer = max(self.peak_peer, max(sizes))
+                self.peak_total = max(self.peak_total, sum(sizes))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join(10)
+
+
+def rounds_of(run_dir: Path, peers: int) -> dict[int, list[dict[str, Any]]]:
+    """Every peer's sync-round lines, by peer."""
+    return {i: [r for r in read_metrics(run_dir / f"peer{i}") if "sync_round" in r] for i in range(peers)}
+
+
+def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]:
+    """The row of one run (see the module docstring)."""
+    per_peer = rounds_of(run_dir, peers)
+    rows = [r for records in per_peer.values() for r in records]
+    applied = [r for r in rows if r["outcome"] in ("averaged", "adopted")]
+    by_round: dict[int, list[dict]] = {}
+    for r in rows:
+        by_round.setdefault(r["sync_round"], []).append(r)
+    everyone = [n for n, rs in by_round.items() if all(r["outcome"] in ("averaged", "adopted") for r in rs)]
+    last = {i: {r["sync_round"]: r for r in per_peer[i]} for i in survivors}
+    common = set.intersection(*(set(v) for v in last.values())) if last else set()
+    final = max(common) if common else None
+    groups = [g for r in rows for g in r.get("groups", {}).values()]
+    return {
+        "peer_rounds": len(rows), "peer_rounds_applied": len(applied),
+        "applied_share": len(applied) / len(rows) if rows else None,
+        "peer_rounds_averaged": sum(r["outcome"] == "averaged" for r in rows),
+        "rounds": len(by_round), "rounds_everyone_applied": len(everyone),
+        "everyone_share": len(everyone) / len(by_round) if by_round else None,
+        "seconds_per_round": statistics.median(r["sync_seconds"] for r in rows) if rows else None,
+        "mb_per_peer_round": statistics.fmean((r["bytes_sent"] + r["bytes_received"] + r["downloaded_bytes"]) / 1e6
+                                              for r in rows) if rows else None,
+        "groups_retried": sum((g.get("attempts") or 1) > 1 for g in groups),
+        "members_lost": sum(len(g.get("lost") or []) for g in groups),
+        "final_round": final,
+        "final_weights": len({last[i][final]["shared_digest"] for i in survivors}) if final is not None else None,
+        "survivors": len(survivors),
+    }
+
+
+def run_size(peers: int, faults: str, steps: int, seed: int, work: Path, console: Console) -> dict[str, Any]:
+    overrides = micro(peers, steps)
+    cfg = load_config(None, overrides)
+    deadline = sync_deadline(cfg.swarm)
+    run_dir = work / f"n{peers}-{faults}"
+    swarm = LocalSwarm(None, overrides, peers=peers, run_dir=run_dir, run_id=f"scale-{peers}")
+    chaos = Chaos(swarm, SYNC_STEPS, freeze_seconds=deadline + 5, seed=seed, min_live=max(2, peers // 2))
+    memory = MemoryWatch(swarm)
+    t0 = time.monotonic()
+    timeout = 900 + 40 * peers
+    try:
+        swarm.start(stagger=0.5)
+        memory.start()
+        if faults == "kill":
+            victim = chaos.rng.randrange(1, peers)
+            while time.monotonic() - t0 < timeout and chaos.last_step(victim) < steps // 3:
+                time.sleep(1.0)
+            fault = chaos.kill(victim)
+            console.print(f"  [{time.monotonic() - t0:5.0f}s] killed peer {fault.peer}")
+        elif faults == "churn":
+            while time.monotonic() - t0 < timeout and not any(rounds_of(run_dir, peers).values()):
+                time.sleep(2.0)
+            while time.monotonic() - t0 < timeout and any(p.poll() is None for p in swarm.procs):
+                times = [r["sync_seconds"] for rs in rounds_of(run_dir, peers).values() for r in rs]
+                step_time = 0.25 * SYNC_STEPS + (statistics.median(times) if times else 10.0)
+                time.sleep(chaos.rng.uniform(0.5, 1.5) * step_time)
+                if sum(chaos.last_step(i) >= steps - 2 * SYNC_STEPS for i in chaos.live()) >= len(chaos.live()) // 2:
+                    break  # near the end: let the survivors finish
+                fault = chaos.random_fault()
+                if fault:
+                    console.print(f"  [{time.monotonic() - t0:5.0f}s] {fault.kind} peer {fault.peer} {fault.note}")
+        codes = swarm.wait(max(timeout - (time.monotonic() - t0), 1.0))
+    finally:
+        memory.stop()
+        swarm.stop()
+    left = orphaned(swarm)
+    survivors = [i for i, c in enumerate(codes) if c == 0]
+    row = {"peers": peers, "faults": faults, "steps": steps, "seed": seed, "wall_seconds": round(time.monotonic() - t0, 1),
+           "exit_codes": codes, "fault_log": [vars(f) for f in chaos.faults],
+           **summarize(run_dir, peers, survivors), "processes_left": left,
+           "peak_rss_peer_mb": round(memory.peak_peer / 2**20), "peak_rss_swarm_mb": round(memory.peak_total / 2**20)}
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, nargs="+", default=[8, 16, 24])
+    parser.add_argument("--faults", choices=["kill", "churn", "none"], default="kill")
+    parser.add_argument("--steps", type=int, default=200, help="steps per peer (a round every 10)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", default=None, help="keep the peers' run directories here")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    work = Path(args.run_dir or tempfile.mkdtemp(prefix="p2p-spes-scale-"))
+    console = Console(width=170)
+    results = []
+    for n in args.peers:
+        console.print(f"== {n} peers, faults: {args.faults}, run dir {work}")
+        results.append(run_size(n, args.faults, args.steps, args.seed, work, console))
+        r = results[-1]
+        console.print(f"  applied {r['peer_rounds_applied']}/{r['peer_rounds']} peer-rounds, "
+                      f"{r['final_weights']} set(s) of weights at the end, {r['wall_seconds']:.0f} s")
+    table = Table(title=f"scale: micro config, {args.steps} steps, a round every {SYNC_STEPS}, faults: {args.faults}, "
+                        f"seed {args.seed}")
+    for col in ("peers", "peer-rounds applied", "rounds every peer applied", "s per round (median)",
+                "MB per peer per round", "vs first N", "groups retried (members lost)", "weights at end",
+                "peak MB per peer (swarm)", "left behind"):
+        table.add_column(col, justify="right")
+    base = results[0]["mb_per_peer_round"] if results and results[0]["mb_per_peer_round"] else None
+    for r in results:
+        mb = r["mb_per_peer_round"]
+        table.add_row(
+            str(r["peers"]), f"{r['peer_rounds_applied']}/{r['peer_rounds']} ({100 * (r['applied_share'] or 0):.0f}%)",
+            f"{r['rounds_everyone_applied']}/{r['rounds']} ({100 * (r['everyone_share'] or 0):.0f}%)",
+            f"{r['seconds_per_round']:.1f}" if r["seconds_per_round"] is not None else "-",
+            f"{mb:.2f}" if mb is not None else "-", f"{mb / base:.2f}x" if mb and base else "-",
+            f"{r['groups_retried']} ({r['members_lost']})",
+            f"{r['final_weights']} of {r['survivors']} peers", f"{r['peak_rss_peer_mb']} ({r['peak_rss_swarm_mb']})",
+            str(r["processes_left"]))
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"command": ["benchmarks/scale.py", *sys.argv[1:]], "results": results}, indent=1))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""A member's part of a group all-reduce, as its reducer: contributions in, one averaged part out.
+
+Member i of a group reduces part i of the group's flat tensor (``allreduce.py`` cuts it). It takes
+each member's encoded contribution to that part, once; when it holds all of them it computes their
+combination (``aggregation.py``) in member order, encodes it once with the run's codec (adding what
+its last encoding of an overlapping range dropped: error feedback on the reducer's side) and serves
+those same bytes to every member until the part is forgotten. A part that never gets every
+contribution is never served: members that ask are told so at its deadline (``INTERNAL_ERROR``).
+
+Contributions may arrive before this peer reached the round: they wait for the part to be
+registered, at most one join window and one deadline. A contribution for a group this peer formed
+with other members is refused at once (``BAD_GROUP_ID``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.proto import averaging_pb2
+
+from p2p_spes.aggregation import Aggregator
+from p2p_spes.compression import Codec
+from p2p_spes.transport import TransportError, TruncatedStream, collect_tensors, parse_tensor, serialize_parts, unpack
+
+log = logging.getLogger(__name__)
+OK, BAD = averaging_pb2.AVERAGED_PART, averaging_pb2.BAD_GROUP_ID
+AGAIN = averaging_pb2.CANCELLED  # a contribution's stream ended early: send it again
+TAKEN = averaging_pb2.DUPLICATE_PEER_ID  # we already hold this sender's contribution (its reply was lost)
+MISSING = averaging_pb2.INTERNAL_ERROR  # the part has no result: a contribution never came
+
+
+@dataclass
+class Part:
+    """The part of one group attempt this peer reduces."""
+
+    members: list[str]
+    gid: str
+    shape: tuple[int, ...]
+    deadline: float
+    name: str = ""  # the group's name (same every round): the reducer's residual is kept under it
+    start: int = 0  # where this part starts in the group's flat tensor
+    contributions: dict[str, tuple[float, torch.Tensor]] = field(default_factory=dict)
+    result_parts: list | None = None
+    message: torch.Tensor | None = None
+    result: torch.Tensor | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class PartServer:
+    """The parts this peer reduces, keyed by ``pack([round, group key, group id, index])``, and the two
+    RPC handlers members call (:meth:`contribute`, :meth:`fetch`)."""
+
+    def __init__(self, codec: Codec, aggregate: Aggregator, wait: float) -> None:
+        self.codec, self.aggregate = codec, aggregate
+        self.wait = wait  # how long a contribution waits for us to reach its round (window + deadline)
+        self.parts: dict[bytes, Part] = {}
+        self._registered: dict[bytes, asyncio.Event] = {}
+        self.decided: dict[tuple[int, str], str] = {}  # (round, group key) -> our group id, once known
+        # what we moved for others (contributions in, averaged parts out), for accounting
+        self.served_in = self.served_out = 0
+        # what our encodings of averaged parts dropped, by group name: (start, values), added the next
+        # time we reduce an overlapping range (CPU, fp32, about 1/members of each group's tensor)
+        self.residual: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def register(self, key: bytes, part: Part) -> None:
+        """Start reducing ``part``; contributions that came early stop waiting for it."""
+        self.parts[key] = part
+        if key in self._registered:
+            self._registered.pop(key).set()
+
+    def forget_later(self, key: bytes, decided: tuple[int, str], seconds: float) -> None:
+        """Drop the part after ``seconds`` (it serves stragglers until then), its decision after 3x."""
+        loop = asyncio.get_running_loop()
+        loop.call_later(seconds, self.parts.pop, key, None)
+        loop.call_later(3 * seconds, self.decided.pop, decided, None)
+
+    async def wait_part(self, key: bytes) -> Part | None:
+        """Our part for ``key``, waiting while we have not reached that round yet."""
+        try:
+            round_no, group, gid, _ = unpack(key)
+        except (TransportError, ValueError):
+            return None
+        decided = self.decided.get((round_no, group))
+        if decided is not None and decided != gid:
+            return None  # we formed this group with other members: refuse at once
+        if key not in self.parts:
+            event = self._registered.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), self.wait)
+            except asyncio.TimeoutError:
+                return None
+        return self.parts.get(key)
+
+    async def contribute(self, stream, context) -> averaging_pb2.AveragingData:
+        """Handler: a member's encoded contribution to our part (the first message names the part)."""
+        sender = context.remote_id.to_base58()
+        try:
+            messages = [m async for m in stream]
+            if not messages:
+                return averaging_pb2.AveragingData(code=AGAIN)
+            first = messages[0]
+
+            async def replay():
+                for m in messages:
+                    yield m
+
+            _, tensors = await collect_tensors(replay())
+            if len(tensors) > 1 or not first.weight > 0:
+                return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            part = await self.wait_part(first.group_id)
+            if part is not None and sender in part.contributions:
+                return averaging_pb2.AveragingData(code=TAKEN)
+            if part is None or sender not in part.members or part.done.is_set():
+                return averaging_pb2.AveragingData(code=BAD)
+            message = parse_tensor(tensors[0] if tensors else [])
+            tensor = self.codec.decode(message, part.shape[0])
+            self.served_in += sum(m.tensor_part.ByteSize() for m in messages)
+        except TruncatedStream as exc:
+            log.info("a contribution from %s came truncated (%s); asking for it again", sender, exc)
+            return averaging_pb2.AveragingData(code=AGAIN)
+        except TransportError as exc:
+            log.warning("refused a contribution from %s: %s", sender, exc)
+            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        except Exception as exc:
+            log.warning("contribution from %s failed: %r", sender, exc)
+            return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+        self.add(part, sender, first.weight, tensor)
+        return averaging_pb2.AveragingData(code=OK)
+
+    async def fetch(self, request: averaging_pb2.AveragingData, context):
+        """Handler: our averaged part, streamed, once every contribution came (or ``MISSING`` at its deadline)."""
+        part = await self.wait_part(request.group_id)
+        if part is None or context.remote_id.to_base58() not in part.members:
+            yield averaging_pb2.AveragingData(code=BAD)
+            return
+        try:
+            await asyncio.wait_for(part.done.wait(), max(part.deadline - time.monotonic(), 0.01))
+        except asyncio.TimeoutError:
+            pass
+        if part.result_parts is None:
+            yield averaging_pb2.AveragingData(code=MISSING)
+            return
+        for chunk in part.result_parts:
+            self.served_out += chunk.ByteSize()
+            yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
+
+    def add(self, part: Part, peer: str, weight: float, tensor: torch.Tensor) -> None:
+        """Take ``peer``'s decoded contribution; with the last one, compute and encode the result."""
+        part.contributions[peer] = (weight, tensor)
+        if len(part.contributions) == len(part.members):
+            order = sorted(part.contributions)
+            averaged = self.aggregate([part.contributions[p][1] for p in order], [part.contributions[p][0] for p in order])
+            part.message, part.result = self.encode_result(part, averaged)
+            part.result_parts = serialize_parts(part.message)
+            part.done.set()
+
+    def encode_result(self, part: Part, averaged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode our averaged part once, with what our last encoding of an overlapping range dropped."""
+        if self.codec.lossless:
+            message = self.codec.encode(averaged)
+            return message, self.codec.decode(message, averaged.numel())
+        end = part.start + averaged.numel()
+        start0, residual = self.residual.get(part.name, (0, torch.empty(0)))
+        lo, hi = max(start0, part.start), min(start0 + residual.numel(), end)
+        compensated = averaged.clone()
+        if lo < hi:
+            compensated[lo - part.start:hi - part.start] += residual[lo - start0:hi - start0]
+        message = self.codec.encode(compensated)
+        decoded = self.codec.decode(message, averaged.numel())
+        self.residual[part.name] = (part.start, compensated - decoded)
+        return message, decoded
