@@ -25,6 +25,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from p2p_spes.wan_report import PeerReport, compare_final
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CODECS = ["none", "fp16", "int8", "int4", "topk"]
@@ -48,6 +50,8 @@ def summarize(run: dict) -> dict:
     return {
         "rounds": len(rounds), "rounds_with_everyone": len(full),
         "seconds_per_round": statistics.fmean(r["seconds"] for r in rows) if rows else None,
+        "seconds_min": min((r["seconds"] for r in rows), default=None),
+        "seconds_max": max((r["seconds"] for r in rows), default=None),
         "mb_per_peer_round": statistics.fmean((r["bytes_sent"] + r["bytes_received"] + r["downloaded_bytes"]) / 1e6
                                               for r in rows) if rows else None,
         "compute_share_mean": statistics.fmean(shares), "compute_share_min": min(shares),
@@ -55,6 +59,13 @@ def summarize(run: dict) -> dict:
         "identical": run["identical"], "wall_seconds": run["seconds"],
         "final_val_loss": [p["final_val_loss"] for p in peers],
     }
+
+
+def reread(run: dict, codec: str, arm: str) -> dict:
+    """A stored run with its peers compared again by the current ``compare_final``."""
+    peers = [PeerReport.from_dict(p, compression=codec, overlap=arm == "overlap") for p in run["peers"]]
+    last, differences = compare_final(peers)
+    return {**run, "last_common_round": last, "identical": not differences, "differences": differences}
 
 
 def main() -> int:
@@ -65,6 +76,9 @@ def main() -> int:
     ap.add_argument("--mbit", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only-table", action="store_true",
+                    help="run nothing: tabulate the per-run JSON already in results/wan-codecs (read again with "
+                         "the current p2p_spes/wan_report.py)")
     args = ap.parse_args()
     out_dir = RESULTS / "wan-codecs"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,6 +86,10 @@ def main() -> int:
     for codec in args.codecs:
         for arm in args.arms:
             out = out_dir / f"{codec}-{arm}.json"
+            if args.only_table:
+                if out.exists():
+                    results.append({"codec": codec, "arm": arm, **summarize(reread(json.loads(out.read_text()), codec, arm))})
+                continue
             cmd = [sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--peers", str(args.peers), "--mbit",
                    str(args.mbit), "--steps", str(args.steps), "--seed", str(args.seed),
                    "--set", f"swarm.compression={codec}", "--out", str(out)]
@@ -90,15 +108,19 @@ def main() -> int:
             results.append(row)
     table = Table(title=f"{args.peers} peers at {args.mbit:g} Mbit/s up and down each, tiny config, {args.steps} steps, "
                         f"seed {args.seed}")
-    for col in ("codec", "rounds", "rounds with every peer", "s per round", "MB per peer per round",
+    for col in ("codec", "rounds", "rounds with every peer", "s per round (min-max)", "round time vs none, same arm", "MB per peer per round",
                 "wall time computing (mean, min-max)", "steps skipped", "identical"):
         table.add_column(col, justify="left" if col == "codec" else "right")
+    baseline = {r["arm"]: r["seconds_per_round"] for r in results if r["codec"] == "none" and "error" not in r}
     for r in results:
         if "error" in r:
-            table.add_row(f"{r['codec']} / {r['arm']}", "failed", "", "", "", "", "", "")
+            table.add_row(f"{r['codec']} / {r['arm']}", "failed", "", "", "", "", "", "", "")
             continue
+        base = baseline.get(r["arm"])
+        r["seconds_per_round_times_less_than_none"] = base / r["seconds_per_round"] if base else None
+        versus = f"{base / r['seconds_per_round']:.1f}x shorter" if base else "-"
         table.add_row(f"{r['codec']} / {r['arm']}", str(r["rounds"]), str(r["rounds_with_everyone"]),
-                      f"{r['seconds_per_round']:.1f}", f"{r['mb_per_peer_round']:.1f}",
+                      f"{r['seconds_per_round']:.1f} ({r['seconds_min']:.1f}-{r['seconds_max']:.1f})", versus, f"{r['mb_per_peer_round']:.1f}",
                       f"{100 * r['compute_share_mean']:.0f}% ({100 * r['compute_share_min']:.0f}-"
                       f"{100 * r['compute_share_max']:.0f}%)", str(r["steps_skipped"]), str(r["identical"]))
     Console(width=160).print(table)

@@ -298,6 +298,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),
                 "residency": cfg.swarm.residency,
                 "compression": cfg.swarm.compression,
+                "overlap": cfg.swarm.overlap,
                 "sync_memory": swarm.sync_memory().to_dict(),
                 "data_partition": partition,
                 "last_round": swarm.rounds[-1].metrics(trainer.step) if swarm.rounds else None,

@@ -13,7 +13,7 @@ records are complete only with ``train.log_interval=1``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ class PeerReport:
     bytes_sent: int
     bytes_received: int
     compression: str = "none"  # the run's codec (summary)
+    overlap: bool = False  # rounds ran beside training (summary)
 
     @property
     def averaged_share(self) -> float | None:
@@ -78,6 +79,18 @@ class PeerReport:
         out = {k: v for k, v in self.__dict__.items() if k != "rounds"}
         return {**out, "averaged_share": self.averaged_share, "compute_share": self.compute_share,
                 "rounds": [r.__dict__ for r in self.rounds]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], compression: str | None = None, overlap: bool | None = None) -> PeerReport:
+        """A report written by :meth:`to_dict` (``compression`` and ``overlap`` for files written before
+        they were kept)."""
+        names = {f.name for f in fields(cls)} - {"rounds"}
+        values = {k: v for k, v in d.items() if k in names}
+        if compression is not None and "compression" not in d:
+            values["compression"] = compression
+        if overlap is not None and "overlap" not in d:
+            values["overlap"] = overlap
+        return cls(rounds=[RoundRow(**r) for r in d["rounds"]], **values)
 
 
 @dataclass
@@ -149,17 +162,19 @@ def read_peer(run_dir: Path, peer: int) -> PeerReport:
         compute_seconds=sum(float(r["step_time_s"]) for r in steps), wall_seconds=max(ended - began, 0.0),
         final_val_loss=summary.get("final_val_loss"),
         bytes_sent=int(summary.get("bytes_sent", 0)), bytes_received=int(summary.get("bytes_received", 0)),
-        compression=str(summary.get("compression") or "none"),
+        compression=str(summary.get("compression") or "none"), overlap=bool(summary.get("overlap")),
     )
 
 
 def compare_final(peers: list[PeerReport]) -> tuple[int | None, list[str]]:
     """The last round every peer logged, and how the peers' weights differ after it (empty: identical).
 
-    Identical means equal shared digests and expert digests in that round and, without compression,
-    equal final validation losses (the loss is computed on the weights at the end, so it also covers
-    steps after the round). Under a lossy codec the digests are of the published values: a lone holder
-    trains on its own weights, which run ahead of what it publishes, so the losses differ by design.
+    Identical means equal shared digests and expert digests in that round and, without compression
+    and overlap, equal final validation losses (the loss is computed on the weights at the end, so it
+    also covers steps after the round). Under a lossy codec the digests are of the published values: a
+    lone holder trains on its own weights, which run ahead of what it publishes; with overlap a peer
+    that joined the last round before its last step adds the steps it trained meanwhile. Both make the
+    final losses differ by design.
     """
     if not peers or any(not p.rounds for p in peers):
         return None, ["a peer logged no round"]
@@ -174,7 +189,8 @@ def compare_final(peers: list[PeerReport]) -> tuple[int | None, list[str]]:
     if len({json.dumps(r.expert_digests, sort_keys=True) for r in rows}) > 1:
         differences.append(f"round {last}: expert digests differ")
     losses = {p.final_val_loss for p in peers}
-    if all(p.compression == "none" for p in peers) and (len(losses) > 1 or None in losses):
+    exact = all(p.compression == "none" and not p.overlap for p in peers)
+    if exact and (len(losses) > 1 or None in losses):
         differences.append(f"final validation losses differ or are missing: {[p.final_val_loss for p in peers]}")
     return last, differences
 

@@ -24,7 +24,7 @@ from helpers import SMALL, group_alive, stop, wait_for
 from p2p_spes.chaos import read_metrics
 from p2p_spes.local_swarm import LocalSwarm, PeerPlace
 from p2p_spes.netlab import CFS_PERIOD_US, Lab, LabError, LinkSpec, cpu_quota_us, measure_link, tbf_params
-from p2p_spes.wan_report import SwarmReport, outcome_of, read_swarm
+from p2p_spes.wan_report import PeerReport, SwarmReport, outcome_of, read_swarm
 
 MBIT = 8.0
 # compute between rounds (30 steps of 1,024 tokens) outlasts a round's transfers on these links, as it must
@@ -125,6 +125,24 @@ def test_report_sees_different_weights_and_derives_outcomes(tmp_path):
     assert outcome_of({"shared_ok": False, "adopted_shared_from": "Qm"}) == "adopted"
     assert outcome_of({"shared_ok": False}) == "failed"
     assert outcome_of({"shared_ok": True, "shared_members": 1}) == "alone"
+
+
+@pytest.mark.parametrize("setting", [{"compression": "topk"}, {"overlap": True}])
+def test_losses_may_differ_under_a_lossy_codec_or_overlap_but_digests_may_not(tmp_path, setting):
+    # a lone holder under topk trains ahead of what it publishes; with overlap a peer adds the steps it
+    # trained beside the last round: the final losses differ by design, the published digests must agree
+    for i, loss in enumerate((4.5, 4.6)):
+        _write_peer(tmp_path / f"peer{i}", range(1, 21), [_round(1, 2), _round(2, 2)],
+                    {"step": 20, "tokens": 2560, "final_val_loss": loss, **setting}, t0=0.0)
+    report = read_swarm(tmp_path, 2)
+    assert report.identical, report.differences
+    (tmp_path / "peer1" / "metrics.jsonl").write_text((tmp_path / "peer1" / "metrics.jsonl").read_text()
+                                                      .replace('"shared_digest": "d"', '"shared_digest": "e"'))
+    report = read_swarm(tmp_path, 2)
+    assert report.differences == ["round 2: shared digests differ"]
+    # a stored report reads back the same (benchmarks/wan_codecs.py --only-table)
+    again = [PeerReport.from_dict(json.loads(json.dumps(p.to_dict()))) for p in report.peers]
+    assert again == report.peers
 
 
 # The lab itself (root) -----------------------------------------------------------------------------
