@@ -102,6 +102,10 @@ def _follow(node, order: dict) -> int:
     return 0
 
 
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _train(args: argparse.Namespace, node) -> int:
 
     cfg = _config_from_swarm(args) if args.config_from_swarm else _load(args)
@@ -115,8 +119,8 @@ def _train(args: argparse.Namespace, node) -> int:
     if swarm:
 
         summary = run_peer(cfg, cfg.train.run_dir, progress=not args.no_progress, resume=args.resume, node=node)
-        print(f"done: step {summary['step']}, final train loss {summary['final_train_loss']:.3f}, val loss "
-              f"{summary['final_val_loss']:.3f}, rounds joined {summary.get('rounds_joined')}, "
+        print(f"done: step {summary['step']}, final train loss {_loss(summary['final_train_loss'])}, val loss "
+              f"{_loss(summary['final_val_loss'])}, rounds joined {summary.get('rounds_joined')}, "
               f"bytes sent {summary.get('bytes_sent'):,} received {summary.get('bytes_received'):,}")
         return 0
     trainer = Trainer(cfg, node=node)
@@ -134,8 +138,8 @@ def _train(args: argparse.Namespace, node) -> int:
     mem = summary["memory"]
     print(
         f"done: step {summary['step']}, tokens {summary['tokens']}, train loss "
-        f"{summary['first_train_loss'] or float('nan'):.3f} -> {summary['final_train_loss']:.3f}, "
-        f"val loss {summary['final_val_loss']:.3f}; trained experts {summary['local_experts']} of "
+        f"{_loss(summary['first_train_loss'])} -> {_loss(summary['final_train_loss'])}, "
+        f"val loss {_loss(summary['final_val_loss'])}; trained experts {summary['local_experts']} of "
         f"{summary['num_experts']}; grad+optimizer bytes {sum(mem['gradients'].values()) + sum(mem['optimizer'].values()):,}; "
         f"run dir {trainer.run_dir}"
     )

@@ -138,7 +138,7 @@ class SwarmSync:
         self.rounds_applied += 1
         # the schedule follows the swarm: round r ends at step r * sync_steps for every member (a slower
         # peer moves its schedule on; the steps it computed are all in the round, weighted by tokens)
-        jump = max(report.round * self.sync_steps - started, 0)
+        jump = max(min(report.round * self.sync_steps - started, trainer.cfg.train.max_steps - trainer.step), 0)
         trainer.step += jump
         self.swarm.stats["schedule_steps_advanced"] += jump
         if report.outcome == "averaged":

@@ -253,13 +253,15 @@ class Trainer:
                     self.first_loss = metrics["loss"]
                 for hook in self.hooks:
                     hook(self)
-                if self.is_main and (self.step % tr.eval_interval == 0 or self.step == tr.max_steps):
+                # a hook may move the step past the end (a swarm round's schedule jump): that is the end too
+                last = self.step >= tr.max_steps
+                if self.is_main and (self.step % tr.eval_interval == 0 or last):
                     metrics["val_loss"] = self.evaluate()
                 if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
                     self.log_record(metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 bar.update(1)
-                if self.step % tr.checkpoint_interval == 0 or self.step == tr.max_steps:
+                if self.step % tr.checkpoint_interval == 0 or last:
                     self.save()
         except KeyboardInterrupt:
             log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step)

@@ -157,3 +157,17 @@ def test_decayed_load_balance_scales_local_experts_early(tmp_path):
     trainer.step = 5
     trainer._update_lb_scale()
     assert trainer.model.lb_count_scale.tolist() == pytest.approx([1.0] * 4)
+
+
+def test_a_hook_that_moves_the_step_past_the_end_still_gets_the_final_evaluation(tmp_path):
+    # a swarm round run beside training can move a peer's schedule on past train.max_steps (its jump):
+    # that step is the end, with its evaluation and checkpoint, as reaching max_steps exactly would be
+    trainer = Trainer(fast_config(tmp_path, "train.max_steps=6", "train.eval_interval=100", "train.checkpoint_interval=100"))
+
+    def jump(t: Trainer) -> None:
+        if t.step == 4:
+            t.step += 3
+    trainer.hooks.append(jump)
+    summary = trainer.run(progress=False)
+    assert summary["step"] == 7 and summary["final_val_loss"] is not None
+    assert read_state(find_checkpoint(tmp_path))["step"] == 7
