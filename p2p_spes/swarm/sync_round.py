@@ -52,9 +52,10 @@ def version_window(sw: SwarmConfig) -> float:
 
 
 def sync_deadline(sw: SwarmConfig) -> float:
-    """The longest a sync round can hold a peer up, whatever the others do: join window, averaging
-    timeout, then the version window (downloads of refreshed experts come on top, bounded by size)."""
-    return sw.matchmaking_time + sw.averaging_timeout + version_window(sw)
+    """The longest a sync round can hold a peer up, whatever the others do: join window and averaging
+    timeout, once more per group retry, then the version window (downloads of refreshed experts come
+    on top, bounded by size)."""
+    return (1 + sw.group_retries) * (sw.matchmaking_time + sw.averaging_timeout) + version_window(sw)
 
 
 class RoundRunner:
