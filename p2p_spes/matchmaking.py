@@ -91,7 +91,16 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
             break
         await asyncio.sleep(0.2)
     await asyncio.sleep(0.5)
-    times, agreed = await read()
+    await read()
+    return decide(records, matchmaking_time)
+
+
+def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
+    """The membership every member computes from the same arrival records (``{peer: {"t": arrival,
+    "m": proposed window, "b"/"br": base}}``): everyone who arrived within the first arrival's window.
+    Also what ``p2p_spes/simulation.py`` runs, so the model forms groups as peers do."""
+    agreed = agreed_window(records, matchmaking_time)
+    times = {p: v["t"] for p, v in records.items()}
     first = min(times.values())
     members = sorted(p for p, t in times.items() if t <= first + agreed)
     bases = {p: Base(records[p]["b"], records[p]["br"]) for p in members

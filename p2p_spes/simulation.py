@@ -1,0 +1,214 @@
+"""A discrete-event model of sync rounds at sizes one machine cannot run (100 to 1,000 peers).
+
+**The project's own code** decides what it decides in a real run: who is in a group
+(``matchmaking.decide`` on the arrival records peers would write, with the join window each peer's
+``pacing.Deadlines`` proposes from the arrivals it saw), each member's transfer deadline
+(``Deadlines.transfer_timeout`` from the rates it observed), the size of every message
+(``compression.Codec.wire_bytes``), where experts go (``placement.spes_block``; a restarted peer
+resumes its own) and who takes over an expert whose holders died (``healing.plan_takeover``), and the rule that a group attempt is all-or-nothing and is retried once
+among the members that survive it (``allreduce.GroupAllReduce``, ``swarm.group_retries``).
+
+**What is modelled** instead of run: time. Each peer has a step time (log-normal around
+``step_seconds``) and a symmetric link (uniform in ``mbit``); a round opens when the fastest live peer
+finishes its ``sync_steps`` and every other peer arrives at the end of the step it is in (pacing), plus
+up to 0.2 s of DHT latency. An all-reduce of ``n`` members lasts two phases of ``(n-1)/n`` of the
+encoded tensor up and down at the slowest member's rate, plus 50 ms per phase; a peer then downloads
+the encoded updates of the experts it holds frozen at its own rate. Each live peer fails in a round
+with probability ``fail_prob``, at a uniform moment of the round: killed (restarts from its checkpoint
+``restart_rounds`` rounds later) or frozen (back the next round). A kill inside a group's transfers is
+noticed at once, a freeze at the deadline. Not modelled: the expert groups' own failures (their holders
+are the shared group's members), the version exchange, merges, CPU contention, latency beyond the fixed
+per-phase cost, and the two-boundary confirmation healing waits for (takeovers happen at once).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+
+from p2p_spes.compression import Codec
+from p2p_spes.config import SwarmConfig
+from p2p_spes.healing import plan_takeover
+from p2p_spes.matchmaking import decide
+from p2p_spes.placement import spes_block
+from p2p_spes.swarm.pacing import Deadlines
+
+PHASE_LATENCY = 0.05  # seconds of round trips per all-reduce phase
+
+
+@dataclass
+class SimConfig:
+    """One simulated swarm. Sizes default to spes-1b (shared 261M, 16 experts of 56.6M parameters)."""
+
+    peers: int = 100
+    rounds: int = 40
+    experts: int = 16
+    shared_params: int = 261_454_080
+    expert_params: int = 56_623_104
+    replicas: int = 1
+    max_experts_per_peer: int = 4
+    sync_steps: int = 50
+    step_seconds: float = 1.0  # median step time
+    speed_spread: float = 0.3  # sigma of log step time
+    mbit: tuple[float, float] = (10.0, 100.0)
+    fail_prob: float = 0.05  # per live peer per round
+    kill_share: float = 0.5  # of failures; the rest are freezes
+    restart_rounds: int = 3
+    swarm: SwarmConfig = field(default_factory=lambda: SwarmConfig(compression="topk", matchmaking_time=30.0,
+                                                                   averaging_timeout=600.0))
+    seed: int = 0
+
+
+@dataclass
+class _Peer:
+    id: str
+    step: float  # seconds per training step
+    rate: float  # bytes per second, each way
+    experts: list[int]
+    deadlines: Deadlines
+    dead_until: int = -1  # round at which a killed peer is back
+
+
+@dataclass
+class RoundOutcome:
+    """One simulated round of the shared group."""
+
+    round: int
+    live: int  # peers alive at its start
+    failed: int  # of which failed during the round
+    members: int  # in the attempt that decided it
+    applied: bool  # the shared group's average was applied (by its members, and adopted by late peers)
+    attempts: int
+    peers_applied: int  # members that applied + late peers that adopted
+    seconds: float  # from the round's opening to the end of the shared group
+    bytes_per_peer: float  # mean over live peers: shared group traffic + frozen-expert refresh
+    coverage: float  # share of experts with a live holder at the round's start
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    rounds: list[RoundOutcome]
+
+    def summary(self) -> dict[str, float]:
+        rs = self.rounds
+        unfailed = sum(r.live - r.failed for r in rs)
+        return {
+            "peers": self.config.peers, "rounds": len(rs),
+            "rounds_applied": sum(r.applied for r in rs) / len(rs),
+            "peer_rounds_applied": sum(r.peers_applied for r in rs) / max(unfailed, 1),
+            "retried_rounds": sum(r.attempts > 1 for r in rs) / len(rs),
+            "seconds_per_round_median": statistics.median(r.seconds for r in rs),
+            "seconds_per_round_p90": sorted(r.seconds for r in rs)[int(0.9 * (len(rs) - 1))],
+            "mb_per_peer_round": statistics.fmean(r.bytes_per_peer for r in rs) / 1e6,
+            "coverage_min": min(r.coverage for r in rs),
+            "mean_live": statistics.fmean(r.live for r in rs),
+        }
+
+
+def _all_reduce_seconds(codec: Codec, numel: int, rates: list[float]) -> tuple[float, int]:
+    """Two phases at the slowest member's rate, and the bytes each member moves (both phases, both ways)."""
+    n = len(rates)
+    if n < 2:
+        return 0.0, 0
+    each = codec.wire_bytes(numel) * (n - 1) / n  # per phase, per direction
+    return 2 * (each / min(rates) + PHASE_LATENCY), int(4 * each)
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Run ``cfg.rounds`` rounds of ``cfg.peers`` peers (see the module docstring)."""
+    rng = random.Random(cfg.seed)
+    sw = cfg.swarm
+    codec = Codec(sw.compression, sw.topk_fraction)
+    peers = []
+    for i in range(cfg.peers):
+        pid = f"peer{i:05d}"
+        peers.append(_Peer(pid, cfg.step_seconds * math.exp(rng.gauss(0, cfg.speed_spread)),
+                           rng.uniform(*cfg.mbit) * 1e6 / 8, spes_block(i, cfg.peers, cfg.experts), Deadlines(sw)))
+    expert_wire = codec.wire_bytes(cfg.expert_params)
+    outcomes = []
+    for r in range(1, cfg.rounds + 1):
+        # a killed peer restarts from its checkpoint at round dead_until, with its experts (--resume)
+        live = [p for p in peers if p.dead_until <= r]
+        coverage = len(_holders(live, r)) / cfg.experts
+        t_open = min(p.step for p in live) * cfg.sync_steps
+        span = t_open + 2 * sw.matchmaking_time
+        fails = {p.id: (rng.uniform(0, span), rng.random() < cfg.kill_share)
+                 for p in live if rng.random() < cfg.fail_prob}
+        arrival = {p.id: t_open + rng.uniform(0, p.step) + rng.uniform(0, 0.2) for p in live}
+        present = [p for p in live if p.id not in fails or fails[p.id][0] > arrival[p.id]]
+        by_id = {p.id: p for p in live}
+        records = {p.id: {"t": arrival[p.id], "m": p.deadlines.join_window()} for p in present}
+        applied, attempts, moved, end = False, 0, {}, t_open
+        members: list[str] = []
+        late: list[str] = []
+        if records:
+            joined = decide(records, sw.matchmaking_time)
+            members, late = joined.members, [p for p in records if p not in joined.members]
+            for m in members:
+                by_id[m].deadlines.observe_arrivals(joined.lateness)
+            # a peer stops waiting once every live peer it expects is there (then a 0.5 s re-read)
+            everyone = len(members) == len(live)
+            start = (max(arrival[m] for m in members) if everyone else min(arrival[m] for m in members) + joined.window) + 0.5
+            while True:
+                attempts += 1
+                if len(members) < 2:
+                    break  # alone: nothing averaged (at a retry, nothing applied either)
+                seconds, nbytes = _all_reduce_seconds(codec, cfg.shared_params, [by_id[m].rate for m in members])
+                deadline = min(by_id[m].deadlines.transfer_timeout(nbytes // 2) for m in members)
+                for m in members:
+                    moved[m] = moved.get(m, 0) + nbytes
+                lost = {m: fails[m] for m in members if m in fails and start <= fails[m][0] < start + min(seconds, deadline)}
+                if not lost and seconds <= deadline:
+                    applied, end = True, start + seconds
+                    for m in members:
+                        by_id[m].deadlines.observe_transfer(nbytes // 2, seconds)
+                    break
+                # a kill is noticed at once, a freeze (or a link too slow) at the deadline
+                noticed = min([t for t, kill in lost.values() if kill] or [start + deadline])
+                if attempts > sw.group_retries:
+                    end = noticed
+                    break
+                survivors = [m for m in members if not (m in fails and fails[m][0] <= noticed)]
+                retry = {m: {"t": noticed + rng.uniform(0, 0.3), "m": sw.matchmaking_time} for m in survivors}
+                if not retry:
+                    end = noticed
+                    break
+                members = decide(retry, sw.matchmaking_time).members
+                start = noticed + 0.5 + rng.uniform(0, 0.3)
+        refresh = []
+        for p in live:
+            frozen = cfg.experts - len(p.experts)
+            refresh.append(moved.get(p.id, 0) + frozen * expert_wire)
+        for pid, (_, kill) in fails.items():
+            if kill:
+                by_id[pid].dead_until = r + cfg.restart_rounds
+        failed_now = set(fails)
+        outcomes.append(RoundOutcome(
+            round=r, live=len(live), failed=len(fails), members=len(members), applied=applied, attempts=attempts,
+            peers_applied=(len([m for m in members if m not in failed_now]) + len([p for p in late if p not in failed_now]))
+            if applied else 0,
+            seconds=end - t_open, bytes_per_peer=statistics.fmean(refresh), coverage=coverage))
+        _heal(peers, r + 1, cfg)
+    return SimResult(cfg, outcomes)
+
+
+def _holders(peers: list[_Peer], r: int) -> dict[int, int]:
+    """Live holders per expert at round ``r``."""
+    out: dict[int, int] = {}
+    for p in peers:
+        if p.dead_until <= r:
+            for e in p.experts:
+                out[e] = out.get(e, 0) + 1
+    return out
+
+
+def _heal(peers: list[_Peer], r: int, cfg: SimConfig) -> None:
+    """Takeovers planned by ``healing.plan_takeover`` from the peers live at round ``r``."""
+    live = [p for p in peers if p.dead_until <= r]
+    held = {p.id: p.experts for p in live}
+    plan = plan_takeover(held, {p.id: cfg.max_experts_per_peer for p in live}, cfg.experts, cfg.replicas)
+    for p in live:
+        p.experts = sorted(set(p.experts) | set(plan.get(p.id, [])))

@@ -1,0 +1,53 @@
+"""The round simulation: its bookkeeping without faults, what the retry buys, healing, and group decisions."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from p2p_spes.compression import Codec
+from p2p_spes.config import SwarmConfig
+from p2p_spes.matchmaking import decide
+from p2p_spes.simulation import SimConfig, simulate
+
+SMALL = SimConfig(peers=24, rounds=20, experts=8, shared_params=1_000_000, expert_params=200_000,
+                  swarm=SwarmConfig(compression="int8", matchmaking_time=10.0, averaging_timeout=120.0))
+
+
+def test_without_faults_every_round_applies_once_with_every_peer_and_the_bytes_of_the_protocol():
+    result = simulate(replace(SMALL, fail_prob=0.0))
+    assert all(r.applied and r.attempts == 1 and r.members == 24 and r.peers_applied == 24 for r in result.rounds)
+    codec = Codec("int8")
+    n, frozen = 24, 8 - 1  # 24 peers over 8 experts: one expert each
+    shared = 4 * codec.wire_bytes(1_000_000) * (n - 1) / n  # two phases, up and down
+    assert result.rounds[0].bytes_per_peer == pytest.approx(shared + frozen * codec.wire_bytes(200_000), rel=1e-6)
+    assert result.summary()["coverage_min"] == 1.0
+
+
+def test_a_retry_among_survivors_applies_more_rounds_than_none():
+    faulty = replace(SMALL, fail_prob=0.15, rounds=60)
+    without = simulate(replace(faulty, swarm=replace(faulty.swarm, group_retries=0))).summary()
+    with_retry = simulate(faulty).summary()
+    assert without["retried_rounds"] == 0 and with_retry["retried_rounds"] > 0
+    assert with_retry["rounds_applied"] > without["rounds_applied"]
+    # a retried round that applied did so among fewer members than were live
+    result = simulate(faulty)
+    retried = [r for r in result.rounds if r.attempts > 1 and r.applied]
+    assert retried and all(r.members < r.live for r in retried)
+
+
+def test_killed_holders_experts_are_taken_over_and_the_same_seed_gives_the_same_run():
+    faulty = replace(SMALL, peers=8, fail_prob=0.3, kill_share=1.0, rounds=30, seed=3)
+    a, b = simulate(faulty), simulate(faulty)
+    assert a.rounds == b.rounds
+    assert min(r.live for r in a.rounds) < 8  # peers died ...
+    assert all(r.coverage == 1.0 for r in a.rounds[1:]), [r.coverage for r in a.rounds]  # ... and were covered
+
+
+def test_decide_takes_those_within_the_first_arrivals_window():
+    records = {"a": {"t": 10.0, "m": 2.0}, "b": {"t": 11.5, "m": 5.0}, "c": {"t": 12.5, "m": 1.0}}
+    joined = decide(records, matchmaking_time=8.0)
+    assert joined.members == ["a", "b"] and joined.window == 2.0
+    assert joined.lateness == {"a": 0.0, "b": 1.5, "c": 2.5}
+    assert decide(records, matchmaking_time=1.0).members == ["a"]  # the window is capped
