@@ -20,7 +20,7 @@ Reported per N: peer-rounds applied / attempted (a peer-round is applied when th
 shared weights with others or took the result its group agreed on), rounds in which every peer that
 ran the round applied an average, the median seconds per round, bytes sent + received + downloaded per
 peer per round, how many different shared weights the surviving peers hold at the end (their last
-common round), groups that needed a retry and members lost from them, the peak resident memory of a
+common round), groups that needed a retry and members lost from them, the peak proportional memory (PSS) of a
 peer (its process group: trainer, DHT, p2pd) and of the whole swarm, and processes left behind.
 Writes ``benchmarks/results/scale.json``.
 """
@@ -61,8 +61,9 @@ def micro(peers: int, steps: int) -> list[str]:
     ]
 
 
-def group_rss(pgid: int) -> int:
-    """Resident bytes of every process in process group ``pgid`` (a peer: trainer, p2pd)."""
+def group_pss(pgid: int) -> int:
+    """Proportional resident bytes (shared pages split among their users) of every process in process
+    group ``pgid`` (a peer: trainer, p2pd): summed over peers, what the swarm really occupies."""
     total = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -71,8 +72,8 @@ def group_rss(pgid: int) -> int:
             stat = Path(f"/proc/{entry}/stat").read_text()
             if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
                 continue
-            for line in Path(f"/proc/{entry}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+            for line in Path(f"/proc/{entry}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
                     total += int(line.split()[1]) * 1024
         except (OSError, ValueError, IndexError):
             continue
@@ -86,17 +87,17 @@ class MemoryWatch(threading.Thread):
         super().__init__(daemon=True)
         self.swarm, self.period = swarm, period
         self.peak_peer = self.peak_total = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(self.period):
-            sizes = [group_rss(p.pid) for p in list(self.swarm.procs) if p.poll() is None]
+        while not self._halt.wait(self.period):
+            sizes = [group_pss(p.pid) for p in list(self.swarm.procs) if p.poll() is None]
             if sizes:
                 self.peak_peer = max(self.peak_peer, max(sizes))
                 self.peak_total = max(self.peak_total, sum(sizes))
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(10)
 
 
@@ -168,14 +169,14 @@ def run_size(peers: int, faults: str, steps: int, seed: int, work: Path, console
                     console.print(f"  [{time.monotonic() - t0:5.0f}s] {fault.kind} peer {fault.peer} {fault.note}")
         codes = swarm.wait(max(timeout - (time.monotonic() - t0), 1.0))
     finally:
-        memory.stop()
         swarm.stop()
+        memory.stop()
     left = orphaned(swarm)
     survivors = [i for i, c in enumerate(codes) if c == 0]
     row = {"peers": peers, "faults": faults, "steps": steps, "seed": seed, "wall_seconds": round(time.monotonic() - t0, 1),
            "exit_codes": codes, "fault_log": [vars(f) for f in chaos.faults],
            **summarize(run_dir, peers, survivors), "processes_left": left,
-           "peak_rss_peer_mb": round(memory.peak_peer / 2**20), "peak_rss_swarm_mb": round(memory.peak_total / 2**20)}
+           "peak_pss_peer_mb": round(memory.peak_peer / 2**20), "peak_pss_swarm_mb": round(memory.peak_total / 2**20)}
     return row
 
 
@@ -201,7 +202,7 @@ def main() -> int:
                         f"seed {args.seed}")
     for col in ("peers", "peer-rounds applied", "rounds every peer applied", "s per round (median)",
                 "MB per peer per round", "vs first N", "groups retried (members lost)", "weights at end",
-                "peak MB per peer (swarm)", "left behind"):
+                "peak MB (PSS) per peer (swarm)", "left behind"):
         table.add_column(col, justify="right")
     base = results[0]["mb_per_peer_round"] if results and results[0]["mb_per_peer_round"] else None
     for r in results:
@@ -212,7 +213,7 @@ def main() -> int:
             f"{r['seconds_per_round']:.1f}" if r["seconds_per_round"] is not None else "-",
             f"{mb:.2f}" if mb is not None else "-", f"{mb / base:.2f}x" if mb and base else "-",
             f"{r['groups_retried']} ({r['members_lost']})",
-            f"{r['final_weights']} of {r['survivors']} peers", f"{r['peak_rss_peer_mb']} ({r['peak_rss_swarm_mb']})",
+            f"{r['final_weights']} of {r['survivors']} peers", f"{r['peak_pss_peer_mb']} ({r['peak_pss_swarm_mb']})",
             str(r["processes_left"]))
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
