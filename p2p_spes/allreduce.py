@@ -164,8 +164,11 @@ class GroupAllReduce:
             survivors = set(result.members) - set(result.lost)
             log.info("round %d group %s: attempt %d among the %d members still answering (%s)", round_no, group,
                      attempt, len(survivors), result.error)
+            # the retry's deadline is twice the measured one (at most the configured one): a round that
+            # lost a member is a disturbed one, and the members' rates were not measured under it
+            relaxed = self.timeout if timeout is None else min(2 * timeout, self.timeout)
             retry = await self._attempt(round_no, group, f"{group}~{attempt}", tensor, weight, survivors, None,
-                                        None, timeout, base, rebase)
+                                        None, relaxed, base, rebase)
             retry.attempts = attempt
             retry.bytes_sent += result.bytes_sent
             retry.bytes_received += result.bytes_received
