@@ -6,8 +6,9 @@
 
 Every peer is a ``p2p-spes train`` process on 127.0.0.1 (``p2p_spes/local_swarm.py``), one thread
 each, all sharing this machine's cores, so they reach each boundary spread out as unequal peers on
-the internet do. The model is a micro config (d_model 64, 2 layers, one expert per peer, sync every
-10 steps). Faults (``p2p_spes/chaos.py``):
+the internet do. The model is a micro config (d_model 64, 2 layers, sync every 10 steps) with the same
+number of experts at every N (``--experts``, default the largest N: one expert per peer there), so
+bytes per peer compare across N. Faults (``p2p_spes/chaos.py``):
 
 * ``kill``: one peer (never the first, whose address the others joined through) SIGKILLed a third of
   the way into the run; it does not come back;
@@ -50,11 +51,11 @@ RESULTS = Path(__file__).parent / "results" / "scale.json"
 SYNC_STEPS = 10
 
 
-def micro(peers: int, steps: int) -> list[str]:
-    """The micro config: one expert per peer, small enough for 24 peers on 2 cores."""
+def micro(experts: int, steps: int) -> list[str]:
+    """The micro config, small enough for 24 peers on 2 cores."""
     return [
         "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
-        f"moe.num_experts={peers}", "moe.ffn_dim=64", "moe.top_k=2", "train.batch_size=4", "train.warmup_steps=5",
+        f"moe.num_experts={experts}", "moe.ffn_dim=64", "moe.top_k=2", "train.batch_size=4", "train.warmup_steps=5",
         f"train.max_steps={steps}", "train.eval_interval=1000000", "train.log_interval=5",
         "train.checkpoint_interval=20", "train.keep_checkpoints=2", f"swarm.sync_steps={SYNC_STEPS}",
         "swarm.matchmaking_time=10", "swarm.averaging_timeout=30", "swarm.merge_interval=0",
@@ -136,8 +137,9 @@ def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]
     }
 
 
-def run_size(peers: int, faults: str, steps: int, seed: int, work: Path, console: Console) -> dict[str, Any]:
-    overrides = micro(peers, steps)
+def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work: Path,
+             console: Console) -> dict[str, Any]:
+    overrides = micro(experts, steps)
     cfg = load_config(None, overrides)
     deadline = sync_deadline(cfg.swarm)
     run_dir = work / f"n{peers}-{faults}"
@@ -173,7 +175,7 @@ def run_size(peers: int, faults: str, steps: int, seed: int, work: Path, console
         memory.stop()
     left = orphaned(swarm)
     survivors = [i for i, c in enumerate(codes) if c == 0]
-    row = {"peers": peers, "faults": faults, "steps": steps, "seed": seed, "wall_seconds": round(time.monotonic() - t0, 1),
+    row = {"peers": peers, "experts": experts, "faults": faults, "steps": steps, "seed": seed, "wall_seconds": round(time.monotonic() - t0, 1),
            "exit_codes": codes, "fault_log": [vars(f) for f in chaos.faults],
            **summarize(run_dir, peers, survivors), "processes_left": left,
            "peak_pss_peer_mb": round(memory.peak_peer / 2**20), "peak_pss_swarm_mb": round(memory.peak_total / 2**20)}
@@ -185,6 +187,7 @@ def main() -> int:
     parser.add_argument("--peers", type=int, nargs="+", default=[8, 16, 24])
     parser.add_argument("--faults", choices=["kill", "churn", "none"], default="kill")
     parser.add_argument("--steps", type=int, default=200, help="steps per peer (a round every 10)")
+    parser.add_argument("--experts", type=int, default=None, help="experts of the model at every N (default: the largest N)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default=None, help="keep the peers' run directories here")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -194,7 +197,7 @@ def main() -> int:
     results = []
     for n in args.peers:
         console.print(f"== {n} peers, faults: {args.faults}, run dir {work}")
-        results.append(run_size(n, args.faults, args.steps, args.seed, work, console))
+        results.append(run_size(n, args.experts or max(args.peers), args.faults, args.steps, args.seed, work, console))
         r = results[-1]
         console.print(f"  applied {r['peer_rounds_applied']}/{r['peer_rounds']} peer-rounds, "
                       f"{r['final_weights']} set(s) of weights at the end, {r['wall_seconds']:.0f} s")
