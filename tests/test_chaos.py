@@ -56,7 +56,10 @@ def test_swarm_survives_kill_in_sync_freeze_and_restart(tmp_path):
     logs = [(tmp_path / f"peer{i}.log").read_text()[-3000:] for i in range(4)]
     assert codes == [0, 0, 0, 0], logs
     restarted = (tmp_path / "peer3.log").read_text()
-    assert "resumed from" in restarted and restarted.count("joined the run at round") == 2, restarted[-3000:]
+    # the restart resumed from its own checkpoint and then took the run's current state (its first start
+    # may or may not have: before the run's first round it holds the seeded weights the others serve)
+    resumed = restarted.rfind("resumed from")
+    assert resumed >= 0 and "joined the run at round" in restarted[resumed:], restarted[-3000:]
 
     report = analyse(tmp_path, 4, chaos.faults, deadline)
     report.orphans = orphaned(swarm)
