@@ -16,6 +16,7 @@ from rich.console import Console
 
 from dht.auth import load_auth
 from dht.bootstrap import Bootstrap, BootstrapOptions
+from dht.dashboard import DashboardServer, RunWatch
 from dht.inspector import collect, open_dht, render, watch
 from dht.run_config import config_from_published, fetch_run_config
 from p2p_spes.assemble import export_from_swarm
@@ -29,6 +30,9 @@ from p2p_spes.evaluate import run_eval
 from p2p_spes.export import export_hf
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.peer import run_follower, run_peer
+from p2p_spes.plots import plot_runs
+from p2p_spes.progress import ProgressView
+from p2p_spes.tensorboard_log import summary_writer
 from p2p_spes.tokenization import tokenize_files
 from p2p_spes.train import Trainer
 from p2p_spes.upcycle import upcycle
@@ -49,6 +53,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     a value set by a flag is checked exactly like the same value set with --set."""
     flags = [f"{key}={json.dumps(getattr(args, flag))}" for flag, key in FLAG_SETTINGS.items()
              if getattr(args, flag, None)]
+    if getattr(args, "tensorboard", None) and args.command == "train":  # the swarm gives each peer a subdirectory
+        flags += ["train.tensorboard=true", f"train.tensorboard_dir={json.dumps(args.tensorboard)}"]
     return list(args.overrides) + flags
 
 
@@ -148,12 +154,18 @@ def _train(args: argparse.Namespace, node) -> int:
 
 def cmd_swarm(args: argparse.Namespace) -> int:
 
-    _load(args)  # fail fast on a bad config, before starting any process
-    swarm = LocalSwarm(args.config, args.overrides, args.peers, args.run_dir, run_id=args.run_id, threads=args.threads)
+    cfg = _load(args)  # fail fast on a bad config, before starting any process
+    if args.tensorboard or cfg.train.tensorboard:
+        summary_writer()  # and on a missing optional package
+    swarm = LocalSwarm(args.config, args.overrides, args.peers, args.run_dir, run_id=args.run_id, threads=args.threads,
+                       tensorboard=args.tensorboard)
     print(f"starting {args.peers} peers on 127.0.0.1; logs in {args.run_dir}/peer*.log", flush=True)
+    view = ProgressView([f"peer{i}" for i in range(args.peers)], cfg.train.max_steps,
+                        live=False if args.no_progress else None, title=f"local swarm, run dir {args.run_dir}")
     try:
         swarm.start()
-        codes = swarm.wait(args.timeout)
+        with view:
+            codes = swarm.watch(view, args.timeout)
         if any(c is None for c in codes):
             print(f"time limit of {args.timeout}s reached: stopping the peers", file=sys.stderr)
     except KeyboardInterrupt:
@@ -161,7 +173,26 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     finally:
         swarm.stop()
     swarm.print_summary()
+    if not args.no_plot:
+        _plot_swarm(swarm.run_dir)
     return 0 if all(p.returncode == 0 for p in swarm.procs) else 1
+
+
+def _plot_swarm(run_dir: Path) -> None:
+    """The local swarm's curves, next to its peers' directories (a note instead when it cannot be drawn)."""
+    try:
+        out = plot_runs([run_dir], run_dir / "curves.png", title=f"local swarm {run_dir}")
+    except (ConfigError, DataError) as exc:
+        print(f"no curves.png: {exc}", file=sys.stderr)
+        return
+    print(f"curves: {out}")
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+
+    out = plot_runs(args.run_dirs, args.out, title=args.title or "")
+    print(f"wrote {out}")
+    return 0
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -233,6 +264,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         pass
     finally:
         dht.shutdown()
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+
+    auth = load_auth(args.secret_file, [])
+    watch = RunWatch(args.initial_peers, auth.keyspace(args.run_id), auth=auth, interval=args.interval,
+                     startup_timeout=args.bootstrap_timeout, label=args.run_id)
+    try:
+        server = DashboardServer(watch, args.host, args.port)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve on {args.host}:{args.port} ({exc}): choose another --port (0: any free one)") from None
+    watch.start()
+    print(f"dashboard of run {args.run_id!r}: {server.url} (JSON at {server.url}api/state); Ctrl-C stops it", flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"serving on {args.host}: anyone who can reach this machine can read the run's status", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        watch.stop()
     return 0
 
 
@@ -310,6 +364,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": cmd_train,
     "swarm": cmd_swarm,
     "inspect": cmd_inspect,
+    "dashboard": cmd_dashboard,
+    "plot": cmd_plot,
     "bootstrap": cmd_bootstrap,
     "fetch_config": cmd_fetch_config,
     "tokenize": cmd_tokenize,

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from CHECKPOINT, or from the run directory's newest checkpoint if none is given; a swarm "
              "peer takes back its experts, optimizer state and data position, and the weights of the live peers",
     )
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true", help="no live progress view")
+    train.add_argument("--tensorboard", metavar="DIR", default=None,
+                       help="also write the metrics as TensorBoard scalars into DIR (train.tensorboard)")
     net = train.add_argument_group("swarm (joining a run)")
     net.add_argument("--initial-peers", nargs="+", metavar="MADDR",
                      help="multiaddrs of any live peers of the run, /ip4/HOST/tcp/PORT/p2p/PEER_ID")
@@ -63,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--run-id", default="local", help="DHT run id")
     local.add_argument("--threads", type=int, default=1, help="torch threads per peer (default 1)")
     local.add_argument("--timeout", type=float, default=None, help="stop the peers after this many seconds")
+    local.add_argument("--no-progress", action="store_true",
+                       help="plain status lines instead of the live table (the default when not on a terminal)")
+    local.add_argument("--tensorboard", metavar="DIR", default=None,
+                       help="write each peer's metrics as TensorBoard scalars under DIR/peerN")
+    local.add_argument("--no-plot", action="store_true", help="do not write RUN_DIR/curves.png at the end")
     local.set_defaults(command="swarm")
 
     insp = sub.add_parser("inspect", help="show a run's peers, expert coverage and rounds from the DHT (read-only)")
@@ -73,6 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--secret-file", help=SECRET_HELP)
     insp.add_argument("--bootstrap-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
     insp.set_defaults(command="inspect")
+
+    dash = sub.add_parser("dashboard", help="serve a read-only web page of a run's peers, coverage, rounds and curves")
+    dash.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer of the run")
+    dash.add_argument("--run-id", default="p2p-spes", help="the run's DHT prefix (swarm.run_id)")
+    dash.add_argument("--secret-file", help=SECRET_HELP)
+    dash.add_argument("--host", default="127.0.0.1",
+                      help="address to serve on (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
+    dash.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080; 0: any free port)")
+    dash.add_argument("--interval", type=float, default=5.0, help="seconds between reads of the DHT (default 5)")
+    dash.add_argument("--bootstrap-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
+    dash.set_defaults(command="dashboard")
+
+    plot = sub.add_parser("plot", help="draw loss, round seconds and bytes of one or several runs into a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                      help="run directories (a directory of peers, like runs/swarm, draws each of its peers)")
+    plot.add_argument("--out", required=True, metavar="FILE.png", help="the image to write")
+    plot.add_argument("--title", default=None, help="the figure's title (default: the runs' names)")
+    plot.set_defaults(command="plot")
 
     boot = sub.add_parser("bootstrap", help="run a long-lived DHT peer that others join through (trains nothing)")
     boot.add_argument("--identity", default="bootstrap.key",

@@ -130,6 +130,10 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata=LOCAL)
     run_dir: str = field(default="runs/default", metadata=LOCAL)
     threads: int = field(default=0, metadata=LOCAL)
+    # Also write metrics.jsonl's numbers as TensorBoard scalars (pip install 'p2p-spes[tensorboard]'),
+    # into tensorboard_dir, or <run_dir>/tensorboard when it is empty.
+    tensorboard: bool = field(default=False, metadata=LOCAL)
+    tensorboard_dir: str = field(default="", metadata=LOCAL)
     # Checkpoint (or run directory) whose weights start this run, e.g. from `p2p-spes upcycle`.
     init_from: str | None = None
 

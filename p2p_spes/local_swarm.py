@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from p2p_spes.errors import SwarmError
+from p2p_spes.progress import MetricsTail, ProgressView
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -56,13 +57,16 @@ class LocalSwarm:
     tracked by its own id."""
 
     def __init__(self, config: str | None, overrides: list[str], peers: int, run_dir: str | Path,
-                 run_id: str = "local", threads: int = 1, place: Callable[[int], PeerPlace] | None = None) -> None:
+                 run_id: str = "local", threads: int = 1, place: Callable[[int], PeerPlace] | None = None,
+                 tensorboard: str | Path | None = None) -> None:
+        """``tensorboard``: a directory under which each peer writes TensorBoard scalars (``peerN``)."""
         if peers < 1:
             raise SwarmError("--peers must be at least 1")
         self.config, self.overrides, self.num_peers = config, list(overrides), peers
         self.run_dir = Path(run_dir)
         self.run_id, self.threads = run_id, threads
         self.place = place or loopback
+        self.tensorboard = tensorboard
         self.procs: list[subprocess.Popen] = []
         self.retired: list[subprocess.Popen] = []  # earlier processes of restarted peers, stopped too
 
@@ -72,6 +76,8 @@ class LocalSwarm:
             cmd += ["--config", self.config]
         cmd += ["--set", f"peer.count={self.num_peers}", "--set", f"train.threads={self.threads}",
                 "--set", f"swarm.host_maddrs=[{self.place(index).host_maddr}]", "--run-id", self.run_id]
+        if self.tensorboard:
+            cmd += ["--tensorboard", str(Path(self.tensorboard) / f"peer{index}")]
         for item in self.overrides:
             cmd += ["--set", item]
         cmd += ["--initial-peers", *initial_peers] if initial_peers else ["--swarm"]
@@ -120,6 +126,30 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 break
         return [p.poll() for p in self.procs]
+
+    def watch(self, view: ProgressView, timeout: float | None = None, interval: float = 1.0) -> list[int | None]:
+        """Like :meth:`wait`, feeding ``view`` every ``interval`` seconds with what each peer appended to
+        its ``metrics.jsonl`` and with the peers that exited (finished, died or failed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tails: dict[int, MetricsTail] = {}
+        reported: set[int] = set()
+        while True:
+            for i, proc in enumerate(self.procs):
+                name = f"peer{i}"
+                view.add_peer(name)
+                tail = tails.setdefault(i, MetricsTail(self.run_dir / name / "metrics.jsonl"))
+                for record in tail.read():
+                    view.update(name, record)
+                code = proc.poll()
+                if code is not None and i not in reported:
+                    reported.add(i)
+                    view.set_state(name, *_exit_state(code, self.run_dir / f"{name}.log"))
+            view.refresh()
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes) or (deadline is not None and time.monotonic() > deadline):
+                view.refresh(force=True)
+                return codes
+            time.sleep(interval)
 
     def run(self, timeout: float | None = None, stagger: float = 2.0) -> list[int]:
         """Start every peer, wait for all of them to exit, and stop whatever is left, always.
@@ -180,6 +210,19 @@ class LocalSwarm:
                 _fmt(s.get("bytes_sent", 0) / 1e6 if s else None), _fmt(s.get("bytes_received", 0) / 1e6 if s else None),
             )
         (console or Console(width=150)).print(table)
+
+
+def _exit_state(code: int, log: Path) -> tuple[str, str]:
+    """What an exit code says about a peer, for the progress view."""
+    if code == 0:
+        return "finished", ""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return "died", f"killed by {name}; its log: {log}"
+    return "failed", f"exit code {code}; its log: {log}"
 
 
 def _fmt(value) -> str:

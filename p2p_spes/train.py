@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from tqdm import tqdm
+from rich.console import Console
 
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, load_checkpoint, read_state, save_checkpoint
 from p2p_spes.config import Config
@@ -27,6 +27,8 @@ from p2p_spes.memory import measure_memory
 from p2p_spes.model import MoETransformer
 from p2p_spes.moe import choose_backend
 from p2p_spes.optim import build_optimizer, lr_at, set_lr, trainable_parameters
+from p2p_spes.progress import ProgressView
+from p2p_spes.tensorboard_log import ScalarLog
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,9 @@ class Trainer:
         self.val_loss: float | None = None
         self.summary_extras: dict[str, Any] = {}
         self.first_loss: float | None = None  # of this process's first step, for the summary
+        self.view: ProgressView | None = None  # the live view, while run() shows one
+        self.tensorboard = ScalarLog(tr.tensorboard_dir or self.run_dir / "tensorboard") \
+            if tr.tensorboard and self.is_main else None
 
     # State -----------------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -239,36 +244,48 @@ class Trainer:
         """Append one JSON line to ``metrics.jsonl`` (steps, and sync rounds from the swarm), wall-clock stamped."""
         if not self.is_main:
             return
+        record = {**record, "time": round(time.time(), 3)}
         with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+            f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+        if self.view is not None and "loss" not in record:  # rounds and takeovers; the loop feeds the steps
+            self.view.update(self.run_dir.name, record)
 
     def run(self, progress: bool = True) -> dict[str, Any]:
-        """Train to ``max_steps`` (from wherever the trainer stands) and write ``summary.json``."""
+        """Train to ``max_steps`` (from wherever the trainer stands) and write ``summary.json``.
+
+        With ``progress`` the live view (``progress.py``) shows this peer's step, loss, rounds and ETA."""
         tr = self.cfg.train
-        bar = tqdm(total=tr.max_steps, initial=self.step, disable=not (progress and self.is_main), desc="train", unit="step")
+        self.view = ProgressView([self.run_dir.name], tr.max_steps, console=Console(stderr=True)) \
+            if progress and self.is_main else None
         try:
-            while self.step < tr.max_steps:
-                metrics = self.train_step()
-                if self.first_loss is None:
-                    self.first_loss = metrics["loss"]
-                for hook in self.hooks:
-                    hook(self)
-                # a hook may move the step past the end (a swarm round's schedule jump): that is the end too
-                last = self.step >= tr.max_steps
-                if self.is_main and (self.step % tr.eval_interval == 0 or last):
-                    metrics["val_loss"] = self.evaluate()
-                if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
-                    self.log_record(metrics)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-                bar.update(1)
-                if self.step % tr.checkpoint_interval == 0 or last:
-                    self.save()
+            with self.view or contextlib.nullcontext():
+                while self.step < tr.max_steps:
+                    metrics = self.train_step()
+                    if self.first_loss is None:
+                        self.first_loss = metrics["loss"]
+                    for hook in self.hooks:
+                        hook(self)
+                    # a hook may move the step past the end (a swarm round's schedule jump): that is the end too
+                    last = self.step >= tr.max_steps
+                    if self.is_main and (self.step % tr.eval_interval == 0 or last):
+                        metrics["val_loss"] = self.evaluate()
+                    if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
+                        self.log_record(metrics)
+                    if self.view is not None:
+                        self.view.update(self.run_dir.name, {**metrics, "step": self.step})
+                        self.view.refresh(force=last)
+                    if self.step % tr.checkpoint_interval == 0 or last:
+                        self.save()
         except KeyboardInterrupt:
             log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step)
             self.save()
             raise
         finally:
-            bar.close()
+            self.view = None
+            if self.tensorboard is not None:
+                self.tensorboard.flush()
         return self.write_summary()
 
     def write_summary(self) -> dict[str, Any]:
