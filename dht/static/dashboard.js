@@ -9,7 +9,7 @@ const SVG = "http://www.w3.org/2000/svg";
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
-    if (k === "class") node.className = v; else node.setAttribute(k, v);
+    if (k === "class") { if (v) node.className = v; } else node.setAttribute(k, v);
   }
   for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
   return node;
