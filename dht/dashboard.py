@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 from collections import deque
@@ -180,3 +181,21 @@ class DashboardServer(ThreadingHTTPServer):
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}/"
+
+    def run(self, title: str) -> None:
+        """Watch the run and serve until Ctrl-C or SIGTERM, then stop both (the watcher's DHT process too)."""
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, interrupt)
+        self.watch.start()
+        print(f"{title}: {self.url} (JSON at {self.url}api/state); Ctrl-C stops it", flush=True)
+        if self.server_address[0] not in ("127.0.0.1", "::1"):
+            print(f"serving on {self.server_address[0]}: anyone who can reach this machine can read the run's status",
+                  flush=True)
+        try:
+            self.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.server_close()
+            self.watch.stop()

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -277,20 +276,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         server = DashboardServer(watch, args.host, args.port)
     except OSError as exc:
         raise ConfigError(f"cannot serve on {args.host}:{args.port} ({exc}): choose another --port (0: any free one)") from None
-    def interrupt(signum, frame):  # SIGTERM stops it like Ctrl-C: the watcher's DHT process is shut down too
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)
-    watch.start()
-    print(f"dashboard of run {args.run_id!r}: {server.url} (JSON at {server.url}api/state); Ctrl-C stops it", flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"serving on {args.host}: anyone who can reach this machine can read the run's status", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        watch.stop()
+    server.run(f"dashboard of run {args.run_id!r}")
     return 0
 
 
