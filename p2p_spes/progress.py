@@ -58,7 +58,7 @@ class PeerProgress:
             parts.append(f"val {_num(self.val_loss)}")
         if self.round is not None:
             parts.append(f"round {self.round} {self.round_outcome} in {self.round_seconds:.1f} s")
-        parts.append(f"sent {self.sent_mb:.1f} MB, received {self.received_mb:.1f} MB")
+            parts.append(f"sent {self.sent_mb:.1f} MB, received {self.received_mb:.1f} MB")
         if self.tokens_per_s:
             parts.append(f"{self.tokens_per_s:,.0f} tok/s")
         eta = self.eta_seconds()

@@ -275,9 +275,12 @@ class Trainer:
                         self.log_record(metrics)
                     if self.view is not None:
                         self.view.update(self.run_dir.name, {**metrics, "step": self.step})
-                        self.view.refresh(force=last)
+                        self.view.refresh()
                     if self.step % tr.checkpoint_interval == 0 or last:
                         self.save()
+                if self.view is not None:
+                    self.view.set_state(self.run_dir.name, "finished")
+                    self.view.refresh(force=True)
         except KeyboardInterrupt:
             log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step)
             self.save()
