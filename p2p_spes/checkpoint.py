@@ -83,11 +83,25 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Write ``run_dir/checkpoints/step_<step>`` atomically and return its path."""
+    """Write ``run_dir/checkpoints/step_<step>`` atomically and return its path.
+
+    A write that fails (a full disk, a lost mount) raises :class:`CheckpointError` after removing what
+    it wrote; the previous checkpoint and ``latest`` are untouched, so they stay usable."""
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
+    try:
+        return _write_checkpoint(root, final, tmp, step, model, optimizer, trainer_state, keep)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial write must not hold the space the next one needs
+        raise CheckpointError(f"could not write checkpoint {final} ({exc.strerror or exc}); the previous checkpoint "
+                              "in that directory is untouched and usable. Free space there (or move train.run_dir) "
+                              "so the next one can be written") from exc
+
+
+def _write_checkpoint(root: Path, final: Path, tmp: Path, step: int, model: nn.Module,
+                      optimizer: torch.optim.Optimizer | None, trainer_state: dict[str, Any], keep: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()

@@ -134,12 +134,20 @@ class Trainer:
             "val_loss": self.val_loss,
         }
 
-    def save(self) -> Path | None:
+    def save(self, final: bool = True) -> Path | None:
+        """Write a checkpoint. One that cannot be written (a full disk) ends the run only when it is the
+        ``final`` one; otherwise training goes on, says so, and tries again at the next interval."""
         if not self.is_main:
             return None
-        path = save_checkpoint(
-            self.run_dir, self.step, self.model, self.optimizer, self.trainer_state(), keep=self.cfg.train.keep_checkpoints
-        )
+        try:
+            path = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.trainer_state(),
+                                   keep=self.cfg.train.keep_checkpoints)
+        except CheckpointError as exc:
+            if final:
+                raise
+            self.summary_extras["checkpoints_failed"] = self.summary_extras.get("checkpoints_failed", 0) + 1
+            log.error("%s; training goes on and tries again in %d steps", exc, self.cfg.train.checkpoint_interval)
+            return None
         log.info("saved checkpoint %s", path)
         return path
 
@@ -277,7 +285,7 @@ class Trainer:
                         self.view.update(self.run_dir.name, {**metrics, "step": self.step})
                         self.view.refresh()
                     if self.step % tr.checkpoint_interval == 0 or last:
-                        self.save()
+                        self.save(final=last)
                 if self.view is not None:
                     self.view.set_state(self.run_dir.name, "finished")
                     self.view.refresh(force=True)

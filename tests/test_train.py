@@ -171,3 +171,38 @@ def test_a_hook_that_moves_the_step_past_the_end_still_gets_the_final_evaluation
     summary = trainer.run(progress=False)
     assert summary["step"] == 7 and summary["final_val_loss"] is not None
     assert read_state(find_checkpoint(tmp_path))["step"] == 7
+
+
+def test_a_full_disk_during_a_checkpoint_costs_that_checkpoint_not_the_run(tmp_path, monkeypatch):
+    # the write of step 8's checkpoint fails as a full disk fails it: training goes on, the partial
+    # write is removed, step 4's checkpoint stays the latest until step 12's is written
+    import errno
+
+    from p2p_spes import checkpoint
+
+    real = checkpoint.save_file
+    calls = {"n": 0}
+
+    def full_disk(tensors, path, metadata=None):
+        if "step_00000008" in path:
+            calls["n"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    trainer = Trainer(fast_config(tmp_path, "train.max_steps=12", "train.keep_checkpoints=5"))
+    seen = []
+    trainer.hooks.append(lambda t: seen.append(find_checkpoint(tmp_path).name) if t.step == 9 else None)
+    summary = trainer.run(progress=False)
+    assert calls["n"] == 1 and seen == ["step_00000004"]
+    assert summary["step"] == 12 and summary["checkpoints_failed"] == 1
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000004", "step_00000012"]  # no partial directory left behind
+    assert read_state(find_checkpoint(tmp_path))["step"] == 12
+
+    # the final checkpoint cannot be skipped: the run ends with the error naming the fix
+    monkeypatch.setattr(checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    again = Trainer(fast_config(tmp_path / "again", "train.max_steps=4"))
+    with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint.*Free space"):
+        again.run(progress=False)
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "again" / "checkpoints").iterdir())
