@@ -2,18 +2,23 @@
 
     python benchmarks/chaos.py                      # 4 peers, 10 minutes, a fault every 15-30 s
     python benchmarks/chaos.py --peers 8 --minutes 20 --seed 3
+    sudo .venv/bin/python benchmarks/chaos.py --minutes 30 --interval 10 30 --disk-full   # the README's run
 
 Faults: SIGKILL of a peer's main process (at a random moment, or inside a sync round), SIGSTOP of a
-peer's whole process group for longer than the sync deadline then SIGCONT, and restarts of killed
-peers from their own checkpoints. Prints a table (faults injected, rounds completed and discarded,
-longest stall of a healthy peer against its bound, consistency checks, orphaned processes, loss)
-and writes ``benchmarks/results/chaos.json``.
+peer's whole process group for longer than the sync deadline then SIGCONT, restarts of killed peers
+from their own checkpoints, the run's bootstrap killed and started again (peers join through it, as in
+a real run), and with ``--disk-full`` (root: each peer's run directory is a small tmpfs of its own) a
+peer's disk filled up until it has tried its next checkpoint. Prints a table (faults injected, rounds
+completed and discarded, longest stall of a healthy peer against its bound, consistency checks,
+checkpoints lost to a full disk, orphaned processes, loss) and writes ``benchmarks/results/chaos.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -45,14 +50,31 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default=None, help="keep the peers' run directories here")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--no-bootstrap", action="store_true", help="peers join through the first peer, no bootstrap")
+    parser.add_argument("--disk-full", action="store_true",
+                        help="also fill a peer's disk during a checkpoint (root: mounts a tmpfs per peer)")
+    parser.add_argument("--disk-mb", type=int, default=96, help="size of each peer's tmpfs with --disk-full")
     args = parser.parse_args()
 
     overrides = CONFIG + args.overrides
     cfg = load_config(None, overrides)
     deadline = sync_deadline(cfg.swarm)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="p2p-spes-chaos-"))
-    swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir, run_id="chaos")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir, run_id="chaos",
+                       bootstrap_port=None if args.no_bootstrap else port)
     chaos = Chaos(swarm, cfg.swarm.sync_steps, freeze_seconds=deadline + 5, seed=args.seed)
+    extra = {} if args.no_bootstrap else {"bootstrap-kill": lambda _: chaos.kill_bootstrap(chaos.rng.uniform(5, 20))}
+    mounts = []
+    if args.disk_full:
+        for i in range(args.peers):
+            (run_dir / f"peer{i}").mkdir(parents=True, exist_ok=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.disk_mb}m", "tmpfs", str(run_dir / f"peer{i}")],
+                           check=True)
+            mounts.append(run_dir / f"peer{i}")
+        extra["disk-full"] = lambda victim: chaos.fill_disk(victim, cfg.train.checkpoint_interval)
     console = Console(width=110)
     console.print(f"{args.peers} peers, {args.minutes:g} min of faults every {args.interval[0]:g}-{args.interval[1]:g} s; "
                   f"sync deadline {deadline:g} s; run dir {run_dir}")
@@ -61,7 +83,7 @@ def main() -> None:
         swarm.start(stagger=1.0)
         time.sleep(30)  # let every peer join and sync once before the first fault
         while time.monotonic() - t0 < args.minutes * 60:
-            fault = chaos.random_fault()
+            fault = chaos.random_fault(extra)
             if fault:
                 console.print(f"[{time.monotonic() - t0:6.0f}s] {fault.kind:12s} peer {fault.peer} {fault.note}")
             time.sleep(chaos.rng.uniform(*args.interval))
@@ -72,6 +94,9 @@ def main() -> None:
         swarm.stop()
     report = analyse(run_dir, args.peers, chaos.faults, deadline)
     report.orphans = orphaned(swarm)
+    lost = checkpoints_lost(run_dir, swarm)
+    for mount in mounts:  # after the analysis: it reads the peers' metrics there
+        subprocess.run(["umount", str(mount)], check=False)
 
     table = Table(title=f"chaos: {args.peers} peers, {args.minutes:g} min, seed {args.seed}")
     table.add_column("measure")
@@ -86,6 +111,8 @@ def main() -> None:
     table.add_row("consistency checks passed", f"{report.consistency_checks - len(report.consistency_failures)}"
                   f" / {report.consistency_checks}", "all")
     table.add_row("rounds with an expert no live peer held", str(report.orphan_rounds), "")
+    table.add_row("checkpoints not written (full disk) / peers that exited with an error",
+                  f"{lost['checkpoints_failed']} / {lost['peers_died']}", "- / 0")
     table.add_row("orphaned processes after stop", str(report.orphans), "0")
     losses = ", ".join(f"{report.loss_first[i]:.2f}->{report.loss_last[i]:.2f}" for i in sorted(report.loss_last))
     table.add_row("train loss per peer (first -> last)", losses, "falling")
@@ -96,13 +123,25 @@ def main() -> None:
     result = {"command": "python benchmarks/chaos.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("run_dir", "overrides")),
         "peers": args.peers, "minutes": args.minutes, "seed": args.seed, "sync_deadline_s": deadline,
-        "faults": [vars(f) for f in chaos.faults], **report.to_dict(),
+        "faults": [vars(f) for f in chaos.faults], **report.to_dict(), **lost,
         "targets_met": {
+            "faults_50": len(chaos.faults) >= 50, "full_disk_survived": lost["peers_died"] == 0,
             "stall": report.longest_stall_s <= report.stall_bound_s, "consistency": not report.consistency_failures,
             "orphans": report.orphans == 0, "loss_fell": report.loss_fell,
         }}
     RESULTS.write_text(json.dumps(result, indent=1))
     console.print(f"wrote {RESULTS}")
+
+
+def checkpoints_lost(run_dir: Path, swarm: LocalSwarm) -> dict[str, int]:
+    """Checkpoints a full disk cost (the peers' logs say so), and peer processes that ended with an error
+    of their own (not our SIGKILL, not the final stop): a full disk must not be one."""
+    failed = 0
+    for i in range(swarm.num_peers):
+        log = run_dir / f"peer{i}.log"
+        failed += log.read_text(errors="replace").count("could not write checkpoint") if log.exists() else 0
+    crashed = sum(1 for p in swarm.procs + swarm.retired if p.returncode is not None and p.returncode > 0)
+    return {"checkpoints_failed": failed, "peers_died": crashed}
 
 
 if __name__ == "__main__":

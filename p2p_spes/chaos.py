@@ -18,12 +18,13 @@ import signal
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.local_swarm import LocalSwarm, signal_group
 
 
 @dataclass
@@ -133,15 +134,58 @@ class Chaos:
         self.faults.append(fault)
         return fault
 
-    def random_fault(self) -> Fault | None:
-        """One random fault: restart a downed peer, or kill / kill-in-sync / freeze a live one."""
+    def kill_bootstrap(self, down_seconds: float) -> Fault:
+        """SIGKILL the run's bootstrap, leave it down ``down_seconds``, start it again (same identity and
+        port, so the address peers were given works again)."""
+        if self.swarm.bootstrap is None:
+            raise RuntimeError("this swarm has no bootstrap (LocalSwarm(bootstrap_port=...))")
+        start = time.time()
+        signal_group(self.swarm.bootstrap, signal.SIGKILL)
+        self.swarm.bootstrap.wait(30)
+        time.sleep(down_seconds)
+        self.swarm.start_bootstrap()
+        fault = Fault("bootstrap-kill", -1, start, time.time(), f"down {down_seconds:.0f}s")
+        self.faults.append(fault)
+        return fault
+
+    def fill_disk(self, index: int, checkpoint_interval: int, timeout: float = 300.0) -> Fault:
+        """Fill the filesystem under peer ``index``'s run directory (it must be one of its own, e.g. a
+        small tmpfs) until the peer has tried its next checkpoint, then free it again."""
+        run_dir = self.swarm.run_dir / f"peer{index}"
+        free = os.statvfs(run_dir).f_bavail * os.statvfs(run_dir).f_frsize
+        if free > 1 << 30:
+            raise RuntimeError(f"{run_dir} has {free >> 20} MB free: give it a filesystem of its own (a small tmpfs)")
+        start, target = time.time(), (self.last_step(index) // checkpoint_interval + 1) * checkpoint_interval
+        ballast = run_dir / "disk-full.ballast"
+        with open(ballast, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass  # the disk is full
+        deadline = time.monotonic() + timeout
+        while self.last_step(index) <= target and time.monotonic() < deadline and self.swarm.procs[index].poll() is None:
+            time.sleep(0.5)  # its metrics lines are dropped meanwhile: what it logged before the disk filled
+        time.sleep(2.0)
+        ballast.unlink(missing_ok=True)
+        fault = Fault("disk-full", index, start, time.time(), f"through the checkpoint of step {target}")
+        self.faults.append(fault)
+        return fault
+
+    def random_fault(self, extra: dict[str, Callable[[int], Fault]] | None = None) -> Fault | None:
+        """One random fault: restart a downed peer, or kill / kill-in-sync / freeze a live one, or one
+        of ``extra`` (kind -> a function of a live peer's index)."""
         live = self.live()
         if self.down and (len(live) <= self.min_live or self.rng.random() < 0.5):
             return self.restart(self.rng.choice(sorted(self.down)))
         if len(live) <= self.min_live:
             return None
-        kind = self.rng.choice(["kill", "kill-in-sync", "freeze"])
+        extra = extra or {}
+        kind = self.rng.choice(["kill", "kill-in-sync", "freeze", *extra])
         victim = self.rng.choice(live)
+        if kind in extra:
+            return extra[kind](victim)
         if kind == "freeze":
             return self.freeze(victim)
         return self.kill(victim, in_sync=kind == "kill-in-sync")
@@ -252,7 +296,7 @@ def analyse(run_dir: Path, num_peers: int, faults: list[Fault], deadline: float,
 def orphaned(swarm: LocalSwarm, grace: float = 20.0) -> int:
     """Process groups of this swarm still alive after it was stopped (each peer had its own group)."""
     deadline = time.monotonic() + grace
-    procs = swarm.procs + swarm.retired
+    procs = swarm.procs + swarm.retired + ([swarm.bootstrap] if swarm.bootstrap else [])
     while time.monotonic() < deadline and any(group_alive(p.pid) for p in procs):
         time.sleep(0.5)
     return sum(group_alive(p.pid) for p in procs)

@@ -58,8 +58,10 @@ class LocalSwarm:
 
     def __init__(self, config: str | None, overrides: list[str], peers: int, run_dir: str | Path,
                  run_id: str = "local", threads: int = 1, place: Callable[[int], PeerPlace] | None = None,
-                 tensorboard: str | Path | None = None) -> None:
-        """``tensorboard``: a directory under which each peer writes TensorBoard scalars (``peerN``)."""
+                 tensorboard: str | Path | None = None, bootstrap_port: int | None = None) -> None:
+        """``tensorboard``: a directory under which each peer writes TensorBoard scalars (``peerN``).
+        ``bootstrap_port``: start a ``p2p-spes bootstrap`` on that loopback port first, and have every
+        peer join through it (as a real run does), instead of through the first peer."""
         if peers < 1:
             raise SwarmError("--peers must be at least 1")
         self.config, self.overrides, self.num_peers = config, list(overrides), peers
@@ -67,6 +69,8 @@ class LocalSwarm:
         self.run_id, self.threads = run_id, threads
         self.place = place or loopback
         self.tensorboard = tensorboard
+        self.bootstrap_port = bootstrap_port
+        self.bootstrap: subprocess.Popen | None = None
         self.procs: list[subprocess.Popen] = []
         self.retired: list[subprocess.Popen] = []  # earlier processes of restarted peers, stopped too
 
@@ -109,10 +113,34 @@ class LocalSwarm:
             time.sleep(0.2)
         raise SwarmError(f"peer {index} did not come up within {timeout:.0f}s")
 
+    def start_bootstrap(self, timeout: float = 60.0) -> list[str]:
+        """Start (or start again) the run's bootstrap on ``bootstrap_port``, with the same identity each
+        time so its multiaddr stays the one peers were given; returns that multiaddr."""
+        out = self.run_dir / "bootstrap.json"
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "p2p_spes", "bootstrap", "--identity", str(self.run_dir / "bootstrap.key"),
+               "--host-maddrs", f"/ip4/127.0.0.1/tcp/{self.bootstrap_port}", "--write-maddrs", str(out),
+               "--run-id", self.run_id]
+        if self.bootstrap is not None:
+            self.retired.append(self.bootstrap)
+        with open(self.run_dir / "bootstrap.log", "a") as log:
+            self.bootstrap = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + timeout
+        while not out.exists():
+            if self.bootstrap.poll() is not None or time.monotonic() > deadline:
+                raise SwarmError(f"the bootstrap did not come up:\n{_tail(self.run_dir / 'bootstrap.log')}")
+            time.sleep(0.2)
+        return json.loads(out.read_text())["maddrs"]
+
     def start(self, stagger: float = 2.0) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.start_peer(0, [])
-        maddrs = self.wait_for_maddrs(0)
+        if self.bootstrap_port is not None:
+            maddrs = self.start_bootstrap()
+            self.start_peer(0, maddrs)
+        else:
+            self.start_peer(0, [])
+            maddrs = self.wait_for_maddrs(0)
         for i in range(1, self.num_peers):
             time.sleep(stagger)
             self.start_peer(i, maddrs)
@@ -176,15 +204,21 @@ class LocalSwarm:
         """SIGTERM every peer (they checkpoint and announce leaving), then SIGKILL their groups."""
         for proc in self.procs:
             if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
+                signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for proc in self.procs:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 pass
-        for proc in self.procs + self.retired:
-            _signal_group(proc, signal.SIGKILL)
+        if self.bootstrap is not None and self.bootstrap.poll() is None:
+            signal_group(self.bootstrap, signal.SIGTERM)
+            try:
+                self.bootstrap.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs + self.retired + ([self.bootstrap] if self.bootstrap else []):
+            signal_group(proc, signal.SIGKILL)
             if proc.poll() is None:
                 proc.wait(5)
 
@@ -229,7 +263,8 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the process group ``proc`` leads (each peer has its own); nothing if it is gone."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

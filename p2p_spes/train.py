@@ -253,8 +253,14 @@ class Trainer:
         if not self.is_main:
             return
         record = {**record, "time": round(time.time(), 3)}
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:  # a full disk costs metrics lines, not the run
+            lost = self.summary_extras.get("metrics_lines_lost", 0)
+            self.summary_extras["metrics_lines_lost"] = lost + 1
+            if not lost:
+                log.error("could not write metrics.jsonl (%s); lines are dropped until it can be written", exc)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
         if self.view is not None and "loss" not in record:  # rounds and takeovers; the loop feeds the steps
