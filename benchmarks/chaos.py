@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from p2p_spes.chaos import Chaos, analyse, orphaned
+from p2p_spes.chaos import Chaos, analyse, failed_checkpoints, orphaned
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.swarm import sync_deadline
@@ -136,10 +136,7 @@ def main() -> None:
 def checkpoints_lost(run_dir: Path, swarm: LocalSwarm) -> dict[str, int]:
     """Checkpoints a full disk cost (the peers' logs say so), and peer processes that ended with an error
     of their own (not our SIGKILL, not the final stop): a full disk must not be one."""
-    failed = 0
-    for i in range(swarm.num_peers):
-        log = run_dir / f"peer{i}.log"
-        failed += log.read_text(errors="replace").count("could not write checkpoint") if log.exists() else 0
+    failed = sum(failed_checkpoints(run_dir / f"peer{i}.log") for i in range(swarm.num_peers))
     crashed = sum(1 for p in swarm.procs + swarm.retired if p.returncode is not None and p.returncode > 0)
     return {"checkpoints_failed": failed, "peers_died": crashed}
 

@@ -62,6 +62,11 @@ def group_alive(pid: int) -> bool:
         return True
 
 
+def failed_checkpoints(log: Path) -> int:
+    """Checkpoints a peer's log says it could not write."""
+    return log.read_text(errors="replace").count("could not write checkpoint") if log.exists() else 0
+
+
 class Chaos:
     """Inject faults into ``swarm``'s peers; every action is recorded in :attr:`faults`."""
 
@@ -157,6 +162,8 @@ class Chaos:
             raise RuntimeError(f"{run_dir} has {free >> 20} MB free: give it a filesystem of its own (a small tmpfs)")
         start, target = time.time(), (self.last_step(index) // checkpoint_interval + 1) * checkpoint_interval
         ballast = run_dir / "disk-full.ballast"
+        log = self.swarm.run_dir / f"peer{index}.log"
+        before = failed_checkpoints(log)
         with open(ballast, "wb") as f:
             try:
                 while True:
@@ -164,12 +171,16 @@ class Chaos:
                     f.flush()
             except OSError:
                 pass  # the disk is full
+        # its metrics lines are dropped while the disk is full: its log (elsewhere) says when it tried
         deadline = time.monotonic() + timeout
-        while self.last_step(index) <= target and time.monotonic() < deadline and self.swarm.procs[index].poll() is None:
-            time.sleep(0.5)  # its metrics lines are dropped meanwhile: what it logged before the disk filled
-        time.sleep(2.0)
+        while (failed_checkpoints(log) <= before and time.monotonic() < deadline
+               and self.swarm.procs[index].poll() is None):
+            time.sleep(0.5)
+        time.sleep(1.0)
         ballast.unlink(missing_ok=True)
-        fault = Fault("disk-full", index, start, time.time(), f"through the checkpoint of step {target}")
+        tried = failed_checkpoints(log) > before
+        fault = Fault("disk-full", index, start, time.time(),
+                      f"{'through' if tried else 'no'} checkpoint attempt (step {target})")
         self.faults.append(fault)
         return fault
 

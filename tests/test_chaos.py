@@ -77,3 +77,43 @@ def test_swarm_survives_kill_in_sync_freeze_and_restart(tmp_path):
         assert sum(r["shared_ok"] for r in after) >= 2, (i, [(r["sync_round"], r["shared_ok"]) for r in after])
     assert report.longest_stall_s <= report.stall_bound_s, report
     assert report.loss_fell, (report.loss_first, report.loss_last)
+
+
+def test_a_run_outlives_its_bootstrap_and_a_full_disk_during_a_checkpoint(tmp_path):
+    # peers join through a bootstrap (as in a real run); the bootstrap is killed and started again, and
+    # one peer's disk (a tmpfs of its own: root only) fills up through a checkpoint. Both peers finish
+    # with no error, the full disk cost that peer one checkpoint, and its final checkpoint is written.
+    import os
+    import socket
+    import subprocess
+
+    from p2p_spes.checkpoint import find_checkpoint, read_state
+
+    if os.geteuid() != 0:
+        pytest.skip("filling a disk needs a tmpfs of its own: run as root")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    swarm = LocalSwarm(None, CHAOS + ["train.max_steps=90"], peers=2, run_dir=tmp_path, run_id="boot", bootstrap_port=port)
+    chaos = Chaos(swarm, SYNC, freeze_seconds=0, seed=2)
+    (tmp_path / "peer1").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(tmp_path / "peer1")], check=True)
+    try:
+        try:
+            swarm.start(stagger=1.0)
+            wait_for_round(swarm, [0, 1], 1, timeout=180)
+            chaos.kill_bootstrap(down_seconds=3)
+            chaos.fill_disk(1, checkpoint_interval=10)
+            codes = swarm.wait(timeout=400)
+        finally:
+            swarm.stop()
+        assert codes == [0, 0], [(tmp_path / f"peer{i}.log").read_text()[-3000:] for i in range(2)]
+        assert orphaned(swarm) == 0
+        log = (tmp_path / "peer1.log").read_text()
+        assert "could not write checkpoint" in log and "training goes on" in log
+        assert read_state(find_checkpoint(tmp_path / "peer1"))["step"] == 90
+        assert [f.kind for f in chaos.faults] == ["bootstrap-kill", "disk-full"]
+        after = [r for r in read_metrics(tmp_path / "peer0") if "sync_round" in r and r["time"] > chaos.faults[-1].end]
+        assert any(r["shared_ok"] and r["shared_members"] == 2 for r in after)  # both still average together
+    finally:
+        subprocess.run(["umount", str(tmp_path / "peer1")], check=False)
