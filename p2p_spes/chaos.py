@@ -164,11 +164,10 @@ class Chaos:
         ballast = run_dir / "disk-full.ballast"
         log = self.swarm.run_dir / f"peer{index}.log"
         before = failed_checkpoints(log)
-        with open(ballast, "wb") as f:
+        with open(ballast, "wb", buffering=0) as f:  # unbuffered: nothing left to flush into a full disk
             try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
+                while f.write(b"\0" * (1 << 20)):
+                    pass
             except OSError:
                 pass  # the disk is full
         # its metrics lines are dropped while the disk is full: its log (elsewhere) says when it tried
