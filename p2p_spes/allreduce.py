@@ -25,8 +25,11 @@ reducer either serves one result to everybody or none, and a member applies noth
 every part. A member lost mid-round then costs the others a retry, not the round: every member whose
 attempt failed in the transfers joins the group again under the attempt's own key (``group~2``, ...,
 up to ``retries`` more times within the round), with the same tensor, and the members that come
-average among themselves. A dead member does not come; a slow one that does is welcome. Each attempt
-is all-or-nothing, so no partial average is ever applied; the members of the attempt that succeeds
+average among themselves. A dead member does not come; a slow one that does is welcome. A member whose
+attempt succeeded says so under the next attempt's key (``announce_done``), and the next attempt forms
+no earlier than the failed one's deadline (plus ``HOLD``): a member that sees such a record does not
+form the group again, since its result would differ from what that member applied, and takes the
+agreed result instead (the round's adopt path). Each attempt is all-or-nothing, so no partial average is ever applied; the members of the attempt that succeeds
 end bit-identical, and the lost members are reported (``GroupResult.lost``). A member alone at a
 retry fails instead (the others may have applied the first attempt). Views of the membership that
 differ give different group ids and fail loudly. A stream cut short (hivemind ends one silently when
@@ -51,12 +54,13 @@ from hivemind.proto import averaging_pb2
 from dht.keys import group_key
 from p2p_spes.aggregation import Aggregator, weighted_mean
 from p2p_spes.compression import Codec
-from p2p_spes.matchmaking import Base, agreed_base, join_group
+from p2p_spes.matchmaking import Base, agreed_base, announce_done, join_group
 from p2p_spes.reducer import AGAIN, MISSING, OK, TAKEN, Part, PartServer
 from p2p_spes.transport import TransportError, TruncatedStream, pack, parse_tensor, serialize_parts
 
 log = logging.getLogger(__name__)
 ATTEMPTS = 3  # sends and fetches of one part, within the group's deadline
+HOLD = 1.0  # seconds past a failed attempt's deadline before the next forms: members that finished say so by then
 
 
 Rebase = Callable[[Base, list[str]], Awaitable[None]]
@@ -84,6 +88,7 @@ class GroupResult:
     attempts: int = 1  # times the group formed this round (a failed transfer is retried among those who come)
     lost: list[str] = field(default_factory=list)  # members of the first attempt missing from the one that succeeded
     retryable: bool = False  # failed in the transfers (not in matchmaking): the survivors may form again
+    deadline_at: float = 0.0  # monotonic time by which the transfers had to end: any member done by then says so
 
     @property
     def ok(self) -> bool:
@@ -106,6 +111,7 @@ class GroupAllReduce:
         self.retries = retries  # attempts after a failed transfer, per group and round
         # the parts we reduce for the groups we are in (reducer.py); replaceable before start()
         self.server = PartServer(self.codec, self.aggregate, matchmaking_time + timeout)
+        self._announcing: set[asyncio.Future] = set()  # "done" records being stored (kept from the collector)
 
     @property
     def _contribute_name(self) -> str:
@@ -168,7 +174,7 @@ class GroupAllReduce:
             # lost a member is a disturbed one, and the members' rates were not measured under it
             relaxed = self.timeout if timeout is None else min(2 * timeout, self.timeout)
             retry = await self._attempt(round_no, group, f"{group}~{attempt}", tensor, weight, survivors, None,
-                                        None, relaxed, base, rebase)
+                                        None, relaxed, base, rebase, hold_until=result.deadline_at + HOLD)
             retry.attempts = attempt
             retry.bytes_sent += result.bytes_sent
             retry.bytes_received += result.bytes_received
@@ -180,13 +186,22 @@ class GroupAllReduce:
             result = retry
         if result.ok:
             result.lost = sorted(set(first.members) - set(result.members))
+            if self.retries and len(result.members) > 1:
+                # members whose attempt failed may be forming it again: they must not, we applied this one
+                key = group_key(self.run_id, round_no, f"{group}~{result.attempts + 1}")
+                self._announcing.add(asyncio.ensure_future(
+                    announce_done(self.dht, key, self.peer_id, self.owner, self.matchmaking_time + self.timeout + 30)))
+                for task in [t for t in self._announcing if t.done()]:
+                    self._announcing.discard(task)
+                    if not task.cancelled() and task.exception() is not None:
+                        log.info("could not announce a finished group: %s", task.exception())
         result.seconds = time.monotonic() - t0
         return result
 
     async def _attempt(self, round_no: int, group: str, key: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
                        weight: float, expected: set[str], on_members: Callable[[], None] | None,
                        window: float | None, timeout: float | None, base: Base | None,
-                       rebase: Rebase | None) -> GroupResult:
+                       rebase: Rebase | None, hold_until: float | None = None) -> GroupResult:
         """One formation of ``group`` under DHT key ``key`` and its transfers (see :meth:`run`)."""
         t0 = time.monotonic()
         window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
@@ -195,7 +210,8 @@ class GroupAllReduce:
             joined = await join_group(
                 self.dht, group_key(self.run_id, round_no, key), self.peer_id, self.owner,
                 set(expected) | {self.peer_id}, weight, window, base,
-                matchmaking_time=self.matchmaking_time, ttl=self.matchmaking_time + self.timeout + 30)
+                matchmaking_time=self.matchmaking_time, ttl=self.matchmaking_time + self.timeout + 30,
+                hold_until=hold_until)
             members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
         except asyncio.TimeoutError:
             result = GroupResult(None, [])
@@ -207,11 +223,16 @@ class GroupAllReduce:
                 on_members()
         result = GroupResult(None, members, lateness=lateness, window=agreed)
         t_decided = time.monotonic()
+        if joined.done:
+            # a member applied the attempt before: a new average would set the rest of us apart from it,
+            # failing lets the caller take the result it agreed on
+            result.error = f"{len(joined.done)} member(s) applied the earlier attempt: not forming it again"
+            return result
         if self.peer_id not in members:
             result.error = "arrived after the group closed"
             return result
         result.base = agreed_base(bases)
-        deadline = time.monotonic() + timeout
+        deadline = result.deadline_at = time.monotonic() + timeout
         if len(members) == 1 and key != group:
             # alone at a retry: the others applied the first attempt's result (or are gone); averaging
             # with nobody would set us apart from them, failing lets the caller take what they agreed on

@@ -59,12 +59,17 @@ class Joined:
     lateness: dict[str, float] = field(default_factory=dict)
     window: float = 0.0
     bases: dict[str, Base] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)  # peers that said they applied an earlier attempt (a retry's key)
 
 
 async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[str], weight: float, window: float,
-                     base: Base | None, *, matchmaking_time: float, ttl: float) -> Joined:
+                     base: Base | None, *, matchmaking_time: float, ttl: float, hold_until: float | None = None) -> Joined:
     """Join the group under ``key`` and return its decided membership (see the module docstring).
 
+    A retry's key may also hold ``done`` records (:func:`announce_done`): peers that applied the attempt
+    before. Seeing one ends the wait (the retry must not form: its result would differ from theirs).
+    ``hold_until`` (monotonic time) keeps the wait going until then even once every expected peer has
+    arrived, so that a member still finishing the earlier attempt can say it applied it.
     Every DHT request is bounded: one that never answers raises ``asyncio.TimeoutError``.
     """
     arrival = get_dht_time()
@@ -74,25 +79,40 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
         mine.update(b=base.digest, br=int(base.round))
     await asyncio.wait_for(dht.store(key, mine, expiration_time=arrival + ttl, subkey=owner, return_future=True),
                            matchmaking_time + 10)
+    if hold_until is not None:
+        give_up = max(give_up, hold_until + 1)
     records: dict[str, dict] = {}
+    done: set[str] = set()
 
     async def read() -> tuple[dict[str, float], float]:
         nonlocal records
         found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True),
                                        max(give_up - time.monotonic(), 0.0) + 5)
-        records = {p: v for p, v in signed_values(found).items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
+        signed = signed_values(found)
+        done.update(p for p, v in signed.items() if isinstance(v, dict) and v.get("done") is True)
+        records = {p: v for p, v in signed.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
         records.setdefault(peer_id, mine)
         return {p: v["t"] for p, v in records.items()}, agreed_window(records, matchmaking_time)
 
     while True:
         times, agreed = await read()
-        cutoff = min(times.values()) + agreed
-        if expected <= set(times) or get_dht_time() >= cutoff or time.monotonic() > give_up:
+        held = hold_until is not None and time.monotonic() < hold_until
+        closed = expected <= set(times) or get_dht_time() >= min(times.values()) + agreed
+        if done or (closed and not held) or time.monotonic() > give_up:
             break
         await asyncio.sleep(0.2)
     await asyncio.sleep(0.5)
     await read()
-    return decide(records, matchmaking_time)
+    joined = decide(records, matchmaking_time)
+    joined.done = set(done)
+    return joined
+
+
+async def announce_done(dht, key: str, peer_id: str, owner: bytes, ttl: float) -> None:
+    """Say under a retry's ``key`` that we applied the attempt before it (see :func:`join_group`)."""
+    now = get_dht_time()
+    await dht.store(key, {"peer_id": peer_id, "done": True}, expiration_time=now + ttl, subkey=owner,
+                    return_future=True)
 
 
 def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:

@@ -28,6 +28,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+from p2p_spes.allreduce import HOLD
 from p2p_spes.compression import Codec
 from p2p_spes.config import SwarmConfig
 from p2p_spes.healing import plan_takeover
@@ -172,12 +173,14 @@ def simulate(cfg: SimConfig) -> SimResult:
                     end = noticed
                     break
                 survivors = [m for m in members if not (m in fails and fails[m][0] <= noticed)]
+                # the retry forms once the failed attempt's deadline has passed (allreduce.HOLD)
+                reform = max(noticed, start + deadline + HOLD)
                 retry = {m: {"t": noticed + rng.uniform(0, 0.3), "m": sw.matchmaking_time} for m in survivors}
                 if not retry:
                     end = noticed
                     break
                 members = decide(retry, sw.matchmaking_time).members
-                start = noticed + 0.5 + rng.uniform(0, 0.3)
+                start = reform + 0.5 + rng.uniform(0, 0.3)
         refresh = []
         for p in live:
             frozen = cfg.experts - len(p.experts)

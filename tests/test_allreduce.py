@@ -11,7 +11,7 @@ from hivemind.proto import averaging_pb2
 
 from dht.node import start_dht
 from p2p_spes.aggregation import build_aggregator
-from p2p_spes.allreduce import GroupAllReduce, weighted_mean
+from p2p_spes.allreduce import HOLD, GroupAllReduce, weighted_mean
 from p2p_spes.compression import Codec
 from p2p_spes.reducer import PartServer
 from p2p_spes.transport import TransportError, TruncatedStream, parse_tensor, serialize_parts, tensor_digest
@@ -290,9 +290,38 @@ def test_a_member_lost_mid_round_costs_the_others_a_retry_not_the_round(dhts, fa
         [(r.attempts, r.lost, r.members) for r in survivors]
     assert len({tensor_digest([r.tensor]) for r in survivors}) == 1, "the survivors' copies differ"
     torch.testing.assert_close(survivors[0].tensor, (tensors[0] + 3 * tensors[1]) / 4)
-    # a dead member is noticed at once; a frozen one at the 10 s deadline; then one more join window
-    limit = {"dies": 3 * WINDOW + 3.0, "freezes": 10.0 + 3 * WINDOW + 3.0}[fault]
+    # the retry forms once the first attempt's 10 s deadline has passed (a member that finished it would
+    # have said so by then; HOLD more), then takes one more join window and its transfers
+    limit = 10.0 + HOLD + 3 * WINDOW + 3.0
     assert max(r.seconds for r in survivors) < limit, [round(r.seconds, 1) for r in survivors]
+
+
+class RefusesFetches(PartServer):
+    """A reducer that takes every contribution and serves its averaged part to nobody: the others fail
+    their attempt, while its owner (which reads its own part locally) completes it."""
+
+    async def fetch(self, request, context):
+        yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+
+
+class ServesNobody(GroupAllReduce):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.server = RefusesFetches(self.codec, self.aggregate, self.server.wait)
+
+
+@pytest.mark.slow
+def test_members_do_not_form_again_when_one_of_them_applied_the_attempt(dhts):
+    """Member 0 completes the attempt; 1 and 2 cannot fetch its part. Forming the group again among
+    themselves would give them an average that differs from the one member 0 applied: they see that it
+    did (its "done" record) and fail instead, leaving the round's adopt path to take its result."""
+    tensors = [torch.randn(4_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
+    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-done", kinds={0: ServesNobody})
+    assert results[0].ok and len(results[0].members) == 3, results[0].error
+    torch.testing.assert_close(results[0].tensor, sum(tensors) / 3)
+    for r in results[1:]:
+        assert not r.ok and r.attempts == 2, (r.attempts, r.error)
+        assert "applied the earlier attempt" in r.error, r.error
 
 
 @pytest.mark.slow

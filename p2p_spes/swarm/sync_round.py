@@ -27,7 +27,7 @@ import torch
 
 from dht.keys import peers_key, version_key
 from dht.records import PeerRecord, VersionRecord
-from p2p_spes.allreduce import GroupAllReduce, GroupResult
+from p2p_spes.allreduce import HOLD, GroupAllReduce, GroupResult
 from p2p_spes.compression import ErrorFeedback
 from p2p_spes.config import SwarmConfig
 from p2p_spes.matchmaking import Base
@@ -53,9 +53,10 @@ def version_window(sw: SwarmConfig) -> float:
 
 def sync_deadline(sw: SwarmConfig) -> float:
     """The longest a sync round can hold a peer up, whatever the others do: join window and averaging
-    timeout, once more per group retry, then the version window (downloads of refreshed experts come
+    timeout, once more per group retry (which forms ``HOLD`` after the failed attempt's deadline), then the version window (downloads of refreshed experts come
     on top, bounded by size)."""
-    return (1 + sw.group_retries) * (sw.matchmaking_time + sw.averaging_timeout) + version_window(sw)
+    return (1 + sw.group_retries) * (sw.matchmaking_time + sw.averaging_timeout) + sw.group_retries * HOLD \
+        + version_window(sw)
 
 
 class RoundRunner:
