@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -92,9 +93,10 @@ def save_checkpoint(
     tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
     try:
         return _write_checkpoint(root, final, tmp, step, model, optimizer, trainer_state, keep)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)  # a partial write must not hold the space the next one needs
-        raise CheckpointError(f"could not write checkpoint {final} ({exc.strerror or exc}); the previous checkpoint "
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise CheckpointError(f"could not write checkpoint {final} ({reason}); the previous checkpoint "
                               "in that directory is untouched and usable. Free space there (or move train.run_dir) "
                               "so the next one can be written") from exc
 

@@ -178,15 +178,17 @@ def test_a_full_disk_during_a_checkpoint_costs_that_checkpoint_not_the_run(tmp_p
     # write is removed, step 4's checkpoint stays the latest until step 12's is written
     import errno
 
+    from safetensors import SafetensorError
+
     from p2p_spes import checkpoint
 
     real = checkpoint.save_file
     calls = {"n": 0}
 
     def full_disk(tensors, path, metadata=None):
-        if "step_00000008" in path:
+        if "step_00000008" in path:  # as safetensors reports it (not an OSError)
             calls["n"] += 1
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         return real(tensors, path, metadata=metadata)
 
     monkeypatch.setattr(checkpoint, "save_file", full_disk)
