@@ -2,7 +2,7 @@
 
     python benchmarks/chaos.py                      # 4 peers, 10 minutes, a fault every 15-30 s
     python benchmarks/chaos.py --peers 8 --minutes 20 --seed 3
-    sudo .venv/bin/python benchmarks/chaos.py --minutes 30 --interval 10 30 --disk-full   # the README's run
+    sudo .venv/bin/python benchmarks/chaos.py --minutes 30 --interval 5 15 --disk-full    # the README's run
 
 Faults: SIGKILL of a peer's main process (at a random moment, or inside a sync round), SIGSTOP of a
 peer's whole process group for longer than the sync deadline then SIGCONT, restarts of killed peers
@@ -91,10 +91,12 @@ def main() -> None:
             chaos.restart(index)
         time.sleep(3 * deadline)
     finally:
+        # exit codes of the processes that ended before the final stop (which ends the others with 130)
+        ended = [p.returncode for p in swarm.procs + swarm.retired if p.poll() is not None]
         swarm.stop()
     report = analyse(run_dir, args.peers, chaos.faults, deadline)
     report.orphans = orphaned(swarm)
-    lost = checkpoints_lost(run_dir, swarm)
+    lost = checkpoints_lost(run_dir, swarm, ended)
     for mount in mounts:  # after the analysis: it reads the peers' metrics there
         subprocess.run(["umount", str(mount)], check=False)
 
@@ -123,7 +125,7 @@ def main() -> None:
     result = {"command": "python benchmarks/chaos.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("run_dir", "overrides")),
         "peers": args.peers, "minutes": args.minutes, "seed": args.seed, "sync_deadline_s": deadline,
-        "faults": [vars(f) for f in chaos.faults], **report.to_dict(), **lost,
+        **report.to_dict(), "fault_log": [vars(f) for f in chaos.faults], **lost,
         "targets_met": {
             "faults_50": len(chaos.faults) >= 50, "full_disk_survived": lost["peers_died"] == 0,
             "stall": report.longest_stall_s <= report.stall_bound_s, "consistency": not report.consistency_failures,
@@ -133,12 +135,12 @@ def main() -> None:
     console.print(f"wrote {RESULTS}")
 
 
-def checkpoints_lost(run_dir: Path, swarm: LocalSwarm) -> dict[str, int]:
+def checkpoints_lost(run_dir: Path, swarm: LocalSwarm, ended: list[int]) -> dict[str, int]:
     """Checkpoints a full disk cost (the peers' logs say so), and peer processes that ended with an error
-    of their own (not our SIGKILL, not the final stop): a full disk must not be one."""
+    of their own before the final stop (``ended``: their exit codes; our SIGKILLs are negative): a full
+    disk must not be one."""
     failed = sum(failed_checkpoints(run_dir / f"peer{i}.log") for i in range(swarm.num_peers))
-    crashed = sum(1 for p in swarm.procs + swarm.retired if p.returncode is not None and p.returncode > 0)
-    return {"checkpoints_failed": failed, "peers_died": crashed}
+    return {"checkpoints_failed": failed, "peers_died": sum(1 for code in ended if code > 0)}
 
 
 if __name__ == "__main__":
