@@ -6,7 +6,8 @@
 (``Deadlines.transfer_timeout`` from the rates it observed), the size of every message
 (``compression.Codec.wire_bytes``), where experts go (``placement.spes_block``; a restarted peer
 resumes its own) and who takes over an expert whose holders died (``healing.plan_takeover``), and the rule that a group attempt is all-or-nothing and is retried once
-among the members that survive it (``allreduce.GroupAllReduce``, ``swarm.group_retries``).
+among the members that survive it, formed after the failed attempt's deadline (``allreduce.GroupAllReduce``,
+``allreduce.HOLD``, ``swarm.group_retries``).
 
 **What is modelled** instead of run: time. Each peer has a step time (log-normal around
 ``step_seconds``) and a symmetric link (uniform in ``mbit``); a round opens when the fastest live peer
