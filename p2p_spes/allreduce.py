@@ -189,14 +189,17 @@ class GroupAllReduce:
             if self.retries and len(result.members) > 1:
                 # members whose attempt failed may be forming it again: they must not, we applied this one
                 key = group_key(self.run_id, round_no, f"{group}~{result.attempts + 1}")
-                self._announcing.add(asyncio.ensure_future(
-                    announce_done(self.dht, key, self.peer_id, self.owner, self.matchmaking_time + self.timeout + 30)))
-                for task in [t for t in self._announcing if t.done()]:
-                    self._announcing.discard(task)
-                    if not task.cancelled() and task.exception() is not None:
-                        log.info("could not announce a finished group: %s", task.exception())
+                task = asyncio.ensure_future(
+                    announce_done(self.dht, key, self.peer_id, self.owner, self.matchmaking_time + self.timeout + 30))
+                self._announcing.add(task)
+                task.add_done_callback(self._announced)
         result.seconds = time.monotonic() - t0
         return result
+
+    def _announced(self, task: asyncio.Future) -> None:
+        self._announcing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("could not announce a finished group: %s", task.exception())
 
     async def _attempt(self, round_no: int, group: str, key: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
                        weight: float, expected: set[str], on_members: Callable[[], None] | None,

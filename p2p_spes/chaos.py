@@ -306,7 +306,7 @@ def analyse(run_dir: Path, num_peers: int, faults: list[Fault], deadline: float,
 def orphaned(swarm: LocalSwarm, grace: float = 20.0) -> int:
     """Process groups of this swarm still alive after it was stopped (each peer had its own group)."""
     deadline = time.monotonic() + grace
-    procs = swarm.procs + swarm.retired + ([swarm.bootstrap] if swarm.bootstrap else [])
+    procs = swarm.all_processes
     while time.monotonic() < deadline and any(group_alive(p.pid) for p in procs):
         time.sleep(0.5)
     return sum(group_alive(p.pid) for p in procs)

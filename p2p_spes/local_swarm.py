@@ -201,26 +201,26 @@ class LocalSwarm:
         return codes
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM every peer (they checkpoint and announce leaving), then SIGKILL their groups."""
-        for proc in self.procs:
+        """SIGTERM every peer (they checkpoint and announce leaving) and the bootstrap, then SIGKILL their groups."""
+        running = self.procs + ([self.bootstrap] if self.bootstrap else [])
+        for proc in running:
             if proc.poll() is None:
                 signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for proc in self.procs:
+        for proc in running:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 pass
-        if self.bootstrap is not None and self.bootstrap.poll() is None:
-            signal_group(self.bootstrap, signal.SIGTERM)
-            try:
-                self.bootstrap.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in self.procs + self.retired + ([self.bootstrap] if self.bootstrap else []):
+        for proc in self.all_processes:
             signal_group(proc, signal.SIGKILL)
             if proc.poll() is None:
                 proc.wait(5)
+
+    @property
+    def all_processes(self) -> list[subprocess.Popen]:
+        """Every process this swarm started: its peers, their earlier incarnations and the bootstrap."""
+        return self.procs + self.retired + ([self.bootstrap] if self.bootstrap else [])
 
     def summaries(self) -> list[dict[str, Any]]:
         out = []

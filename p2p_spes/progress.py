@@ -116,7 +116,7 @@ class ProgressView:
         self._live: Live | None = None
         self._drawn = 0.0
         self._printed = 0.0
-        self._members: int | None = None  # the largest shared group reported for the newest round
+        self._members: int | None = None  # members of the last shared group a peer averaged in
 
     def __enter__(self) -> ProgressView:  # noqa: PYI034 (Self needs Python 3.11)
         if self.live:

@@ -6,11 +6,15 @@ the averaging deadline, and a restart from a checkpoint, and must come out consi
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
 import pytest
+from helpers import free_port
 
 from p2p_spes.chaos import Chaos, analyse, orphaned, read_metrics
+from p2p_spes.checkpoint import find_checkpoint, read_state
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.swarm import sync_deadline
@@ -83,18 +87,10 @@ def test_a_run_outlives_its_bootstrap_and_a_full_disk_during_a_checkpoint(tmp_pa
     # peers join through a bootstrap (as in a real run); the bootstrap is killed and started again, and
     # one peer's disk (a tmpfs of its own: root only) fills up through a checkpoint. Both peers finish
     # with no error, the full disk cost that peer one checkpoint, and its final checkpoint is written.
-    import os
-    import socket
-    import subprocess
-
-    from p2p_spes.checkpoint import find_checkpoint, read_state
-
     if os.geteuid() != 0:
         pytest.skip("filling a disk needs a tmpfs of its own: run as root")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    swarm = LocalSwarm(None, CHAOS + ["train.max_steps=90"], peers=2, run_dir=tmp_path, run_id="boot", bootstrap_port=port)
+    swarm = LocalSwarm(None, CHAOS + ["train.max_steps=90"], peers=2, run_dir=tmp_path, run_id="boot",
+                       bootstrap_port=free_port())
     chaos = Chaos(swarm, SYNC, freeze_seconds=0, seed=2)
     (tmp_path / "peer1").mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(tmp_path / "peer1")], check=True)

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -57,7 +58,6 @@ def test_the_server_serves_the_page_its_assets_and_the_state_and_nothing_else():
     watch = RunWatch(["/ip4/127.0.0.1/tcp/1"], "run", label="run")
     watch.take(snapshot({"A": [0]}), now=1.0)
     server = DashboardServer(watch, "127.0.0.1", 0)
-    import threading
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
