@@ -115,7 +115,7 @@ DEFAULT_ARMS = [a for a in ARMS if a != "spes-no-merge"]
 SUMMARY_KEYS = ("step", "tokens", "local_experts", "rounds_joined", "rounds_alone", "rounds_failed", "tokens_averaged",
                 "schedule_steps_advanced", "steps_skipped", "updates_refused", "refresh_missed", "delta_refreshes",
                 "anchors_rebased", "compression", "bytes_sent",
-                "bytes_received", "final_train_loss")
+                "bytes_received", "final_train_loss", "memory", "sync_memory")
 
 
 # Scoring ---------------------------------------------------------------------------------------------
@@ -300,30 +300,37 @@ def swarm_report(peer_dirs: list[Path]) -> dict[str, Any]:
 
 
 def run_arm(arm: str, seed: int, args: argparse.Namespace, common: list[str], work: Path,
-            validation: Validation, boundaries: list[int]) -> dict[str, Any]:
+            validation: Validation, boundaries: list[int], extra: list[str] | None = None,
+            peers: int | None = None) -> dict[str, Any]:
+    """One arm at one seed: trained, scored at ``boundaries`` and summarised. ``extra`` (default:
+    ``ARMS[arm]``) is the arm's swarm overrides, ``None`` for one centralized process with the batch of
+    ``peers`` (default ``args.peers``) peers; its run directory is deleted unless ``args.keep_runs``."""
+    peers = peers or args.peers
+    if extra is None and arm in ARMS and ARMS[arm] is not None:
+        extra = [o.format(merge=args.merge_interval, experts=args.experts) for o in ARMS[arm]]
     run_dir = work / f"{arm}-seed{seed}"
     seeded = [f"train.seed={seed}", f"data.seed={seed}"]
     t0 = time.monotonic()
-    if ARMS[arm] is None:
-        overrides = common + seeded + [f"train.batch_size={args.peers * args.batch}", f"train.threads={args.threads}"]
+    if extra is None:
+        overrides = common + seeded + [f"train.batch_size={peers * args.batch}", f"train.threads={args.threads}"]
         run_centralized(overrides, run_dir, timeout=args.timeout)
         peer_dirs, report = [run_dir], None
-        tokens = json.loads((run_dir / "summary.json").read_text())["tokens"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        tokens, memory = summary["tokens"], summary.get("memory")
     else:
-        extra = [o.format(merge=args.merge_interval, experts=args.experts) for o in ARMS[arm]]
         overrides = common + seeded + [f"train.batch_size={args.batch}", *extra]
         gate = run_dir / "gate"
         gate.mkdir(parents=True)
-        place = None if args.free_pacing else lockstep_place(gate, args.peers)
-        swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir, run_id=f"conv-{arm}-{seed}", place=place)
+        place = None if args.free_pacing else lockstep_place(gate, peers)
+        swarm = LocalSwarm(None, overrides, peers=peers, run_dir=run_dir, run_id=f"conv-{arm}-{seed}", place=place)
         try:
             swarm.run(timeout=args.timeout, stagger=1.0)
         except SwarmError as exc:
             raise SystemExit(f"{arm} seed {seed}: {exc}") from None
-        peer_dirs = [run_dir / f"peer{i}" for i in range(args.peers)]
+        peer_dirs = [run_dir / f"peer{i}" for i in range(peers)]
         report = swarm_report(peer_dirs)
         report["barrier_timeouts"] = sorted(p.name for p in gate.glob("timeout-*"))
-        tokens = report["tokens"]
+        tokens, memory = report["tokens"], None
     seconds = time.monotonic() - t0
     holders = None if report is None else [p.get("local_experts") or [] for p in report["peers"]]
     scored = score_run(peer_dirs, validation, boundaries, holders)
@@ -332,6 +339,8 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, common: list[str], wo
         raise SystemExit(f"{arm} seed {seed}: no checkpoint at the last step {args.steps} (see {run_dir})")
     result = {"seed": seed, "overrides": overrides, "train_seconds": round(seconds, 1), "score_seconds": round(score_seconds, 1),
               "final": scored["curve"][args.steps], "tokens_trained": tokens, **scored, "swarm": report}
+    if memory is not None:
+        result["memory"] = memory
     if not args.keep_runs:
         shutil.rmtree(run_dir, ignore_errors=True)
     return result
@@ -358,7 +367,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], budget: int, steps: int, bo
             "tokens_trained_share": statistics.fmean(r["tokens_trained"] for r in seeds) / budget,
             "steps_jumped": sum(r["swarm"]["steps_jumped"] for r in seeds if r["swarm"]),
             "steps_skipped": sum(r["swarm"]["steps_skipped"] for r in seeds if r["swarm"]),
-            "round_outcomes": _add([r["swarm"]["round_outcomes"] for r in seeds if r["swarm"]]),
+            "round_outcomes": add_counts([r["swarm"]["round_outcomes"] for r in seeds if r["swarm"]]),
             "groups_failed": sum(r["swarm"]["groups_failed"] for r in seeds if r["swarm"]),
             "updates_refused": sum(r["swarm"]["updates_refused"] for r in seeds if r["swarm"]),
             "refresh_missed": sum(r["swarm"]["refresh_missed"] for r in seeds if r["swarm"]),
@@ -377,7 +386,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], budget: int, steps: int, bo
     return out
 
 
-def _add(counters: list[dict[str, int]]) -> dict[str, int]:
+def add_counts(counters: list[dict[str, int]]) -> dict[str, int]:
     total: dict[str, int] = {}
     for c in counters:
         for k, v in c.items():
@@ -537,18 +546,18 @@ def main() -> None:
         "merge_interval": args.merge_interval, "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
         "tokens_per_step": tokens_per_step, "token_budget": budget,
         "validation": validation.describe, "wall_seconds": round(wall, 1),
-        "summary": _jsonable(summary),
-        "runs": {arm: [_jsonable(r) for r in seeds] for arm, seeds in runs.items()},
+        "summary": jsonable(summary),
+        "runs": {arm: [jsonable(r) for r in seeds] for arm, seeds in runs.items()},
         "plot": png.name if plotted else None,
     }, indent=1))
     console.print(f"wrote {json_path}" + (f" and {png}" if plotted else ""))
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

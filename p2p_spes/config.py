@@ -102,6 +102,9 @@ class DataConfig:
     validation: str | None = field(default=None, metadata=LOCAL)
     tokenizer: str | None = field(default=None, metadata=LOCAL)
     seed: int = 0
+    # disjoint: peer p of P reads its own slice of each epoch's order (together, every window once);
+    # shared: every peer reads the whole split in an order of its own (windows repeat across peers)
+    partition: str = "disjoint"
     verify: bool = field(default=True, metadata=LOCAL)
 
 
@@ -353,6 +356,8 @@ def validate(config: Config) -> None:
         raise ConfigError("experts.local is only used with experts.placement=explicit")
     if not 0 < ex.decayed_lb_start <= 1 or not 0 < ex.decayed_lb_fraction <= 1:
         raise ConfigError("experts.decayed_lb_start and experts.decayed_lb_fraction must be in (0, 1]")
+    if config.data.partition not in ("disjoint", "shared"):
+        raise ConfigError(f"data.partition must be disjoint or shared, got {config.data.partition!r}")
     if tr.lr <= 0 or not 0 <= tr.min_lr_ratio <= 1:
         raise ConfigError("train.lr must be positive and train.min_lr_ratio in [0, 1]")
     if tr.warmup_steps < 0 or tr.warmup_steps > tr.max_steps:

@@ -202,11 +202,13 @@ class BatchLoader:
     Each epoch shuffles all window indices with a generator seeded by (seed, epoch); peer p
     takes positions p, p + P, p + 2P, ... of that permutation, truncated to an equal count
     `windows_per_epoch` for every peer (the at most P - 1 leftover windows change each epoch).
-    A batch that reaches the end of an epoch continues in the next one.
+    A batch that reaches the end of an epoch continues in the next one. With ``shared=True`` every
+    peer reads the whole permutation, seeded by (seed, epoch, peer): the same windows in different
+    orders (``data.partition: shared``).
     """
 
     def __init__(self, dataset: TokenDataset, seq_len: int, batch_size: int, *, seed: int,
-                 peer_index: int = 0, num_peers: int = 1) -> None:
+                 peer_index: int = 0, num_peers: int = 1, shared: bool = False) -> None:
         if batch_size < 1:
             raise DataError(f"batch_size must be at least 1, got {batch_size}")
         if num_peers < 1 or not 0 <= peer_index < num_peers:
@@ -218,6 +220,7 @@ class BatchLoader:
         self.seed = seed
         self.peer_index = peer_index
         self.num_peers = num_peers
+        self.shared = shared
         self.total_windows = dataset.num_windows(seq_len)
         if self.total_windows < num_peers:
             raise DataError(f"{dataset.path} has {self.total_windows} windows of {seq_len + 1} "
@@ -230,13 +233,15 @@ class BatchLoader:
     @property
     def windows_per_epoch(self) -> int:
         """Windows this peer sees per epoch (the same for every peer)."""
-        return self.total_windows // self.num_peers
+        return self.total_windows if self.shared else self.total_windows // self.num_peers
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
-            rng = np.random.default_rng([self.seed, self.epoch])
-            permutation = rng.permutation(self.total_windows)
-            self._order = permutation[self.peer_index::self.num_peers][:self.windows_per_epoch]
+            if self.shared:
+                self._order = np.random.default_rng([self.seed, self.epoch, self.peer_index]).permutation(self.total_windows)
+            else:
+                permutation = np.random.default_rng([self.seed, self.epoch]).permutation(self.total_windows)
+                self._order = permutation[self.peer_index::self.num_peers][:self.windows_per_epoch]
         return self._order
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:

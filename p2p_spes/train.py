@@ -110,6 +110,7 @@ class Trainer:
         self.loader = BatchLoader(  # rank r of a node reads slice r of its peer's partition
             self.train_data, cfg.model.max_seq_len, tr.batch_size,
             seed=cfg.data.seed, peer_index=partition * world + rank, num_peers=cfg.peer.count * world,
+            shared=cfg.data.partition == "shared",
         )
         self.val_batches = validation_batches(self.val_data, cfg.model.max_seq_len, tr.batch_size, tr.eval_batches)
 

@@ -36,6 +36,7 @@ def test_spes_rule_and_explicit_placement():
         (["model.num_layers=2.5"], r"model.num_layers: expected int"),
         (["train.lr=fast"], r"train.lr: expected float"),
         (["experts.decayed_lb=1"], r"experts.decayed_lb: expected bool"),
+        (["data.partition=overlapping"], r"data.partition must be disjoint or shared, got 'overlapping'"),
         (["moe.impl=cuda"], r"moe.impl: must be one of 'auto', 'torch', 'megablocks'"),
         (["moe.top_k=9"], r"moe.top_k \(9\) cannot exceed moe.num_experts \(8\)"),
         (["peer.count=2", "peer.index=2"], r"peer.index \(2\) must be in \[0, peer.count=2\)"),

@@ -357,6 +357,28 @@ def test_peers_are_disjoint_and_cover_every_window_each_epoch(tmp_path):
     assert seen != first_epoch
 
 
+def test_shared_partition_gives_every_peer_the_whole_split_in_its_own_order(tmp_path):
+    dataset = stream_dataset(tmp_path, [645, 320])
+    total = dataset.num_windows(10)
+    assert total == 95
+    loaders = [BatchLoader(dataset, 10, 5, seed=7, peer_index=p, num_peers=2, shared=True) for p in range(2)]
+    assert all(loader.windows_per_epoch == total for loader in loaders)
+    every_window = set(dataset.windows(np.arange(total), 10)[:, 0].tolist())
+    orders = []
+    for loader in loaders:
+        seen = [w for _ in range(total // 5) for w in loader.next_batch()[0][:, 0].tolist()]
+        assert len(seen) == total and set(seen) == every_window  # each peer: every window once per epoch
+        assert loader.state_dict()["epoch"] == 1
+        orders.append(seen)
+    assert orders[0] != orders[1]
+    # resuming a shared loader continues its own order
+    state = loaders[1].state_dict()
+    expected = loaders[1].next_batch()[0]
+    resumed = BatchLoader(dataset, 10, 5, seed=7, peer_index=1, num_peers=2, shared=True)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.next_batch()[0], expected)
+
+
 def test_resume_gives_exactly_the_same_batches(tmp_path):
     dataset = stream_dataset(tmp_path, [500, 300])
     loader = BatchLoader(dataset, 12, 5, seed=11, peer_index=1, num_peers=3)

@@ -1,0 +1,268 @@
+"""Quality at equal tokens: each knob that decides a swarm's validation loss, against centralized training.
+
+    .venv/bin/python benchmarks/quality.py                   # every arm x 3 seeds (~3 min per arm and seed)
+    .venv/bin/python benchmarks/quality.py --arms centralized default sync-10 --seeds 0 1 2 --add
+                                                             # run these and merge them into the results
+    .venv/bin/python benchmarks/quality.py --arms centralized default --seeds 0 --steps 100 --out /tmp/q
+
+Every arm trains the convergence benchmark's narrow tiny model (d_model 64, 2 layers, 8 experts top-2,
+seq_len 64) on the embedded corpus for ``--steps`` steps of P x 8 sequences (P = 4 peers unless the arm
+says otherwise), with ``train.seed`` and ``data.seed`` set to the seed, and is scored by
+``benchmarks/convergence.py``'s scorer: mean next-token cross-entropy of the swarm's model (the shared
+weights, each expert from a peer that trains it) on the same 1024 validation windows for every arm,
+seed and step. Swarm peers are held at each sync boundary until all have reached it (the convergence
+benchmark's lockstep launcher), so every arm trains exactly its token budget. A swarm arm changes
+one knob of the embedded defaults (``configs/tiny.yaml``'s ``swarm:`` and ``experts:`` sections) and
+nothing else:
+
+* ``centralized`` / ``centralized-2``: one process, the full model, batch 32 / 16 (the baselines of
+  the 4- and 2-peer arms);
+* ``default`` / ``default-2``: the embedded swarm defaults with 4 / 2 peers;
+* ``sync-10``, ``sync-25``, ``sync-100``: ``swarm.sync_steps`` (default 50);
+* ``replicas-2``: two holders per expert (each peer trains 4 of the 8); ``full-replicas``: every peer
+  trains every expert (local SGD of the whole model; the ceiling of the replicas knob, at full
+  optimizer memory);
+* ``nesterov``: DiLoCo's outer step (``swarm.outer_optimizer=nesterov``, outer lr 0.7, momentum 0.9);
+* ``no-merge``: warm-up merging off; ``decayed-lb``: ``experts.decayed_lb=true``;
+* ``shared-data``: ``data.partition=shared`` (every peer samples the whole training split with its
+  own order, instead of disjoint slices);
+* ``fp16``, ``int8``, ``int4``, ``topk``: ``swarm.compression``.
+
+Partial residency is measured by ``benchmarks/residency.py`` (its peers' checkpoints hold only their
+own experts, so this scorer cannot load them one at a time).
+
+Per arm: the final validation loss (mean and min-max over seeds), the gap to its centralized baseline
+(per seed, then mean and min-max), MB sent + received per peer per sync round, and per-peer training
+memory (weights, gradients and AdamW state, from the peers' own ``measure_memory``; the host-side sync
+state is listed apart). Prints a table, writes ``benchmarks/results/quality.json`` and plots the gap
+against bytes and against memory to ``benchmarks/results/quality.png``. With ``--add`` the arms run
+are merged into an existing result of the same setup (same config, steps and validation), so the
+table can be filled over several sessions; each arm keeps the command that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import convergence  # the scorer and the lockstep launcher
+
+from p2p_spes.config import load_config
+
+RESULTS = Path(__file__).parent / "results" / "quality"
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: the overrides it adds to the defaults (``None``: centralized) and its number of peers."""
+
+    name: str
+    overrides: tuple[str, ...] | None
+    peers: int = 4
+    baseline: str = "centralized"
+    knob: str = ""
+
+
+ARMS = {a.name: a for a in (
+    Arm("centralized", None, knob="one process, batch 32"),
+    Arm("default", (), knob="embedded swarm defaults"),
+    Arm("sync-10", ("swarm.sync_steps=10",), knob="sync interval"),
+    Arm("sync-25", ("swarm.sync_steps=25",), knob="sync interval"),
+    Arm("sync-100", ("swarm.sync_steps=100",), knob="sync interval"),
+    Arm("replicas-2", ("swarm.replicas=2",), knob="replicas per expert"),
+    Arm("full-replicas", ("swarm.experts_per_peer=8", "swarm.merge_interval=0"), knob="replicas per expert"),
+    Arm("nesterov", ("swarm.outer_optimizer=nesterov", "swarm.outer_lr=0.7", "swarm.outer_momentum=0.9"),
+        knob="outer optimizer"),
+    Arm("no-merge", ("swarm.merge_interval=0",), knob="warm-up merging"),
+    Arm("decayed-lb", ("experts.decayed_lb=true",), knob="decayed load balancing"),
+    Arm("shared-data", ("data.partition=shared",), knob="data partitions"),
+    Arm("fp16", ("swarm.compression=fp16",), knob="compression"),
+    Arm("int8", ("swarm.compression=int8",), knob="compression"),
+    Arm("int4", ("swarm.compression=int4",), knob="compression"),
+    Arm("topk", ("swarm.compression=topk",), knob="compression"),
+    Arm("centralized-2", None, peers=2, baseline="centralized-2", knob="one process, batch 16"),
+    Arm("default-2", (), peers=2, baseline="centralized-2", knob="embedded swarm defaults, 2 peers"),
+)}
+
+
+def run_metrics(result: dict[str, Any]) -> dict[str, float | None]:
+    """MB per peer per sync round and per-peer training memory (MB) of one run."""
+    swarm = result["swarm"]
+    if swarm is None:
+        return {"mb_per_round": 0.0, "memory_mb": result["memory"]["total"] / MB, "sync_memory_mb": 0.0}
+    per_round = [(p["bytes_sent"] + p["bytes_received"]) / p["rounds_joined"]
+                 for p in swarm["peers"] if p.get("rounds_joined")]
+    memory = [p["memory"]["total"] for p in swarm["peers"] if p.get("memory")]
+    sync = [p["sync_memory"]["total"] for p in swarm["peers"] if p.get("sync_memory")]
+    return {"mb_per_round": statistics.fmean(per_round) / MB if per_round else None,
+            "memory_mb": max(memory) / MB if memory else None,
+            "sync_memory_mb": max(sync) / MB if sync else None}
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per arm: final loss over seeds, the paired gap to its baseline, bytes and memory."""
+    out: dict[str, Any] = {}
+    for name, seeds in runs.items():
+        finals = {r["seed"]: r["final"] for r in seeds}
+        metrics = [run_metrics(r) for r in seeds]
+        out[name] = {"final": convergence.spread(list(finals.values())), "finals": finals,
+                     "seeds": sorted(finals),
+                     **{k: statistics.fmean(m[k] for m in metrics if m[k] is not None)
+                        if any(m[k] is not None for m in metrics) else None for k in metrics[0]},
+                     "rounds": convergence.add_counts([r["swarm"]["round_outcomes"] for r in seeds if r["swarm"]]),
+                     "tokens_trained": [r["tokens_trained"] for r in seeds],
+                     "not_identical_steps": sorted({s for r in seeds for s, n in r["distinct_weights"].items() if n > 1})}
+    for name, o in out.items():
+        base = out.get(ARMS[name].baseline) if name in ARMS else None
+        paired = [o["finals"][s] / base["finals"][s] - 1 for s in o["finals"] if base and s in base["finals"]]
+        o["gap"] = convergence.spread(paired) if paired else None
+    return out
+
+
+def print_table(console: Console, summary: dict[str, Any], steps: int, batch: int, seq: int) -> None:
+    table = Table(title=f"validation loss at equal tokens ({steps} steps of P x {batch} x {seq} tokens; "
+                        "gap: to the centralized run of the same tokens, per seed, mean and min-max)")
+    for col in ("arm", "knob", "peers", "seeds", "final loss (min-max)", "gap to centralized", "MB / peer / round",
+                "memory / peer MB", "rounds"):
+        table.add_column(col, justify="left" if col in ("arm", "knob", "rounds") else "right")
+    for name, o in summary.items():
+        arm = ARMS.get(name, Arm(name, ()))
+        f, gap = o["final"], o["gap"]
+        table.add_row(name, arm.knob, str(arm.peers), ",".join(map(str, o["seeds"])),
+                      f"{f['mean']:.4f} ({f['min']:.4f}-{f['max']:.4f})",
+                      "-" if gap is None or arm.overrides is None else
+                      f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
+                      "-" if o["mb_per_round"] is None or arm.overrides is None else f"{o['mb_per_round']:.2f}",
+                      "-" if o["memory_mb"] is None else f"{o['memory_mb']:.2f}",
+                      ", ".join(f"{k} {v}" for k, v in sorted(o["rounds"].items())) or "-")
+    console.print(table)
+
+
+def plot(summary: dict[str, Any], out: Path) -> bool:
+    """The gap to centralized against bytes per round and against per-peer memory, one point per arm."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no plot")
+        return False
+    points = {n: o for n, o in summary.items() if o["gap"] is not None and ARMS.get(n, Arm(n, ())).overrides is not None}
+    if not points:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, key, label in ((axes[0], "mb_per_round", "MB sent + received per peer per sync round"),
+                           (axes[1], "memory_mb", "training memory per peer (MB: weights, gradients, AdamW)")):
+        for name, o in points.items():
+            if o[key] is None:
+                continue
+            g = o["gap"]
+            y = 100 * g["mean"]
+            ax.errorbar(o[key], y, yerr=[[y - 100 * g["min"]], [100 * g["max"] - y]], fmt="o", capsize=3)
+            ax.annotate(name, (o[key], y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss above centralized, % (mean; bars: min-max of seeds)")
+        ax.grid(alpha=0.3)
+    axes[0].set_xscale("log")
+    axes[0].set_title("gap against traffic")
+    axes[1].set_title("gap against memory")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return True
+
+
+def setup(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The overrides every arm shares (the convergence benchmark's model; schedule and checkpoints at
+    ``--eval-every``) and the scored steps. Sync intervals, merging and the rest stay at their defaults."""
+    boundaries = list(range(args.eval_every, args.steps + 1, args.eval_every))
+    common = [*convergence.CONFIG, f"train.max_steps={args.steps}", f"train.warmup_steps={max(args.steps // 20, 1)}",
+              f"train.checkpoint_interval={args.eval_every}", f"train.keep_checkpoints={len(boundaries) + 1}",
+              f"train.eval_interval={args.steps}", "train.eval_batches=1", *args.extra]
+    return common, boundaries
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--eval-every", type=int, default=100,
+                        help="scored steps (a multiple of every arm's sync interval: 10, 25, 50, 100)")
+    parser.add_argument("--batch", type=int, default=8, help="per-peer batch size")
+    parser.add_argument("--val-windows", type=int, default=1024)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results path without suffix (.json, .png)")
+    parser.add_argument("--add", action="store_true", help="merge into an existing result of the same setup")
+    parser.add_argument("--keep-runs", action="store_true")
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
+    args = parser.parse_args()
+    if args.steps % args.eval_every:
+        parser.error("--steps must be a multiple of --eval-every")
+    for name in args.arms:
+        sync = [o for o in ARMS[name].overrides or () if o.startswith("swarm.sync_steps=")]
+        if sync and args.eval_every % int(sync[0].split("=")[1]):
+            parser.error(f"--eval-every {args.eval_every} is not a multiple of {name}'s sync interval")
+    # convergence.run_arm's knobs: lockstep pacing, one thread per centralized run
+    args.free_pacing, args.threads, args.peers, args.merge_interval = False, 1, 4, 0
+    common, boundaries = setup(args)
+    cfg = load_config(None, common)
+    args.experts, seq = cfg.moe.num_experts, cfg.model.max_seq_len
+    json_path, png = args.out.with_suffix(".json"), args.out.with_suffix(".png")
+    torch.set_num_threads(1)
+    validation = convergence.Validation(seq, args.val_windows)
+    setup_key = {"config": common, "steps": args.steps, "batch": args.batch, "validation": validation.describe}
+    previous: dict[str, Any] = {}
+    if args.add and json_path.exists():
+        previous = json.loads(json_path.read_text())
+        if {k: previous.get(k) for k in setup_key} != json.loads(json.dumps(setup_key)):
+            raise SystemExit(f"{json_path} was measured with another setup (config, steps, batch or validation); "
+                             "run without --add, or with --out elsewhere")
+    console = Console(width=220)
+    console.print(f"{len(args.arms)} arms x {len(args.seeds)} seeds, {args.steps} steps; scoring on "
+                  f"{validation.count} validation windows")
+    work = Path(tempfile.mkdtemp(prefix="p2p-spes-quality-"))
+    runs: dict[str, list[dict[str, Any]]] = {n: list(r) for n, r in previous.get("runs", {}).items()}
+    commands: dict[str, str] = dict(previous.get("commands", {}))
+    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
+    t_start = time.monotonic()
+    for seed in args.seeds:
+        for name in args.arms:
+            arm = ARMS[name]
+            extra = None if arm.overrides is None else list(arm.overrides)
+            result = convergence.run_arm(name, seed, args, common, work, validation, boundaries, extra=extra, peers=arm.peers)
+            runs[name] = [r for r in runs.get(name, []) if r["seed"] != seed] + [convergence.jsonable(result)]
+            commands[name] = command
+            console.print(f"{name} seed {seed}: final validation loss {result['final']:.4f} "
+                          f"({(time.monotonic() - t_start) / 60:.1f} min so far)")
+            json_path.parent.mkdir(parents=True, exist_ok=True)  # written after every run: nothing lost
+            summary = summarise(runs)
+            json_path.write_text(json.dumps({**setup_key, "commands": commands, "arms": {
+                n: {"overrides": ARMS[n].overrides, "peers": ARMS[n].peers, "knob": ARMS[n].knob} for n in runs},
+                "summary": convergence.jsonable(summary), "runs": runs}, indent=1))
+    summary = summarise(runs)
+    print_table(console, summary, args.steps, args.batch, seq)
+    plotted = plot(summary, png)
+    console.print(f"wrote {json_path}" + (f" and {png}" if plotted else "") +
+                  f" ({(time.monotonic() - t_start) / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == convergence.LAUNCHER:
+        sys.exit(convergence.peer_launcher(sys.argv[2:]))
+    main()
