@@ -238,11 +238,16 @@ class Config:
 
     def experts_per_peer(self, partition: int | None = None) -> int:
         """How many experts least-covered placement gives a peer: ``swarm.experts_per_peer``, else the
-        size of its partition's SPES block (partition 0's is the smallest)."""
+        size of its partition's SPES block (partition 0's is the smallest), raised to the share that
+        ``swarm.replicas`` holders per expert take among ``peer.count`` peers (at most every expert)."""
         if self.swarm.experts_per_peer:
             return self.swarm.experts_per_peer
         index = self.peer.index if partition is None else partition
-        return len(spes_block(index, self.peer.count, self.moe.num_experts))
+        block = len(spes_block(index, self.peer.count, self.moe.num_experts))
+        if self.swarm.replicas == 1:
+            return block
+        share = -(-self.moe.num_experts * self.swarm.replicas // self.peer.count)
+        return min(self.moe.num_experts, max(block, share))
 
 
 _SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # section name -> its dataclass

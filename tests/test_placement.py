@@ -37,6 +37,17 @@ def test_three_local_peers_share_eight_experts():
     assert [cfg.experts_per_peer(p) for p in range(16)] == [1] * 16
 
 
+def test_replicas_raise_each_peers_share_to_that_many_holders_per_expert():
+    shares = {(count, replicas): [load_config("tiny", [f"peer.count={count}", f"swarm.replicas={replicas}"]).experts_per_peer(p)
+                                  for p in range(count)]
+              for count, replicas in ((4, 2), (3, 2), (2, 4), (16, 2), (16, 4))}
+    assert shares[(4, 2)] == [4] * 4  # 16 expert copies over 4 peers
+    assert shares[(3, 2)] == [6] * 3  # ceil(16 / 3)
+    assert shares[(2, 4)] == [8] * 2  # at most every expert
+    assert shares[(16, 2)] == [1] * 16  # 16 peers already give every expert 2 holders
+    assert shares[(16, 4)] == [2] * 16
+
+
 def test_spes_configs_give_each_partition_its_own_block():
     for name in ("spes-1b", "spes-7b"):
         cfg = load_config(name)
