@@ -26,7 +26,11 @@ nothing else:
 * ``no-merge``: warm-up merging off; ``decayed-lb``: ``experts.decayed_lb=true``;
 * ``shared-data``: ``data.partition=shared`` (every peer samples the whole training split with its
   own order, instead of disjoint slices);
-* ``fp16``, ``int8``, ``int4``, ``topk``: ``swarm.compression``.
+* ``fp16``, ``int8``, ``int4``, ``topk``: ``swarm.compression``;
+* probes of where the gap comes from: ``outer-sgd-2`` (the new value is the anchor minus twice the
+  averaged pseudo-gradient: the step a batch P times larger would take if the gradient noise were all
+  that differs), ``lr-2x`` (inner lr doubled), ``alone`` (one process with one peer's batch of 8 for
+  the same steps: a quarter of the tokens, what a peer would reach without the swarm).
 
 Partial residency is measured by ``benchmarks/residency.py`` (its peers' checkpoints hold only their
 own experts, so this scorer cannot load them one at a time).
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -95,6 +100,10 @@ ARMS = {a.name: a for a in (
     Arm("int8", ("swarm.compression=int8",), knob="compression"),
     Arm("int4", ("swarm.compression=int4",), knob="compression"),
     Arm("topk", ("swarm.compression=topk",), knob="compression"),
+    Arm("outer-sgd-2", ("swarm.outer_optimizer=nesterov", "swarm.outer_lr=2.0", "swarm.outer_momentum=0.0"),
+        knob="probe: twice the averaged step"),
+    Arm("lr-2x", ("train.lr=6e-3",), knob="probe: inner lr 6e-3 (default 3e-3)"),
+    Arm("alone", None, peers=1, knob="probe: one peer alone, a quarter of the tokens"),
     Arm("centralized-2", None, peers=2, baseline="centralized-2", knob="one process, batch 16"),
     Arm("default-2", (), peers=2, baseline="centralized-2", knob="embedded swarm defaults, 2 peers"),
 )}
@@ -145,7 +154,7 @@ def print_table(console: Console, summary: dict[str, Any], steps: int, batch: in
         f, gap = o["final"], o["gap"]
         table.add_row(name, arm.knob, str(arm.peers), ",".join(map(str, o["seeds"])),
                       f"{f['mean']:.4f} ({f['min']:.4f}-{f['max']:.4f})",
-                      "-" if gap is None or arm.overrides is None else
+                      "-" if gap is None or name == arm.baseline else
                       f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
                       "-" if o["mb_per_round"] is None or arm.overrides is None else f"{o['mb_per_round']:.2f}",
                       "-" if o["memory_mb"] is None else f"{o['memory_mb']:.2f}",
@@ -239,8 +248,25 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="p2p-spes-quality-"))
     runs: dict[str, list[dict[str, Any]]] = {n: list(r) for n, r in previous.get("runs", {}).items()}
     commands: dict[str, str] = dict(previous.get("commands", {}))
-    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
     t_start = time.monotonic()
+    try:
+        run_all(args, common, work, validation, boundaries, runs, commands, setup_key, json_path, console, t_start)
+    finally:
+        if not args.keep_runs:
+            shutil.rmtree(work, ignore_errors=True)
+    summary = summarise(runs)
+    print_table(console, summary, args.steps, args.batch, seq)
+    plotted = plot(summary, png)
+    console.print(f"wrote {json_path}" + (f" and {png}" if plotted else "") +
+                  f" ({(time.monotonic() - t_start) / 60:.1f} min)")
+
+
+def run_all(args: argparse.Namespace, common: list[str], work: Path, validation: convergence.Validation,
+            boundaries: list[int], runs: dict[str, list[dict[str, Any]]], commands: dict[str, str],
+            setup_key: dict[str, Any], json_path: Path, console: Console, t_start: float) -> None:
+    """Every arm at every seed (seed-major: an interrupted run has every arm at the first seeds),
+    the results file rewritten after each run."""
+    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
     for seed in args.seeds:
         for name in args.arms:
             arm = ARMS[name]
@@ -255,11 +281,6 @@ def main() -> None:
             json_path.write_text(json.dumps({**setup_key, "commands": commands, "arms": {
                 n: {"overrides": ARMS[n].overrides, "peers": ARMS[n].peers, "knob": ARMS[n].knob} for n in runs},
                 "summary": convergence.jsonable(summary), "runs": runs}, indent=1))
-    summary = summarise(runs)
-    print_table(console, summary, args.steps, args.batch, seq)
-    plotted = plot(summary, png)
-    console.print(f"wrote {json_path}" + (f" and {png}" if plotted else "") +
-                  f" ({(time.monotonic() - t_start) / 60:.1f} min)")
 
 
 if __name__ == "__main__":

@@ -102,8 +102,7 @@ class DataConfig:
     validation: str | None = field(default=None, metadata=LOCAL)
     tokenizer: str | None = field(default=None, metadata=LOCAL)
     seed: int = 0
-    # disjoint: peer p of P reads its own slice of each epoch's order (together, every window once);
-    # shared: every peer reads the whole split in an order of its own (windows repeat across peers)
+    # disjoint: peer p of P reads its slice of each epoch's order; shared: all of it, in its own order
     partition: str = "disjoint"
     verify: bool = field(default=True, metadata=LOCAL)
 
@@ -244,10 +243,8 @@ class Config:
             return self.swarm.experts_per_peer
         index = self.peer.index if partition is None else partition
         block = len(spes_block(index, self.peer.count, self.moe.num_experts))
-        if self.swarm.replicas == 1:
-            return block
-        share = -(-self.moe.num_experts * self.swarm.replicas // self.peer.count)
-        return min(self.moe.num_experts, max(block, share))
+        share = -(-self.moe.num_experts * self.swarm.replicas // self.peer.count)  # ceil(E x replicas / P)
+        return block if self.swarm.replicas == 1 else min(self.moe.num_experts, max(block, share))
 
 
 _SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # section name -> its dataclass

@@ -117,15 +117,10 @@ class LocalSwarm:
         """Start (or start again) the run's bootstrap on ``bootstrap_port``, with the same identity each
         time so its multiaddr stays the one peers were given; returns that multiaddr."""
         out = self.run_dir / "bootstrap.json"
-        out.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "p2p_spes", "bootstrap", "--identity", str(self.run_dir / "bootstrap.key"),
-               "--host-maddrs", f"/ip4/127.0.0.1/tcp/{self.bootstrap_port}", "--write-maddrs", str(out),
-               "--run-id", self.run_id]
         if self.bootstrap is not None:
             self.retired.append(self.bootstrap)
-        with open(self.run_dir / "bootstrap.log", "a") as log:
-            self.bootstrap = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.bootstrap = spawn_bootstrap(self.run_dir / "bootstrap.key", self.bootstrap_port, out,
+                                         self.run_dir / "bootstrap.log", ["--run-id", self.run_id])
         deadline = time.monotonic() + timeout
         while not out.exists():
             if self.bootstrap.poll() is not None or time.monotonic() > deadline:
@@ -244,6 +239,18 @@ class LocalSwarm:
                 _fmt(s.get("bytes_sent", 0) / 1e6 if s else None), _fmt(s.get("bytes_received", 0) / 1e6 if s else None),
             )
         (console or Console(width=150)).print(table)
+
+
+def spawn_bootstrap(identity: Path, port: int, maddrs_file: Path, log: Path,
+                    extra: list[str] | None = None) -> subprocess.Popen:
+    """``p2p-spes bootstrap`` on ``127.0.0.1:port`` in a session of its own, appending to ``log``; it writes
+    its multiaddrs to ``maddrs_file`` (removed first, so that the file's appearance says it is up)."""
+    maddrs_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "p2p_spes", "bootstrap", "--identity", str(identity),
+           "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--write-maddrs", str(maddrs_file), *(extra or [])]
+    with open(log, "a") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
 def _exit_state(code: int, log: Path) -> tuple[str, str]:

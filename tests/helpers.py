@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from p2p_spes.chaos import group_alive
+from p2p_spes.local_swarm import spawn_bootstrap
 
 __all__ = [
     "P2P", "ROOT", "SMALL", "SMALL_MODEL", "assert_groups_applied_whole", "assert_identical_after_rounds",
@@ -79,12 +80,8 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.
 
 def start_bootstrap(tmp_path: Path, port: int, name: str, extra: list[str] = ()) -> tuple[subprocess.Popen, Path]:
     out, log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
-    out.unlink(missing_ok=True)
-    cmd = [*P2P, "bootstrap", "--identity", str(tmp_path / "boot.key"), "--host-maddrs",
-           f"/ip4/127.0.0.1/tcp/{port}", "--write-maddrs", str(out), *extra]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    log.unlink(missing_ok=True)
+    proc = spawn_bootstrap(tmp_path / "boot.key", port, out, log, list(extra))
     wait_for(out.exists, 60, f"bootstrap {name} coming up", proc, log)
     return proc, out
 
