@@ -196,6 +196,16 @@ def plot(summary: dict[str, Any], out: Path) -> bool:
     return True
 
 
+def load_previous(json_path: Path, setup_key: dict[str, Any]) -> dict[str, Any]:
+    """The results ``--add`` merges into; refused when they were measured with another setup."""
+    previous = json.loads(json_path.read_text())
+    differs = [k for k in setup_key if previous.get(k) != json.loads(json.dumps(setup_key[k]))]
+    if differs:
+        raise SystemExit(f"{json_path} was measured with another {', '.join(differs)}; "
+                         "run without --add, or with --out elsewhere")
+    return previous
+
+
 def setup(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     """The overrides every arm shares (the convergence benchmark's model; schedule and checkpoints at
     ``--eval-every``) and the scored steps. Sync intervals, merging and the rest stay at their defaults."""
@@ -236,12 +246,7 @@ def main() -> None:
     torch.set_num_threads(1)
     validation = convergence.Validation(seq, args.val_windows)
     setup_key = {"config": common, "steps": args.steps, "batch": args.batch, "validation": validation.describe}
-    previous: dict[str, Any] = {}
-    if args.add and json_path.exists():
-        previous = json.loads(json_path.read_text())
-        if {k: previous.get(k) for k in setup_key} != json.loads(json.dumps(setup_key)):
-            raise SystemExit(f"{json_path} was measured with another setup (config, steps, batch or validation); "
-                             "run without --add, or with --out elsewhere")
+    previous = load_previous(json_path, setup_key) if args.add and json_path.exists() else {}
     console = Console(width=220)
     console.print(f"{len(args.arms)} arms x {len(args.seeds)} seeds, {args.steps} steps; scoring on "
                   f"{validation.count} validation windows")
