@@ -160,10 +160,13 @@ def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work:
         elif faults == "churn":
             while time.monotonic() - t0 < timeout and not any(rounds_of(run_dir, peers).values()):
                 time.sleep(2.0)
+            due = time.monotonic()  # when the next fault is due: a fault that takes long (a freeze, a kill
+            # waiting for its round) does not delay the ones after it, so the rate stays one per round time
             while time.monotonic() - t0 < timeout and any(p.poll() is None for p in swarm.procs):
                 times = [r["sync_seconds"] for rs in rounds_of(run_dir, peers).values() for r in rs]
-                step_time = 0.25 * SYNC_STEPS + (statistics.median(times) if times else 10.0)
-                time.sleep(chaos.rng.uniform(0.5, 1.5) * step_time)
+                round_time = 0.25 * SYNC_STEPS + (statistics.median(times) if times else 10.0)
+                due += chaos.rng.uniform(0.5, 1.5) * round_time
+                time.sleep(max(due - time.monotonic(), 0.0))
                 if sum(chaos.last_step(i) >= steps - 2 * SYNC_STEPS for i in chaos.live()) >= len(chaos.live()) // 2:
                     break  # near the end: let the survivors finish
                 fault = chaos.random_fault()
