@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/quality.py --arms centralized default sync-10 --seeds 0 1 2 --add
                                                              # run these and merge them into the results
     .venv/bin/python benchmarks/quality.py --arms centralized default --seeds 0 --steps 100 --out /tmp/q
+    .venv/bin/python benchmarks/quality.py --report          # the table and plot of the stored runs
 
 Every arm trains the convergence benchmark's narrow tiny model (d_model 64, 2 layers, 8 experts top-2,
 seq_len 64) on the embedded corpus for ``--steps`` steps of P x 8 sequences (P = 4 peers unless the arm
@@ -36,7 +37,7 @@ Partial residency is measured by ``benchmarks/residency.py`` (its peers' checkpo
 own experts, so this scorer cannot load them one at a time).
 
 Per arm: the final validation loss (mean and min-max over seeds), the gap to its centralized baseline
-(per seed, then mean and min-max), MB sent + received per peer per sync round, and per-peer training
+(per seed, then mean and min-max), MB sent + received per peer per sync round and over the whole run, and per-peer training
 memory (weights, gradients and AdamW state, from the peers' own ``measure_memory``; the host-side sync
 state is listed apart). Prints a table, writes ``benchmarks/results/quality.json`` and plots the gap
 against bytes and against memory to ``benchmarks/results/quality.png``. With ``--add`` the arms run
@@ -110,15 +111,17 @@ ARMS = {a.name: a for a in (
 
 
 def run_metrics(result: dict[str, Any]) -> dict[str, float | None]:
-    """MB per peer per sync round and per-peer training memory (MB) of one run."""
+    """MB per peer per sync round and over the whole run, and per-peer training memory (MB) of one run."""
     swarm = result["swarm"]
     if swarm is None:
-        return {"mb_per_round": 0.0, "memory_mb": result["memory"]["total"] / MB, "sync_memory_mb": 0.0}
+        return {"mb_per_round": 0.0, "mb_per_run": 0.0, "memory_mb": result["memory"]["total"] / MB, "sync_memory_mb": 0.0}
     per_round = [(p["bytes_sent"] + p["bytes_received"]) / p["rounds_joined"]
                  for p in swarm["peers"] if p.get("rounds_joined")]
+    per_run = [p["bytes_sent"] + p["bytes_received"] for p in swarm["peers"]]
     memory = [p["memory"]["total"] for p in swarm["peers"] if p.get("memory")]
     sync = [p["sync_memory"]["total"] for p in swarm["peers"] if p.get("sync_memory")]
     return {"mb_per_round": statistics.fmean(per_round) / MB if per_round else None,
+            "mb_per_run": statistics.fmean(per_run) / MB,
             "memory_mb": max(memory) / MB if memory else None,
             "sync_memory_mb": max(sync) / MB if sync else None}
 
@@ -147,7 +150,7 @@ def print_table(console: Console, summary: dict[str, Any], steps: int, batch: in
     table = Table(title=f"validation loss at equal tokens ({steps} steps of P x {batch} x {seq} tokens; "
                         "gap: to the centralized run of the same tokens, per seed, mean and min-max)")
     for col in ("arm", "knob", "peers", "seeds", "final loss (min-max)", "gap to centralized", "MB / peer / round",
-                "memory / peer MB", "rounds"):
+                "MB / peer / run", "memory / peer MB", "rounds"):
         table.add_column(col, justify="left" if col in ("arm", "knob", "rounds") else "right")
     for name, o in summary.items():
         arm = ARMS.get(name, Arm(name, ()))
@@ -157,6 +160,7 @@ def print_table(console: Console, summary: dict[str, Any], steps: int, batch: in
                       "-" if gap is None or name == arm.baseline else
                       f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
                       "-" if o["mb_per_round"] is None or arm.overrides is None else f"{o['mb_per_round']:.2f}",
+                      "-" if arm.overrides is None else f"{o['mb_per_run']:.0f}",
                       "-" if o["memory_mb"] is None else f"{o['memory_mb']:.2f}",
                       ", ".join(f"{k} {v}" for k, v in sorted(o["rounds"].items())) or "-")
     console.print(table)
@@ -176,7 +180,7 @@ def plot(summary: dict[str, Any], out: Path) -> bool:
     if not points:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, key, label in ((axes[0], "mb_per_round", "MB sent + received per peer per sync round"),
+    for ax, key, label in ((axes[0], "mb_per_run", "MB sent + received per peer over the run (log)"),
                            (axes[1], "memory_mb", "training memory per peer (MB: weights, gradients, AdamW)")):
         for name, o in points.items():
             if o[key] is None:
@@ -186,7 +190,7 @@ def plot(summary: dict[str, Any], out: Path) -> bool:
             ax.errorbar(o[key], y, yerr=[[y - 100 * g["min"]], [100 * g["max"] - y]], fmt="o", capsize=3)
             ax.annotate(name, (o[key], y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel(label)
-        ax.set_ylabel("validation loss above centralized, % (mean; bars: min-max of seeds)")
+        ax.set_ylabel("val loss above centralized, % (bars: seeds)")
         ax.grid(alpha=0.3)
     axes[0].set_xscale("log")
     axes[0].set_title("gap against traffic")
@@ -229,8 +233,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="results path without suffix (.json, .png)")
     parser.add_argument("--add", action="store_true", help="merge into an existing result of the same setup")
     parser.add_argument("--keep-runs", action="store_true")
+    parser.add_argument("--report", action="store_true", help="run nothing: the table, plot and summary of the stored runs")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
     args = parser.parse_args()
+    if args.report:
+        args.arms, args.add = [], True
     if args.steps % args.eval_every:
         parser.error("--steps must be a multiple of --eval-every")
     for name in args.arms:
@@ -259,7 +266,7 @@ def main() -> None:
     finally:
         if not args.keep_runs:
             shutil.rmtree(work, ignore_errors=True)
-    summary = summarise(runs)
+    summary = write_results(json_path, setup_key, commands, runs)
     print_table(console, summary, args.steps, args.batch, seq)
     plotted = plot(summary, png)
     console.print(f"wrote {json_path}" + (f" and {png}" if plotted else "") +
@@ -281,11 +288,18 @@ def run_all(args: argparse.Namespace, common: list[str], work: Path, validation:
             commands[name] = command
             console.print(f"{name} seed {seed}: final validation loss {result['final']:.4f} "
                           f"({(time.monotonic() - t_start) / 60:.1f} min so far)")
-            json_path.parent.mkdir(parents=True, exist_ok=True)  # written after every run: nothing lost
-            summary = summarise(runs)
-            json_path.write_text(json.dumps({**setup_key, "commands": commands, "arms": {
-                n: {"overrides": ARMS[n].overrides, "peers": ARMS[n].peers, "knob": ARMS[n].knob} for n in runs},
-                "summary": convergence.jsonable(summary), "runs": runs}, indent=1))
+            write_results(json_path, setup_key, commands, runs)  # after every run: nothing lost
+
+
+def write_results(json_path: Path, setup_key: dict[str, Any], commands: dict[str, str],
+                  runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The setup, every run and their summary, to ``json_path``; returns the summary."""
+    summary = summarise(runs)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({**setup_key, "commands": commands, "arms": {
+        n: {"overrides": ARMS[n].overrides, "peers": ARMS[n].peers, "knob": ARMS[n].knob} for n in runs},
+        "summary": convergence.jsonable(summary), "runs": runs}, indent=1))
+    return summary
 
 
 if __name__ == "__main__":

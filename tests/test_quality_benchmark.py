@@ -37,6 +37,7 @@ def test_gaps_are_paired_per_seed_and_bytes_and_memory_are_per_peer():
     assert gap["mean"] == pytest.approx((0.10 + 0.05) / 2)  # per seed, then the mean: not 4.825 / 4.5 - 1
     assert (gap["min"], gap["max"]) == (pytest.approx(0.05), pytest.approx(0.10))
     assert summary["default"]["mb_per_round"] == pytest.approx(1.0)  # (3 + 5) MB over 8 rounds
+    assert summary["default"]["mb_per_run"] == pytest.approx(8.0)
     assert summary["default"]["memory_mb"] == pytest.approx(15.0)
     assert summary["default"]["sync_memory_mb"] == pytest.approx(7.5)
     assert summary["default"]["rounds"] == {"averaged": 64}
