@@ -300,14 +300,12 @@ def swarm_report(peer_dirs: list[Path]) -> dict[str, Any]:
 
 
 def run_arm(arm: str, seed: int, args: argparse.Namespace, common: list[str], work: Path,
-            validation: Validation, boundaries: list[int], extra: list[str] | None = None,
+            validation: Validation, boundaries: list[int], extra: list[str] | None,
             peers: int | None = None) -> dict[str, Any]:
-    """One arm at one seed: trained, scored at ``boundaries`` and summarised. ``extra`` (default:
-    ``ARMS[arm]``) is the arm's swarm overrides, ``None`` for one centralized process with the batch of
-    ``peers`` (default ``args.peers``) peers; its run directory is deleted unless ``args.keep_runs``."""
+    """One arm at one seed: trained, scored at ``boundaries`` and summarised. ``extra`` is the arm's
+    swarm overrides, ``None`` for one centralized process with the batch of ``peers`` (default
+    ``args.peers``) peers; its run directory is deleted unless ``args.keep_runs``."""
     peers = peers or args.peers
-    if extra is None and arm in ARMS and ARMS[arm] is not None:
-        extra = [o.format(merge=args.merge_interval, experts=args.experts) for o in ARMS[arm]]
     run_dir = work / f"{arm}-seed{seed}"
     seeded = [f"train.seed={seed}", f"data.seed={seed}"]
     t0 = time.monotonic()
@@ -427,7 +425,8 @@ def print_table(console: Console, summary: dict[str, Any], seeds: list[int], tok
     console.print(table)
 
 
-def plot(runs: dict[str, list[dict[str, Any]]], tokens_per_step: int, out: Path) -> bool:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None (said once) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -435,6 +434,13 @@ def plot(runs: dict[str, list[dict[str, Any]]], tokens_per_step: int, out: Path)
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed (pip install -e .[bench]): no plot")
+        return None
+    return plt
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], tokens_per_step: int, out: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for name, seeds in runs.items():
@@ -514,7 +520,9 @@ def main() -> None:
         for seed in args.seeds:  # seed-major: an interrupted benchmark has every arm at the first seeds
             for arm in args.arms:
                 t0 = time.monotonic()
-                result = run_arm(arm, seed, args, common, work, validation, boundaries)
+                extra = None if ARMS[arm] is None else [
+                    o.format(merge=args.merge_interval, experts=args.experts) for o in ARMS[arm]]
+                result = run_arm(arm, seed, args, common, work, validation, boundaries, extra)
                 runs[arm].append(result)
                 swarm = result["swarm"]
                 extra = "" if swarm is None else (
