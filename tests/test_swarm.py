@@ -30,6 +30,7 @@ from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.swarm import GroupReport, RoundReport
 from p2p_spes.swarm.outer import OuterOptimizer
 from p2p_spes.swarm.state import Downloader
+from p2p_spes.transport import TruncatedStream
 
 
 def test_nesterov_outer_step_follows_diloco():
@@ -83,7 +84,7 @@ class _SlowRound:
                            groups={"shared": GroupReport(ok=True, members=2, group_id="g")}, shared_digest="d")
 
 
-def test_download_retries_a_refused_dial_but_not_a_peer_that_never_answers():
+def test_download_retries_a_refused_dial_and_a_cut_stream_but_not_a_peer_that_never_answers():
     """A frozen holder costs one timeout, not one per attempt (a retry would only stall the round)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -113,6 +114,30 @@ def test_download_retries_a_refused_dial_but_not_a_peer_that_never_answers():
         swarm.fetch = refused_once
         assert swarm.download("slow-dialer", "expert:1", [], attempts=3) == ({"digest": "d"}, [])
         assert calls == ["slow-dialer", "slow-dialer"]
+        # an update or a meta whose stream was cut short (hivemind ends a stream silently when its connection
+        # closes) is asked again, as a download is, not given up for a whole download of the expert
+        calls.clear()
+
+        async def cut(peer, uid, like):
+            calls.append(uid)
+            if len(calls) % 2:
+                raise TruncatedStream(f"{peer} closed the stream of {uid} before sending anything")
+            return {"digest": "d", "base": "b"}, []
+
+        swarm.fetch = cut
+        assert swarm.update("holder", "expert:4", "abc", wire_bytes=100) == ({"digest": "d", "base": "b"}, [])
+        assert swarm.meta("holder", "shared") == {"digest": "d", "base": "b"}
+        assert calls == ["update:expert:4@abc"] * 2 + ["meta:shared"] * 2
+
+        async def always_cut(peer, uid, like):
+            calls.append(uid)
+            raise TruncatedStream("cut")
+
+        calls.clear()
+        swarm.fetch = always_cut
+        with pytest.raises(TruncatedStream):
+            swarm.update("holder", "expert:4", "abc", wire_bytes=100)
+        assert len(calls) == 3  # bounded
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)

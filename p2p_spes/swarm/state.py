@@ -226,12 +226,24 @@ class Downloader:
         """The encoded average that brought ``uid`` to ``digest``, from ``peer`` (meta names its base)."""
         deadline = self.timeout if self.deadlines is None else min(self.deadlines.transfer_timeout(wire_bytes),
                                                                     self.timeout)
-        return self.runtime.call(asyncio.wait_for(self.fetch(peer, f"update:{uid}@{digest}", []), deadline))
+        return self._fetch_uncut(peer, f"update:{uid}@{digest}", deadline)
 
     def meta(self, peer: str, uid: str) -> dict:
         """The (round, step, digest) of the newest ``uid`` that ``peer`` serves, without its tensors."""
-        meta, _ = self.runtime.call(asyncio.wait_for(self.fetch(peer, f"meta:{uid}", []), self.timeout))
+        meta, _ = self._fetch_uncut(peer, f"meta:{uid}", self.timeout)
         return meta
+
+    def _fetch_uncut(self, peer: str, uid: str, deadline: float, attempts: int = 3) -> Entry:
+        """A tensor-less fetch (an update or a meta), asked again at once when the stream was cut short
+        (hivemind ends a stream silently when its connection closes, as :meth:`download` also allows)."""
+        for attempt in range(attempts):
+            try:
+                return self.runtime.call(asyncio.wait_for(self.fetch(peer, uid, []), deadline))
+            except TruncatedStream as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.info("download of %s from %s was cut short (%s); retrying", uid, peer, exc)
+        raise AssertionError("unreachable")
 
     def first_of(self, peers: Sequence[str], uid: str, like: Sequence[torch.Tensor],
                  errors: list[str] | None = None, attempts: int = 2) -> tuple[str, Entry] | None:
