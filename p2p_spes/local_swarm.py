@@ -157,18 +157,18 @@ class LocalSwarm:
         tails: dict[int, MetricsTail] = {}
         reported: set[int] = set()
         while True:
-            for i, proc in enumerate(self.procs):
+            # one poll per peer and pass: the exit codes returned are the ones the view was told about
+            codes = [p.poll() for p in self.procs]
+            for i, code in enumerate(codes):
                 name = f"peer{i}"
                 view.add_peer(name)
                 tail = tails.setdefault(i, MetricsTail(self.run_dir / name / "metrics.jsonl"))
                 for record in tail.read():
                     view.update(name, record)
-                code = proc.poll()
                 if code is not None and i not in reported:
                     reported.add(i)
                     view.set_state(name, *_exit_state(code, self.run_dir / f"{name}.log"))
             view.refresh()
-            codes = [p.poll() for p in self.procs]
             if all(c is not None for c in codes) or (deadline is not None and time.monotonic() > deadline):
                 view.refresh(force=True)
                 return codes
