@@ -58,7 +58,7 @@ def main() -> None:
 
     overrides = CONFIG + args.overrides
     cfg = load_config(None, overrides)
-    deadline = sync_deadline(cfg.swarm)
+    deadline = sync_deadline(cfg.swarm, args.peers)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="p2p-spes-chaos-"))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -141,7 +141,7 @@ def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work:
              console: Console) -> dict[str, Any]:
     overrides = micro(experts, steps)
     cfg = load_config(None, overrides)
-    deadline = sync_deadline(cfg.swarm)
+    deadline = sync_deadline(cfg.swarm, peers)
     run_dir = work / f"n{peers}-{faults}"
     swarm = LocalSwarm(None, overrides, peers=peers, run_dir=run_dir, run_id=f"scale-{peers}")
     chaos = Chaos(swarm, SYNC_STEPS, freeze_seconds=deadline + 5, seed=seed, min_live=max(2, peers // 2))

@@ -16,6 +16,7 @@ the share of peer-rounds applied among peers that did not fail, rounds that need
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -36,6 +37,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--retries", type=int, nargs="+", default=[0, 1], help="swarm.group_retries values")
+    parser.add_argument("--group-size", type=int, nargs="+", default=[0, 16],
+                        help="swarm.group_size values (0: one flat shared group)")
     parser.add_argument("--fail-prob", type=float, default=0.05)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -43,23 +46,24 @@ def main() -> int:
     args = parser.parse_args()
     rows = []
     t0 = time.monotonic()
-    for n in args.peers:
-        for retries in args.retries:
-            sw = SwarmConfig(compression="topk", matchmaking_time=30.0, averaging_timeout=600.0, group_retries=retries)
-            runs = [simulate(SimConfig(peers=n, rounds=args.rounds, fail_prob=args.fail_prob, swarm=sw, seed=s)).summary()
-                    for s in args.seeds]
-            rows.append({"peers": n, "group_retries": retries, "runs": runs,
-                         **{k: statistics.fmean(r[k] for r in runs) for k in runs[0] if k not in ("peers", "rounds")}})
+    for n, size, retries in itertools.product(args.peers, args.group_size, args.retries):
+        sw = SwarmConfig(compression="topk", matchmaking_time=30.0, averaging_timeout=600.0, group_retries=retries,
+                         group_size=size)
+        runs = [simulate(SimConfig(peers=n, rounds=args.rounds, fail_prob=args.fail_prob, swarm=sw, seed=s)).summary()
+                for s in args.seeds]
+        rows.append({"peers": n, "group_size": size, "group_retries": retries, "runs": runs,
+                     **{k: statistics.fmean(r[k] for r in runs) for k in runs[0] if k not in ("peers", "rounds")}})
     table = Table(title=f"simulated rounds: spes-1b sizes, topk, {args.rounds} rounds, fail probability "
                         f"{args.fail_prob:g} per peer per round, seeds {args.seeds} (mean; range)")
-    for col in ("peers", "retries", "rounds applied", "peer-rounds applied", "rounds retried",
-                "s per round (median / p90)", "MB per peer per round"):
+    for col in ("peers", "group size", "retries", "rounds applied", "peer-rounds applied", "contributions counted",
+                "rounds retried", "s per round (median / p90)", "MB per peer per round"):
         table.add_column(col, justify="right")
     for r in rows:
         applied = [x["rounds_applied"] for x in r["runs"]]
-        table.add_row(str(r["peers"]), str(r["group_retries"]),
+        table.add_row(str(r["peers"]), str(r["group_size"] or "flat"), str(r["group_retries"]),
                       f"{100 * r['rounds_applied']:.1f}% ({100 * min(applied):.0f}-{100 * max(applied):.0f}%)",
-                      f"{100 * r['peer_rounds_applied']:.1f}%", f"{100 * r['retried_rounds']:.0f}%",
+                      f"{100 * r['peer_rounds_applied']:.1f}%", f"{100 * r['counted_mean']:.1f}%",
+                      f"{100 * r['retried_rounds']:.0f}%",
                       f"{r['seconds_per_round_median']:.1f} / {r['seconds_per_round_p90']:.1f}",
                       f"{r['mb_per_peer_round']:.1f}")
     Console(width=150).print(table)

@@ -33,7 +33,7 @@ agreed result instead (the round's adopt path). Each attempt is all-or-nothing, 
 end bit-identical, and the lost members are reported (``GroupResult.lost``). A member alone at a
 retry fails instead (the others may have applied the first attempt). Views of the membership that
 differ give different group ids and fail loudly. A stream cut short (hivemind ends one silently when
-its connection closes) is not a failure yet: the part is sent or fetched again, up to ``ATTEMPTS``
+its connection closes) is not a failure yet: the part is sent or fetched again, up to ``part_client.ATTEMPTS``
 times within the deadline, and a reducer that already holds a contribution whose reply was lost says
 so (``TAKEN``) instead of refusing it.
 """
@@ -48,26 +48,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2
 
 from dht.keys import group_key
 from p2p_spes.aggregation import Aggregator, weighted_mean
 from p2p_spes.compression import Codec
+from p2p_spes.grid import Grid, make_grid
+from p2p_spes.grid_allreduce import ColumnResult, GridRound
 from p2p_spes.matchmaking import Base, agreed_base, announce_done, join_group
-from p2p_spes.reducer import AGAIN, MISSING, OK, TAKEN, Part, PartServer
-from p2p_spes.transport import TransportError, TruncatedStream, pack, parse_tensor, serialize_parts
+from p2p_spes.part_client import PartClient, PartMissing
+from p2p_spes.reducer import Part, PartServer
+from p2p_spes.transport import TransportError, TruncatedStream, pack
 
 log = logging.getLogger(__name__)
-ATTEMPTS = 3  # sends and fetches of one part, within the group's deadline
 HOLD = 1.0  # seconds past a failed attempt's deadline before the next forms: members that finished say so by then
 
 
 Rebase = Callable[[Base, list[str]], Awaitable[None]]
-
-
-class PartMissing(TransportError):
-    """A reducer answered but had no averaged part to serve: a contribution it needed never came."""
 
 
 @dataclass
@@ -89,6 +86,7 @@ class GroupResult:
     lost: list[str] = field(default_factory=list)  # members of the first attempt missing from the one that succeeded
     retryable: bool = False  # failed in the transfers (not in matchmaking): the survivors may form again
     deadline_at: float = 0.0  # monotonic time by which the transfers had to end: any member done by then says so
+    rows: int = 0  # rows of a bounded group run as a grid (0: one flat group)
 
     @property
     def ok(self) -> bool:
@@ -101,7 +99,7 @@ class GroupAllReduce:
     def __init__(
         self, dht, p2p, peer_id: str, run_id: str, *, owner: bytes, compression: str | Codec = "none",
         matchmaking_time: float = 3.0, timeout: float = 30.0,
-        aggregate: Aggregator | None = None, retries: int = 1,
+        aggregate: Aggregator | None = None, retries: int = 1, group_size: int = 0,
     ) -> None:
         self.dht, self.p2p, self.peer_id, self.run_id = dht, p2p, peer_id, run_id
         self.owner = owner  # our signed subkey (dht/identity.py): nobody can join a group in our name
@@ -112,14 +110,10 @@ class GroupAllReduce:
         # the parts we reduce for the groups we are in (reducer.py); replaceable before start()
         self.server = PartServer(self.codec, self.aggregate, matchmaking_time + timeout)
         self._announcing: set[asyncio.Future] = set()  # "done" records being stored (kept from the collector)
+        self.client = PartClient(p2p, run_id)
+        self.group_size = group_size  # a bounded group larger than this runs in rows and columns (grid.py)
+        self.grid = GridRound(peer_id, self.codec, self.server, self.client)
 
-    @property
-    def _contribute_name(self) -> str:
-        return f"{self.run_id}.allreduce.contribute"
-
-    @property
-    def _fetch_name(self) -> str:
-        return f"{self.run_id}.allreduce.fetch"
 
     @property
     def served_in(self) -> int:
@@ -133,13 +127,47 @@ class GroupAllReduce:
 
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(
-            self._contribute_name, self.server.contribute, averaging_pb2.AveragingData, stream_input=True
+            self.client.contribute_name, self.server.contribute, averaging_pb2.AveragingData, stream_input=True
         )
-        await self.p2p.add_protobuf_handler(
-            self._fetch_name, self.server.fetch, averaging_pb2.AveragingData, stream_output=True
-        )
+        for name, handler in ((self.client.fetch_name, self.server.fetch), (self.client.column_name, self.server.column)):
+            await self.p2p.add_protobuf_handler(name, handler, averaging_pb2.AveragingData, stream_output=True)
 
     # Client side ---------------------------------------------------------------------------
+    @staticmethod
+    async def _based(tensor: torch.Tensor | Callable[[], torch.Tensor], base: Base | None, result: GroupResult,
+                     bases: dict[str, Base], rebase: Rebase | None) -> torch.Tensor:
+        """Our tensor, once we hold the base the group agreed on (taken from a member that holds it)."""
+        if base is not None and result.base is not None and result.base.digest != base.digest:
+            holders = [p for p in result.members if p in bases and bases[p].digest == result.base.digest]
+            if rebase is None:
+                raise TransportError(f"the group agreed on base {result.base.digest[:12]}, we hold another")
+            await rebase(result.base, holders)
+        return tensor() if callable(tensor) else tensor
+
+    async def _grid(self, round_no: int, group: str, grid: Grid, tensor: torch.Tensor | Callable[[], torch.Tensor],
+                    weight: float, window: float, timeout: float, base: Base | None, bases: dict[str, Base],
+                    rebase: Rebase | None, result: GroupResult) -> None:
+        """A large group's transfers in rows and columns (``grid_allreduce.py``), into ``result``. Each
+        column is a flat group of its holders; the stages' deadlines leave room for a column's retry."""
+        try:
+            flat = await asyncio.wait_for(self._based(tensor, base, result, bases, rebase), timeout)
+        except Exception as exc:
+            result.error = f"could not take the agreed base: {exc!r}"
+            return
+        row_deadline = time.monotonic() + timeout
+        deadline = row_deadline + window + (2 + self.retries) * timeout + self.retries * HOLD
+        result.deadline_at = deadline
+
+        async def column_run(uid: str, values: torch.Tensor, w: float, expected: set[str]) -> ColumnResult:
+            res = await self.run(round_no, uid, values, w, expected, window=window, timeout=timeout)
+            return ColumnResult(res.messages if res.ok else None, res.sent, res.bytes_sent, res.bytes_received)
+
+        out = await self.grid.run(round_no, group, grid, flat, weight, column_run, row_deadline, deadline)
+        result.tensor, result.error, result.rows = out.tensor, out.error, len(grid.rows)
+        result.sent = out.sent if out.counted else None  # not counted everywhere: nothing to carry over
+        result.bytes_sent, result.bytes_received, result.retries = out.bytes_sent, out.bytes_received, out.retries
+        result.lost = out.missing
+
     def solo(self, tensor: torch.Tensor, result: GroupResult | None = None) -> GroupResult:
         """A group of one: its result is our own tensor as the codec carries it (what a peer that
         rebuilds it from the encoded message gets too)."""
@@ -152,18 +180,20 @@ class GroupAllReduce:
     async def run(self, round_no: int, group: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
                   weight: float, expected: set[str], on_members: Callable[[], None] | None = None,
                   window: float | None = None, timeout: float | None = None,
-                  base: Base | None = None, rebase: Rebase | None = None) -> GroupResult:
+                  base: Base | None = None, rebase: Rebase | None = None, bounded: bool = False) -> GroupResult:
         """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``.
 
         ``on_members`` is called once the membership is decided (or matchmaking failed). ``window`` is the
         join window this peer proposes and ``timeout`` its deadline for the transfers (both measured by
         the caller; at most the configured ``matchmaking_time`` and ``timeout``). With ``base``, when the
         group agrees on another base, ``rebase(digest, members holding it)`` is awaited first (it must
-        take that base or raise); ``tensor`` may then be a function, called after it.
+        take that base or raise); ``tensor`` may then be a function, called after it. A ``bounded``
+        group with more members than ``group_size`` runs in rows and columns (``grid_allreduce.py``) and
+        is not formed again: a member lost there costs its row's contribution, not the round.
         """
         t0 = time.monotonic()
         result = await self._attempt(round_no, group, group, tensor, weight, expected, on_members, window,
-                                     timeout, base, rebase)
+                                     timeout, base, rebase, bounded=bounded)
         first = result
         while not result.ok and result.retryable and result.attempts <= self.retries:
             attempt = result.attempts + 1
@@ -185,7 +215,8 @@ class GroupAllReduce:
                 retry.members = result.members  # nobody came: report the group we had
             result = retry
         if result.ok:
-            result.lost = sorted(set(first.members) - set(result.members))
+            if not result.rows:  # (a grid reports the row members whose parts never came)
+                result.lost = sorted(set(first.members) - set(result.members))
             if self.retries and len(result.members) > 1:
                 # members whose attempt failed may be forming it again: they must not, we applied this one
                 key = group_key(self.run_id, round_no, f"{group}~{result.attempts + 1}")
@@ -204,7 +235,7 @@ class GroupAllReduce:
     async def _attempt(self, round_no: int, group: str, key: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
                        weight: float, expected: set[str], on_members: Callable[[], None] | None,
                        window: float | None, timeout: float | None, base: Base | None,
-                       rebase: Rebase | None, hold_until: float | None = None) -> GroupResult:
+                       rebase: Rebase | None, hold_until: float | None = None, bounded: bool = False) -> GroupResult:
         """One formation of ``group`` under DHT key ``key`` and its transfers (see :meth:`run`)."""
         t0 = time.monotonic()
         window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
@@ -245,6 +276,11 @@ class GroupAllReduce:
             self.solo(tensor() if callable(tensor) else tensor, result)
             result.seconds = time.monotonic() - t0
             return result
+        grid = make_grid(members, self.group_size) if bounded else None
+        if grid is not None:
+            await self._grid(round_no, group, grid, tensor, weight, agreed, timeout, base, bases, rebase, result)
+            result.seconds, result.transfer_seconds = time.monotonic() - t0, time.monotonic() - t_decided
+            return result
         gid = hashlib.sha256(pack(members)).hexdigest()[:16]
         self.server.decided[(round_no, key)] = gid
         keys = [pack([round_no, key, gid, i]) for i in range(len(members))]
@@ -258,12 +294,7 @@ class GroupAllReduce:
             """Our contribution cut into encoded parts, once we hold the group's base; then our part is
             registered (a member's contribution that comes earlier waits for it)."""
             nonlocal part
-            if base is not None and result.base is not None and result.base.digest != base.digest:
-                holders = [p for p in members if p in bases and bases[p].digest == result.base.digest]
-                if rebase is None:
-                    raise TransportError(f"the group agreed on base {result.base.digest[:12]}, we hold another")
-                await rebase(result.base, holders)
-            flat = tensor() if callable(tensor) else tensor
+            flat = await self._based(tensor, base, result, bases, rebase)
             chunks = torch.tensor_split(flat, len(members))
             sizes[:] = [len(c) for c in chunks]
             part = Part(members, gid, (sizes[mine],), deadline, name=group, start=sum(sizes[:mine]))
@@ -280,74 +311,27 @@ class GroupAllReduce:
             if peer == self.peer_id:
                 self.server.add(part, peer, float(weight), sent_parts[i])
                 return
-            chunk_parts = serialize_parts(message)
-            result.bytes_sent += sum(c.ByteSize() for c in chunk_parts)
-
-            async def messages():
-                for j, c in enumerate(chunk_parts):
-                    yield averaging_pb2.AveragingData(
-                        code=averaging_pb2.PART_FOR_AVERAGING, group_id=keys[i] if j == 0 else b"",
-                        weight=float(weight) if j == 0 else 0.0, tensor_part=c,
-                    )
-
-            for attempt in range(ATTEMPTS):
-                if attempt:  # the last send was cut short or its reply lost: it goes again
-                    result.retries += 1
-                    result.bytes_sent += sum(c.ByteSize() for c in chunk_parts)
-                try:
-                    reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self._contribute_name,
-                                                                 messages(), averaging_pb2.AveragingData)
-                except (ValueError, P2PHandlerError) as exc:
-                    # the stream closed before the reply: the reducer answers TAKEN if our part got there
-                    if attempt == ATTEMPTS - 1:
-                        # (or it finished its round and moved on: its result, served only if it has
-                        # every contribution, will tell)
-                        log.info("no reply from %s to our contribution (%s); its result will tell", peer, exc)
-                        return
-                    reply = averaging_pb2.AveragingData(code=AGAIN)
-                if reply.code in (OK, TAKEN):
+            try:
+                if await self.client.send(peer, keys[i], message, weight, result):
                     contributed.add(peer)
-                    return
-                if reply.code != AGAIN:
-                    suspects.add(peer)
-                    raise TransportError(f"{peer} refused our contribution (code {reply.code})")
-            raise TruncatedStream(f"our contribution to {peer} was cut short {ATTEMPTS} times")
-
-        async def fetch_once(i: int, peer: str) -> torch.Tensor:
-            stream = await self.p2p.iterate_protobuf_handler(
-                PeerID.from_base58(peer), self._fetch_name, averaging_pb2.AveragingData(group_id=keys[i]),
-                averaging_pb2.AveragingData,
-            )
-            chunks_in = []
-            async for message in stream:
-                if message.code == MISSING:
-                    raise PartMissing(f"{peer} had no averaged part {i} to serve (a contribution never came)")
-                if message.code != OK:
-                    raise TransportError(f"{peer} could not serve averaged part {i} (code {message.code})")
-                chunks_in.append(message.tensor_part)
-                result.bytes_received += message.tensor_part.ByteSize()
-            received[i] = parse_tensor(chunks_in)
-            return self.codec.decode(received[i], sizes[i])
+            except TruncatedStream:
+                raise
+            except TransportError:
+                suspects.add(peer)
+                raise
 
         async def fetch(i: int, peer: str) -> torch.Tensor:
             if peer == self.peer_id:
                 await part.done.wait()
                 return part.result
-            for attempt in range(ATTEMPTS):
-                try:
-                    return await fetch_once(i, peer)
-                except TruncatedStream as exc:  # the reducer serves the same bytes until the round is over
-                    if attempt == ATTEMPTS - 1:
-                        suspects.add(peer)
-                        raise
-                    log.info("averaged part %d from %s came truncated (%s); fetching it again", i, peer, exc)
-                    result.retries += 1
-                except PartMissing:  # it answers: what it lacks is someone else's contribution
-                    raise
-                except Exception:
-                    suspects.add(peer)
-                    raise
-            raise AssertionError("unreachable")
+            try:
+                (received[i],) = await self.client.fetch(peer, keys[i], result)
+            except PartMissing:  # it answers: what it lacks is someone else's contribution
+                raise
+            except Exception:
+                suspects.add(peer)
+                raise
+            return self.codec.decode(received[i], sizes[i])
 
         try:
             messages_out[:] = await asyncio.wait_for(prepare(), timeout)

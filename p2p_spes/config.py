@@ -175,6 +175,9 @@ class SwarmConfig:
     # a group whose transfers failed (a member died or froze mid-round) forms again among the members
     # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost
     group_retries: int = 1
+    # a shared group of more peers runs in rows of at most this many and as many columns, each column
+    # a group of one holder per row (p2p_spes/grid.py); a lost peer costs its row's part, not the round. 0: flat
+    group_size: int = 16
     heartbeat: float = 5.0
     record_ttl: float = 15.0
     # "average": SPES (weights replaced by the average); "nesterov": DiLoCo's outer Nesterov step.
@@ -367,21 +370,18 @@ def validate(config: Config) -> None:
     if not all(0 <= b < 1 for b in tr.betas):
         raise ConfigError(f"train.betas must be in [0, 1), got {list(tr.betas)}")
     sw = config.swarm
-    if sw.group_retries < 0:
-        raise ConfigError(f"swarm.group_retries must be 0 or more (attempts after a failed transfer), got {sw.group_retries}")
+    if sw.group_retries < 0 or sw.group_size < 0 or sw.group_size == 1:
+        raise ConfigError(f"swarm.group_retries must be 0 or more (got {sw.group_retries}) and swarm.group_size "
+                          f"0 (one flat group) or 2 or more (got {sw.group_size})")
     if sw.sync_steps <= 0 or sw.replicas <= 0 or sw.matchmaking_time <= 0 or sw.averaging_timeout <= 0:
         raise ConfigError("swarm.sync_steps, swarm.replicas, swarm.matchmaking_time and swarm.averaging_timeout must be positive")
     if sw.experts_per_peer is not None and not 0 < sw.experts_per_peer <= moe.num_experts:
         raise ConfigError(f"swarm.experts_per_peer ({sw.experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]")
     if sw.max_experts_per_peer is not None and not 0 < sw.max_experts_per_peer <= moe.num_experts:
-        raise ConfigError(
-            f"swarm.max_experts_per_peer ({sw.max_experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]"
-        )
+        raise ConfigError(f"swarm.max_experts_per_peer ({sw.max_experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]")
     if sw.residency == "partial" and sw.merge_interval:
-        raise ConfigError(
-            f"swarm.residency=partial cannot apply the SPES warm-up merge (swarm.merge_interval={sw.merge_interval}): "
-            "it needs every expert; set swarm.merge_interval=0, or swarm.residency=full"
-        )
+        raise ConfigError(f"swarm.residency=partial cannot apply the SPES warm-up merge (swarm.merge_interval="
+                          f"{sw.merge_interval}): it needs every expert; set swarm.merge_interval=0, or swarm.residency=full")
     if sw.residency == "partial" and moe.impl == "megablocks":
         raise ConfigError("swarm.residency=partial needs moe.impl=torch (or auto): the MegaBlocks adapter keeps every expert")
     if not 0 < sw.topk_fraction <= 1:

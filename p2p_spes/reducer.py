@@ -43,10 +43,14 @@ class Part:
     deadline: float
     name: str = ""  # the group's name (same every round): the reducer's residual is kept under it
     start: int = 0  # where this part starts in the group's flat tensor
+    # a row's part of a bounded group (grid_allreduce.py): its result is the row's combination, kept
+    # here (not encoded or served) for its reducer to take into the columns; it may close without everyone
+    relay: bool = False
     contributions: dict[str, tuple[float, torch.Tensor]] = field(default_factory=dict)
     result_parts: list | None = None
     message: torch.Tensor | None = None
     result: torch.Tensor | None = None
+    weight: float = 0.0  # of the contributions combined into the result
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -65,6 +69,10 @@ class PartServer:
         # what our encodings of averaged parts dropped, by group name: (start, values), added the next
         # time we reduce an overlapping range (CPU, fp32, about 1/members of each group's tensor)
         self.residual: dict[str, tuple[int, torch.Tensor]] = {}
+        # the results of the columns of bounded groups we hold (grid_allreduce.py): the column's encoded
+        # averaged parts, or None when the column failed; served to any peer that asks, by key
+        self.columns: dict[bytes, list[torch.Tensor] | None] = {}
+        self._published: dict[bytes, asyncio.Event] = {}
 
     def register(self, key: bytes, part: Part) -> None:
         """Start reducing ``part``; contributions that came early stop waiting for it."""
@@ -94,6 +102,32 @@ class PartServer:
             except asyncio.TimeoutError:
                 return None
         return self.parts.get(key)
+
+    def publish(self, key: bytes, messages: list[torch.Tensor] | None, seconds: float) -> None:
+        """Serve a column's result (``None``: it failed) under ``key`` for ``seconds``."""
+        self.columns[key] = messages
+        if key in self._published:
+            self._published.pop(key).set()
+        asyncio.get_running_loop().call_later(seconds, self.columns.pop, key, None)
+
+    async def column(self, request: averaging_pb2.AveragingData, context):
+        """Handler: a column's result, its encoded parts one tensor after another, once we have it
+        (``MISSING``: it failed, or we did not hold it by the time we stopped waiting)."""
+        key = request.group_id
+        if key not in self.columns:
+            event = self._published.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), self.wait)
+            except asyncio.TimeoutError:
+                pass
+        messages = self.columns.get(key)
+        if messages is None:
+            yield averaging_pb2.AveragingData(code=MISSING)
+            return
+        for message in messages:
+            for chunk in serialize_parts(message):
+                self.served_out += chunk.ByteSize()
+                yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
 
     async def contribute(self, stream, context) -> averaging_pb2.AveragingData:
         """Handler: a member's encoded contribution to our part (the first message names the part)."""
@@ -152,11 +186,23 @@ class PartServer:
         """Take ``peer``'s decoded contribution; with the last one, compute and encode the result."""
         part.contributions[peer] = (weight, tensor)
         if len(part.contributions) == len(part.members):
-            order = sorted(part.contributions)
-            averaged = self.aggregate([part.contributions[p][1] for p in order], [part.contributions[p][0] for p in order])
+            self.close(part)
+
+    def close(self, part: Part) -> None:
+        """Combine the contributions that came, in member order (all of them, except for a relayed part
+        closed at its deadline), and encode the result once unless it is relayed."""
+        if part.done.is_set() or not part.contributions:
+            return
+        order = sorted(part.contributions)
+        weights = [part.contributions[p][0] for p in order]
+        averaged = self.aggregate([part.contributions[p][1] for p in order], weights)
+        part.weight = float(sum(weights))
+        if part.relay:
+            part.result = averaged
+        else:
             part.message, part.result = self.encode_result(part, averaged)
             part.result_parts = serialize_parts(part.message)
-            part.done.set()
+        part.done.set()
 
     def encode_result(self, part: Part, averaged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode our averaged part once, with what our last encoding of an overlapping range dropped."""

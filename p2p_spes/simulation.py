@@ -7,7 +7,9 @@
 (``compression.Codec.wire_bytes``), where experts go (``placement.spes_block``; a restarted peer
 resumes its own) and who takes over an expert whose holders died (``healing.plan_takeover``), and the rule that a group attempt is all-or-nothing and is retried once
 among the members that survive it, formed after the failed attempt's deadline (``allreduce.GroupAllReduce``,
-``allreduce.HOLD``, ``swarm.group_retries``).
+``allreduce.HOLD``, ``swarm.group_retries``), and, for a shared group of more than ``swarm.group_size``,
+its rows and columns (``grid.make_grid``, ``grid.column_bounds``: who reduces which column and who holds
+it in each row).
 
 **What is modelled** instead of run: time. Each peer has a step time (log-normal around
 ``step_seconds``) and a symmetric link (uniform in ``mbit``); a round opens when the fastest live peer
@@ -20,6 +22,10 @@ with probability ``fail_prob``, at a uniform moment of the round: killed (restar
 noticed at once, a freeze at the deadline. Not modelled: the expert groups' own failures (their holders
 are the shared group's members), the version exchange, merges, CPU contention, latency beyond the fixed
 per-phase cost, and the two-boundary confirmation healing waits for (takeovers happen at once).
+In a grid, a row that loses a member before its transfers end waits for it until the rows' deadline
+(and so misses the columns that closed earlier); a column's holders form a flat group with its retry;
+a member whose row's holder died fetches the column from another row at no extra cost; the results'
+download takes the slowest member's time for the whole tensor.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 from p2p_spes.allreduce import HOLD
 from p2p_spes.compression import Codec
 from p2p_spes.config import SwarmConfig
+from p2p_spes.grid import Grid, column_bounds, make_grid
 from p2p_spes.healing import plan_takeover
 from p2p_spes.matchmaking import decide
 from p2p_spes.placement import spes_block
@@ -87,6 +94,7 @@ class RoundOutcome:
     seconds: float  # from the round's opening to the end of the shared group
     bytes_per_peer: float  # mean over live peers: shared group traffic + frozen-expert refresh
     coverage: float  # share of experts with a live holder at the round's start
+    counted: float = 1.0  # share of the members' contributions the applied average holds (a grid may drop some)
 
 
 @dataclass
@@ -106,6 +114,7 @@ class SimResult:
             "seconds_per_round_p90": sorted(r.seconds for r in rs)[int(0.9 * (len(rs) - 1))],
             "mb_per_peer_round": statistics.fmean(r.bytes_per_peer for r in rs) / 1e6,
             "coverage_min": min(r.coverage for r in rs),
+            "counted_mean": statistics.fmean(r.counted for r in rs if r.applied) if any(r.applied for r in rs) else 0.0,
             "mean_live": statistics.fmean(r.live for r in rs),
         }
 
@@ -143,7 +152,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         present = [p for p in live if p.id not in fails or fails[p.id][0] > arrival[p.id]]
         by_id = {p.id: p for p in live}
         records = {p.id: {"t": arrival[p.id], "m": p.deadlines.join_window()} for p in present}
-        applied, attempts, moved, end = False, 0, {}, t_open
+        applied, attempts, moved, end, counted = False, 0, {}, t_open, 0.0
         members: list[str] = []
         late: list[str] = []
         if records:
@@ -154,7 +163,10 @@ def simulate(cfg: SimConfig) -> SimResult:
             # a peer stops waiting once every live peer it expects is there (then a 0.5 s re-read)
             everyone = len(members) == len(live)
             start = (max(arrival[m] for m in members) if everyone else min(arrival[m] for m in members) + joined.window) + 0.5
-            while True:
+            grid = make_grid(members, sw.group_size)
+            if grid is not None:
+                applied, end, counted, attempts = _grid_round(grid, start, joined.window, fails, by_id, codec, cfg, moved)
+            while grid is None:
                 attempts += 1
                 if len(members) < 2:
                     break  # alone: nothing averaged (at a retry, nothing applied either)
@@ -164,7 +176,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                     moved[m] = moved.get(m, 0) + nbytes
                 lost = {m: fails[m] for m in members if m in fails and start <= fails[m][0] < start + min(seconds, deadline)}
                 if not lost and seconds <= deadline:
-                    applied, end = True, start + seconds
+                    applied, end, counted = True, start + seconds, 1.0
                     for m in members:
                         by_id[m].deadlines.observe_transfer(nbytes // 2, seconds)
                     break
@@ -194,9 +206,82 @@ def simulate(cfg: SimConfig) -> SimResult:
             round=r, live=len(live), failed=len(fails), members=len(members), applied=applied, attempts=attempts,
             peers_applied=(len([m for m in members if m not in failed_now]) + len([p for p in late if p not in failed_now]))
             if applied else 0,
-            seconds=end - t_open, bytes_per_peer=statistics.fmean(refresh), coverage=coverage))
+            seconds=end - t_open, bytes_per_peer=statistics.fmean(refresh), coverage=coverage,
+            counted=counted if applied else 0.0))
         _heal(peers, r + 1, cfg)
     return SimResult(cfg, outcomes)
+
+
+def _grid_round(grid: Grid, start: float, window: float, fails: dict[str, tuple[float, bool]], by_id: dict[str, _Peer],
+                codec: Codec, cfg: SimConfig, moved: dict[str, int]) -> tuple[bool, float, float, int]:
+    """A shared group run as a grid (``grid_allreduce.py``): rows, then a flat all-reduce per column among
+    its holders (retried like any group), then every member fetches every column. Returns whether the
+    average was applied, when the group ended, the share of the members' contributions it holds and the
+    most attempts a column took."""
+    sw = cfg.swarm
+    bounds = column_bounds(cfg.shared_params, grid.columns)
+    wire = [codec.wire_bytes(bounds[c + 1] - bounds[c]) for c in range(grid.columns)]
+    members = [p for row in grid.rows for p in row]
+    nbytes = sum(wire) * 2 * (len(members) - 1) // len(members)  # what sync_round's deadline is measured for
+    timeout = min(by_id[m].deadlines.transfer_timeout(nbytes // 2) for m in members)
+
+    # rows: every member sends each row member the wire bytes of its columns; a row that lost a member
+    # waits for it until the row deadline, then its holders come to the columns with what they have
+    row_end, row_in = {}, {}
+    for k, row in enumerate(grid.rows):
+        rate = min(by_id[m].rate for m in row)
+        up = {m: sum(wire[c] for c in grid.columns_of(m)) for m in row}
+        seconds = (sum(wire) - min(up.values())) / rate + PHASE_LATENCY
+        gone = [m for m in row if m in fails and fails[m][0] < start + seconds]  # (it had arrived)
+        row_end[k] = start + timeout if gone else start + seconds
+        row_in[k] = [m for m in row if m not in gone]
+        for m in row:
+            moved[m] = moved.get(m, 0) + (sum(wire) - up[m]) + up[m] * (len(row) - 1)
+    applied, end, counted, attempts = True, start, 0, 1
+    for c in range(grid.columns):
+        holders = {grid.row_of(h): h for h in grid.holders(c)}
+        arrived = {k: row_end[k] for k, h in holders.items() if h in row_in[k] and fails.get(h, (math.inf,))[0] > row_end[k]}
+        if not arrived:
+            return False, max(row_end.values()), 0.0, 1
+        first = min(arrived.values())
+        close = max(arrived.values()) if len(arrived) == len(grid.rows) else first + window
+        in_column = [k for k, t in arrived.items() if t <= close]
+        col_start = close + 0.5
+        ok = False
+        for attempt in range(1 + sw.group_retries):
+            attempts = max(attempts, attempt + 1)
+            names = [holders[k] for k in in_column]
+            rate = min(by_id[h].rate for h in names)
+            cols = max(len(grid.columns_of(h)) for h in names)
+            seconds, moved_each = _all_reduce_seconds(codec, (bounds[c + 1] - bounds[c]), [rate] * len(names))
+            seconds *= cols  # a holder's link carries all of its columns at once
+            for h in names:
+                moved[h] = moved.get(h, 0) + moved_each
+            gone = [k for k in in_column if holders[k] in fails and col_start <= fails[holders[k]][0] < col_start + seconds]
+            if not gone:
+                ok, col_end = True, col_start + seconds
+                break
+            in_column = [k for k in in_column if k not in gone]
+            col_start += timeout + HOLD + 0.5  # the retry forms after the failed attempt's deadline
+            if len(in_column) < 2:  # alone at a retry: it fails (the others may have applied the attempt)
+                break
+        if not ok:
+            applied = False
+            end = max(end, col_start)
+            continue
+        counted += sum(len(row_in[k]) for k in in_column)
+        # results: each member fetches the column from a holder (its own row's, or another's)
+        for m in members:
+            if c not in grid.columns_of(m):
+                moved[m] = moved.get(m, 0) + wire[c]
+        for k in in_column:
+            moved[holders[k]] = moved.get(holders[k], 0) + wire[c] * (len(grid.rows[k]) - 1)
+        end = max(end, col_end)
+    fetch = max(sum(wire) / by_id[m].rate for m in members) + PHASE_LATENCY
+    if applied:  # what each member's deadlines learn from the transfers, as sync_round's do
+        for m in members:
+            by_id[m].deadlines.observe_transfer(moved.get(m, 0), end + fetch - start)
+    return applied, end + fetch, counted / (grid.columns * len(members)) if applied else 0.0, attempts
 
 
 def _holders(peers: list[_Peer], r: int) -> dict[int, int]:

@@ -5,16 +5,19 @@ Imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
+from dht.node import start_dht
 from p2p_spes.chaos import group_alive
 from p2p_spes.local_swarm import spawn_bootstrap
 
@@ -214,3 +217,30 @@ def assert_groups_applied_whole(per_peer: dict[str, dict[int, dict]]) -> int:
                     f"peer {peer} round {n}: its shared group failed, yet it holds the result others agreed on"
                 )
     return len(results)
+
+
+class Peers:
+    """``n`` DHT peers and one event loop thread (as each trainer has), shared by a module's tests."""
+
+    def __init__(self, n: int = 3) -> None:
+        first, identity = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = [str(m) for m in first.get_visible_maddrs()]
+        others = [start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs) for _ in range(n - 1)]
+        self.nodes = [first] + [dht for dht, _ in others]
+        self.owners = [identity.owner] + [ident.owner for _, ident in others]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.p2ps = [self.call(node.replicate_p2p()) for node in self.nodes]
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        for node in self.nodes:
+            node.shutdown()

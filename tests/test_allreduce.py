@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
+from helpers import Peers
 from hivemind.proto import averaging_pb2
 
-from dht.node import start_dht
 from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import HOLD, GroupAllReduce, weighted_mean
 from p2p_spes.compression import Codec
@@ -17,33 +16,6 @@ from p2p_spes.reducer import PartServer
 from p2p_spes.transport import TransportError, TruncatedStream, parse_tensor, serialize_parts, tensor_digest
 
 WINDOW = 2.0  # seconds a group stays open for members after the first one arrives (matchmaking_time)
-
-
-class Peers:
-    """Three DHT peers and one event loop thread (as each trainer has), shared by the tests."""
-
-    def __init__(self) -> None:
-        first, identity = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        maddrs = [str(m) for m in first.get_visible_maddrs()]
-        others = [start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs) for _ in range(2)]
-        self.nodes = [first] + [dht for dht, _ in others]
-        self.owners = [identity.owner] + [ident.owner for _, ident in others]
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.p2ps = [self.call(node.replicate_p2p()) for node in self.nodes]
-
-    def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def __len__(self) -> int:
-        return len(self.nodes)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        for node in self.nodes:
-            node.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -45,10 +45,10 @@ def wait_for_round(swarm: LocalSwarm, peers: list[int], round_no: int, timeout: 
 
 def test_swarm_survives_kill_in_sync_freeze_and_restart(tmp_path):
     swarm = LocalSwarm(None, CHAOS + ["train.max_steps=150"], peers=4, run_dir=tmp_path, run_id="chaos")
-    deadline = sync_deadline(load_config(None, CHAOS).swarm)
+    deadline = sync_deadline(load_config(None, CHAOS).swarm, peers=4)
     # frozen past one group attempt's deadline (the others retry without it), not past the retry's too:
     # a longer freeze lets the others near the end of their steps before the killed peer restarts
-    attempt = sync_deadline(load_config(None, CHAOS + ["swarm.group_retries=0"]).swarm)
+    attempt = sync_deadline(load_config(None, CHAOS + ["swarm.group_retries=0"]).swarm, peers=4)
     chaos = Chaos(swarm, SYNC, freeze_seconds=attempt + 2, seed=1)
     try:
         swarm.start(stagger=1.0)

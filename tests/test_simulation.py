@@ -12,7 +12,8 @@ from p2p_spes.matchmaking import decide
 from p2p_spes.simulation import SimConfig, simulate
 
 SMALL = SimConfig(peers=24, rounds=20, experts=8, shared_params=1_000_000, expert_params=200_000,
-                  swarm=SwarmConfig(compression="int8", matchmaking_time=10.0, averaging_timeout=120.0))
+                  swarm=SwarmConfig(compression="int8", matchmaking_time=10.0, averaging_timeout=120.0, group_size=0))
+GRID = replace(SMALL, swarm=replace(SMALL.swarm, group_size=8))  # 24 peers: 3 rows of 8, 8 columns
 
 
 def test_without_faults_every_round_applies_once_with_every_peer_and_the_bytes_of_the_protocol():
@@ -35,6 +36,24 @@ def test_a_retry_among_survivors_applies_more_rounds_than_none():
     result = simulate(faulty)
     retried = [r for r in result.rounds if r.attempts > 1 and r.applied]
     assert retried and all(r.members < r.live for r in retried)
+
+
+def test_a_grid_without_faults_applies_every_round_with_everyone_counted_and_flat_bytes():
+    flat = simulate(replace(SMALL, fail_prob=0.0))
+    grid = simulate(replace(GRID, fail_prob=0.0))
+    assert all(r.applied and r.counted == 1.0 and r.peers_applied == 24 for r in grid.rounds)
+    # each member moves its share of rows and results plus its columns' share twice more: about a flat group's
+    ratio = grid.summary()["mb_per_peer_round"] / flat.summary()["mb_per_peer_round"]
+    assert 0.9 < ratio < 1.1, ratio
+
+
+def test_at_size_with_failures_a_grid_applies_rounds_a_flat_group_loses():
+    faulty = replace(SMALL, peers=200, rounds=15, fail_prob=0.05)
+    flat = simulate(faulty).summary()
+    grid = simulate(replace(faulty, swarm=replace(faulty.swarm, group_size=16))).summary()
+    assert grid["rounds_applied"] >= 0.95 and grid["rounds_applied"] > flat["rounds_applied"], (grid, flat)
+    # the price: some members' contributions miss some columns in rounds with failures
+    assert 0.8 < grid["counted_mean"] < 1.0, grid["counted_mean"]
 
 
 def test_killed_holders_experts_are_taken_over_and_the_same_seed_gives_the_same_run():

@@ -69,7 +69,7 @@ class Swarm:
             self.runtime.dht, self.runtime.p2p, self.peer_id, self.runtime.run_id, owner=self.runtime.identity.owner,
             compression=Codec(sw.compression, sw.topk_fraction), matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
             aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),
-            retries=sw.group_retries,
+            retries=sw.group_retries, group_size=sw.group_size,
         )
         self.runtime.call(self.reducer.start())
         self.runtime.call(self.server.start())

@@ -21,6 +21,8 @@ class GroupReport:
     retries: int | None = None  # parts sent or fetched again after a stream was cut short, when any
     attempts: int | None = None  # times the group formed, when a failed transfer made it form again
     lost: list[str] | None = None  # members of its first attempt missing from the one that succeeded
+    rows: int | None = None  # rows of a shared group run as a grid (p2p_spes/grid.py), when it was
+    partial: bool | None = None  # a grid's result that our own contribution missed part of, when it did
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

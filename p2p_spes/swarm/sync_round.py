@@ -51,12 +51,16 @@ def version_window(sw: SwarmConfig) -> float:
     return sw.matchmaking_time + 2.0
 
 
-def sync_deadline(sw: SwarmConfig) -> float:
+def sync_deadline(sw: SwarmConfig, peers: int | None = None) -> float:
     """The longest a sync round can hold a peer up, whatever the others do: join window and averaging
-    timeout, once more per group retry (which forms ``HOLD`` after the failed attempt's deadline), then the version window (downloads of refreshed experts come
-    on top, bounded by size)."""
-    return (1 + sw.group_retries) * (sw.matchmaking_time + sw.averaging_timeout) + sw.group_retries * HOLD \
-        + version_window(sw)
+    timeout, once more per group retry (which forms ``HOLD`` after the failed attempt's deadline), then
+    the version window (downloads of refreshed experts come on top, bounded by size). A shared group
+    run as a grid (more than ``group_size`` of the swarm's ``peers``, or any number when not given) has
+    its rows' deadline, a column's (and its retries') and the results' on top."""
+    flat = (1 + sw.group_retries) * (sw.matchmaking_time + sw.averaging_timeout) + sw.group_retries * HOLD
+    if sw.group_size and (peers is None or peers > sw.group_size):
+        flat += 2 * sw.averaging_timeout + sw.matchmaking_time
+    return flat + version_window(sw)
 
 
 class RoundRunner:
@@ -92,7 +96,7 @@ class RoundRunner:
         shared_res = call(self.reducer.run(
             round_no, "shared", self._contribution("shared", flat, sending), weight, set(peers),
             on_members=on_joined, window=window, timeout=self._group_timeout(flat, len(peers)),
-            base=self.outer.base("shared"), rebase=self._rebase("shared", flat.numel())))
+            base=self.outer.base("shared"), rebase=self._rebase("shared", flat.numel()), bounded=True))
         self.deadlines.observe_arrivals(shared_res.lateness)
         report.groups["shared"] = self._apply(shared_res, shared, "shared", flat, sending, round_no)
         report.join_window = shared_res.window
@@ -221,7 +225,8 @@ class RoundRunner:
         info = GroupReport(ok=res.ok, members=len(res.members), group_id=group_id(res.members),
                            bytes_sent=res.bytes_sent, bytes_received=res.bytes_received, seconds=round(res.seconds, 3),
                            retries=res.retries or None, attempts=res.attempts if res.attempts > 1 else None,
-                           lost=res.lost or None)
+                           lost=res.lost or None, rows=res.rows or None,
+                           partial=True if res.ok and res.rows and res.sent is None else None)
         if not res.ok:
             info.error = res.error
             return info
@@ -244,7 +249,10 @@ class RoundRunner:
             digest = tensor_digest(self.outer.public(uid, targets))
         else:
             copy_into(targets, split_like(value, targets))
-            self.feedback.settle(uid, sending[uid], res.sent)
+            if res.sent is None:  # our contribution missed part of the result: it holds nothing to carry over
+                self.feedback.drop(uid)
+            else:
+                self.feedback.settle(uid, sending[uid], res.sent)
             digest = tensor_digest(targets)
         self.server.keep_update(uid, base.digest, digest, res.messages)
         return info
