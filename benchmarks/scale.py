@@ -131,6 +131,9 @@ def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]
                                               for r in rows) if rows else None,
         "groups_retried": sum((g.get("attempts") or 1) > 1 for g in groups),
         "members_lost": sum(len(g.get("lost") or []) for g in groups),
+        # shared groups run as a grid (rows and columns), and those whose result missed our own contribution
+        "grid_groups": sum(bool(r.get("groups", {}).get("shared", {}).get("rows")) for r in rows),
+        "partial_groups": sum(bool(r.get("groups", {}).get("shared", {}).get("partial")) for r in rows),
         "final_round": final,
         "final_weights": len({last[i][final]["shared_digest"] for i in survivors}) if final is not None else None,
         "survivors": len(survivors),
@@ -138,8 +141,8 @@ def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]
 
 
 def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work: Path,
-             console: Console) -> dict[str, Any]:
-    overrides = micro(experts, steps)
+             console: Console, extra: list[str]) -> dict[str, Any]:
+    overrides = micro(experts, steps) + extra
     cfg = load_config(None, overrides)
     deadline = sync_deadline(cfg.swarm, peers)
     run_dir = work / f"n{peers}-{faults}"
@@ -194,18 +197,21 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default=None, help="keep the peers' run directories here")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every peer (e.g. swarm.group_size=0 for one flat shared group)")
     args = parser.parse_args()
     work = Path(args.run_dir or tempfile.mkdtemp(prefix="p2p-spes-scale-"))
     console = Console(width=170)
     results = []
     for n in args.peers:
         console.print(f"== {n} peers, faults: {args.faults}, run dir {work}")
-        results.append(run_size(n, args.experts or max(args.peers), args.faults, args.steps, args.seed, work, console))
+        results.append(run_size(n, args.experts or max(args.peers), args.faults, args.steps, args.seed, work, console,
+                                args.overrides))
         r = results[-1]
         console.print(f"  applied {r['peer_rounds_applied']}/{r['peer_rounds']} peer-rounds, "
                       f"{r['final_weights']} set(s) of weights at the end, {r['wall_seconds']:.0f} s")
     table = Table(title=f"scale: micro config, {args.steps} steps, a round every {SYNC_STEPS}, faults: {args.faults}, "
-                        f"seed {args.seed}")
+                        f"seed {args.seed}, group_size {load_config(None, args.overrides).swarm.group_size}")
     for col in ("peers", "peer-rounds applied", "rounds every peer applied", "s per round (median)",
                 "MB per peer per round", "vs first N", "groups retried (members lost)", "weights at end",
                 "peak MB (PSS) per peer (swarm)", "left behind"):

@@ -51,6 +51,7 @@ import torch
 from hivemind.proto import averaging_pb2
 
 from dht.keys import group_key
+from dht.records import signed_values
 from p2p_spes.aggregation import Aggregator, weighted_mean
 from p2p_spes.compression import Codec
 from p2p_spes.grid import Grid, make_grid
@@ -162,7 +163,12 @@ class GroupAllReduce:
             res = await self.run(round_no, uid, values, w, expected, window=window, timeout=timeout)
             return ColumnResult(res.messages if res.ok else None, res.sent, res.bytes_sent, res.bytes_received)
 
-        out = await self.grid.run(round_no, group, grid, flat, weight, column_run, row_deadline, deadline)
+        async def column_members(uid: str) -> list[str]:
+            found = await asyncio.wait_for(self.dht.get(group_key(self.run_id, round_no, uid), latest=True,
+                                                        return_future=True), self.matchmaking_time)
+            return sorted(p for p, v in signed_values(found).items() if isinstance(v, dict) and isinstance(v.get("t"), float))
+
+        out = await self.grid.run(round_no, group, grid, flat, weight, column_run, row_deadline, deadline, column_members)
         result.tensor, result.error, result.rows = out.tensor, out.error, len(grid.rows)
         result.sent = out.sent if out.counted else None  # not counted everywhere: nothing to carry over
         result.bytes_sent, result.bytes_received, result.retries = out.bytes_sent, out.bytes_received, out.retries

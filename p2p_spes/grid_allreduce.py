@@ -55,6 +55,7 @@ class ColumnResult:
 
 
 ColumnRun = Callable[[str, torch.Tensor, float, set[str]], Awaitable[ColumnResult]]
+ColumnMembers = Callable[[str], Awaitable[list[str]]]
 
 
 @dataclass
@@ -80,10 +81,13 @@ class GridRound:
         self.feedback = ErrorFeedback(codec)
 
     async def run(self, round_no: int, group: str, grid: Grid, flat: torch.Tensor, weight: float,
-                  column_run: ColumnRun, row_deadline: float, deadline: float) -> GridOutcome:
+                  column_run: ColumnRun, row_deadline: float, deadline: float,
+                  column_members: ColumnMembers | None = None) -> GridOutcome:
         """Contribute ``flat`` to our row by ``row_deadline`` and return every column's result by
         ``deadline`` (monotonic times); ``column_run(key, tensor, weight, expected holders)`` is the flat
-        all-reduce of one column among its holders."""
+        all-reduce of one column among its holders, ``column_members(key)`` who joined that column (read
+        when none of our grid's holders serves it: a peer whose view of the group differed holds other
+        columns)."""
         out = GridOutcome()
         me, k = self.peer_id, grid.row_of(self.peer_id)
         row = list(grid.rows[k])
@@ -97,6 +101,9 @@ class GridRound:
         self.server.decided[(round_no, row_key)] = gid
         self.server.register(keys[row.index(me)], part)
         self.server.forget_later(keys[row.index(me)], (round_no, row_key), max(deadline - time.monotonic(), 1.0))
+        self.server.holding[(round_no, group)] = {pack([round_no, f"{group}/c{c}"]) for c in grid.columns_of(me)}
+        asyncio.get_running_loop().call_later(max(deadline - time.monotonic(), 1.0) + 5.0, self.server.holding.pop,
+                                              (round_no, group), None)
         sent: list[torch.Tensor] = [torch.empty(0)] * len(row)
         took = [False] * len(row)
 
@@ -131,7 +138,7 @@ class GridRound:
         local_task = asyncio.ensure_future(rows_then_columns())
         try:
             columns = await asyncio.wait_for(
-                asyncio.gather(*(self._fetch_column(round_no, group, grid, c, k, local_task, deadline, out)
+                asyncio.gather(*(self._fetch_column(round_no, group, grid, c, k, local_task, deadline, out, column_members)
                                  for c in range(grid.columns))),
                 max(deadline - time.monotonic(), 0.1))
         except Exception as exc:
@@ -167,8 +174,10 @@ class GridRound:
         return messages
 
     async def _fetch_column(self, round_no: int, group: str, grid: Grid, c: int, row: int, local: asyncio.Future,
-                            deadline: float, out: GridOutcome) -> tuple[list[torch.Tensor], bool]:
-        """Column ``c``'s encoded result and whether our row's holder served it (our row is in it)."""
+                            deadline: float, out: GridOutcome,
+                            column_members: ColumnMembers | None) -> tuple[list[torch.Tensor], bool]:
+        """Column ``c``'s encoded result and whether our row's holder served it (our row is in it):
+        from our grid's holders of it, then from whoever joined the column."""
         key = pack([round_no, f"{group}/c{c}"])
         holders = grid.holders(c, first_row=row)
         if holders[0] == self.peer_id:
@@ -176,13 +185,22 @@ class GridRound:
             if messages is not None:
                 return messages, True
             holders = holders[1:]
-        errors = []
-        for i, holder in enumerate(holders):
-            remaining = deadline - time.monotonic()
-            budget = remaining if i == len(holders) - 1 else max(remaining / 2, min(remaining, 2.0))
-            try:
-                messages = await asyncio.wait_for(self.client.fetch(holder, key, out, column=True), budget)
-                return messages, holder == grid.holder(row, c)
-            except Exception as exc:
-                errors.append(f"{holder[:8]}: {type(exc).__name__}")
+        errors, asked = [], set()
+        for sweep in range(2):
+            if sweep and column_members is not None:
+                try:
+                    holders = [p for p in await column_members(f"{group}/c{c}") if p not in asked and p != self.peer_id]
+                except Exception as exc:
+                    errors.append(f"its members: {type(exc).__name__}")
+                    holders = []
+            for i, holder in enumerate(holders):
+                remaining = deadline - time.monotonic()
+                last = sweep == 1 and i == len(holders) - 1
+                budget = remaining if last else max(remaining / 2, min(remaining, 2.0))
+                asked.add(holder)
+                try:
+                    messages = await asyncio.wait_for(self.client.fetch(holder, key, out, column=True), budget)
+                    return messages, holder == grid.holder(row, c)
+                except Exception as exc:
+                    errors.append(f"{holder[:8]}: {type(exc).__name__}")
         raise TransportError(f"no holder served column {c} ({', '.join(errors) or 'none asked'})")

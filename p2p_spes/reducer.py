@@ -73,6 +73,9 @@ class PartServer:
         # averaged parts, or None when the column failed; served to any peer that asks, by key
         self.columns: dict[bytes, list[torch.Tensor] | None] = {}
         self._published: dict[bytes, asyncio.Event] = {}
+        # the column keys we will publish, by (round, group), once our grid for it is decided: a key of
+        # that round we do not hold is answered at once (a peer with another view of the group asked)
+        self.holding: dict[tuple[int, str], set[bytes]] = {}
 
     def register(self, key: bytes, part: Part) -> None:
         """Start reducing ``part``; contributions that came early stop waiting for it."""
@@ -114,6 +117,14 @@ class PartServer:
         """Handler: a column's result, its encoded parts one tensor after another, once we have it
         (``MISSING``: it failed, or we did not hold it by the time we stopped waiting)."""
         key = request.group_id
+        try:
+            round_no, uid = unpack(key)
+            ours = self.holding.get((round_no, str(uid).rsplit("/c", 1)[0]))
+        except (TransportError, ValueError, TypeError):
+            ours = set()
+        if key not in self.columns and ours is not None and key not in ours:
+            yield averaging_pb2.AveragingData(code=MISSING)
+            return
         if key not in self.columns:
             event = self._published.setdefault(key, asyncio.Event())
             try:

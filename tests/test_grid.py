@@ -153,3 +153,33 @@ def test_a_member_lost_in_the_rows_costs_its_row_not_the_round(five):
     torch.testing.assert_close(results[counted[0]].tensor, mean.float(), rtol=1e-5, atol=1e-6)
     # nobody waited past the rows' 8 s deadline by more than the columns' window and transfers
     assert max(results[i].seconds for i in survivors) < 8.0 + 3 * WINDOW + 5.0
+
+
+def test_a_column_we_do_not_hold_is_refused_at_once_and_one_we_hold_is_served_when_published():
+    """A peer whose view of the group differed asks us for a column our grid gives to someone else:
+    it is told at once (it goes on to the column's members), not kept waiting for our whole deadline."""
+    from p2p_spes.aggregation import weighted_mean
+    from p2p_spes.compression import Codec
+    from p2p_spes.reducer import MISSING, OK
+    from p2p_spes.transport import pack, parse_tensor
+
+    async def main():
+        server = PartServer(Codec("none"), weighted_mean, wait=30.0)
+        ours, other = pack([3, "shared/c1"]), pack([3, "shared/c0"])
+        server.holding[(3, "shared")] = {ours}
+
+        async def ask(key):
+            return [m async for m in server.column(averaging_pb2.AveragingData(group_id=key), None)]
+
+        refused = await asyncio.wait_for(ask(other), 1.0)
+        pending = asyncio.ensure_future(ask(ours))
+        await asyncio.sleep(0.2)
+        assert not pending.done()  # ours is not published yet: the asker waits for it
+        server.publish(ours, [torch.arange(5.0)], seconds=5.0)
+        served = await asyncio.wait_for(pending, 1.0)
+        return refused, served
+
+    refused, served = asyncio.run(main())
+    assert [m.code for m in refused] == [MISSING]
+    assert all(m.code == OK for m in served)
+    assert torch.equal(parse_tensor([m.tensor_part for m in served]), torch.arange(5.0))
