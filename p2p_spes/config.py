@@ -175,9 +175,9 @@ class SwarmConfig:
     # a group whose transfers failed (a member died or froze mid-round) forms again among the members
     # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost
     group_retries: int = 1
-    # a shared group of more peers runs in rows of at most this many and as many columns, each column
-    # a group of one holder per row (p2p_spes/grid.py); a lost peer costs its row's part, not the round. 0: flat
-    group_size: int = 16
+    # >= 2: a shared group of more peers runs in rows of at most this many and as many columns, each
+    # column a group of one holder per row (p2p_spes/grid.py); a lost peer costs its row's part. 0: flat
+    group_size: int = 0
     heartbeat: float = 5.0
     record_ttl: float = 15.0
     # "average": SPES (weights replaced by the average); "nesterov": DiLoCo's outer Nesterov step.

@@ -17,9 +17,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from hivemind.proto import averaging_pb2
+
 from dht.node import start_dht
 from p2p_spes.chaos import group_alive
 from p2p_spes.local_swarm import spawn_bootstrap
+from p2p_spes.reducer import PartServer
 
 __all__ = [
     "P2P", "ROOT", "SMALL", "SMALL_MODEL", "assert_groups_applied_whole", "assert_identical_after_rounds",
@@ -244,3 +247,15 @@ class Peers:
         self.thread.join(5)
         for node in self.nodes:
             node.shutdown()
+
+
+class Forgot(PartServer):
+    """The handlers of a process that restarted and forgot the round: they refuse everyone at once."""
+
+    async def contribute(self, stream, context):
+        async for _ in stream:
+            pass
+        return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+    async def fetch(self, request, context):
+        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from helpers import Peers
+from helpers import Forgot, Peers
 from hivemind.proto import averaging_pb2
 
 from p2p_spes.aggregation import build_aggregator
@@ -194,18 +194,6 @@ def test_a_malicious_member_moves_robust_results_a_bounded_amount(dhts, rule):
         outcome[name] = float((results[0].tensor - honest_mean).norm()) / spread
     assert outcome["mean"] > 1000, outcome  # plain averaging follows the attacker
     assert outcome[rule] < 1.0, outcome  # within the honest peers' own disagreement
-
-
-class Forgot(PartServer):
-    """The handlers of a process that restarted and forgot the round: they refuse everyone at once."""
-
-    async def contribute(self, stream, context):
-        async for _ in stream:
-            pass
-        return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-
-    async def fetch(self, request, context):
-        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
 
 
 class Hangs(PartServer):

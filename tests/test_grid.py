@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import Peers
+from helpers import Forgot, Peers
 from hivemind.proto import averaging_pb2
 
 from p2p_spes.allreduce import GroupAllReduce
@@ -60,16 +60,8 @@ def five():
     peers.close()
 
 
-class Silent(PartServer):
+class Silent(Forgot):
     """The handlers of a peer that left after joining: every call is refused at once."""
-
-    async def contribute(self, stream, context):
-        async for _ in stream:
-            pass
-        return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-
-    async def fetch(self, request, context):
-        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
 
     async def column(self, request, context):
         yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
