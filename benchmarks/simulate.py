@@ -1,6 +1,6 @@
 """The round protocol at 100 and 1,000 peers, simulated (``p2p_spes/simulation.py``): rounds applied, time, bytes.
 
-    python benchmarks/simulate.py                           # 100 and 1,000 peers, retries 0 and 1, 3 seeds
+    python benchmarks/simulate.py                           # 100 and 1,000 peers, flat and grid, retries 0 and 1, 3 seeds
     python benchmarks/simulate.py --peers 1000 --fail-prob 0.02 --rounds 100
 
 Sizes are spes-1b's (shared 261M parameters, 16 experts of 56.6M), top-k compression, links uniform in
@@ -9,7 +9,9 @@ failing in a round with probability ``--fail-prob`` (half killed and restarted 3
 frozen for the round). Group formation, pacing, deadlines, message sizes, placement and healing are
 the project's own functions; time and the network are modelled (the module docstring says how).
 Per configuration: the share of rounds whose shared average was applied (mean and range over seeds),
-the share of peer-rounds applied among peers that did not fail, rounds that needed a retry, median and
+the share of peer-rounds applied among peers that did not fail, the share of the members' contributions
+the applied averages hold (a grid, ``--group-size`` 16, may drop a lost member's row from some
+columns; a flat group counts all), rounds that needed a retry, median and
 90th-percentile seconds per round, MB per peer per round. Writes ``benchmarks/results/simulate.json``.
 """
 
