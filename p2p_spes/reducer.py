@@ -62,7 +62,7 @@ class PartServer:
         self.codec, self.aggregate = codec, aggregate
         self.wait = wait  # how long a contribution waits for us to reach its round (window + deadline)
         self.parts: dict[bytes, Part] = {}
-        self._registered: dict[bytes, asyncio.Event] = {}
+        self._awaited: dict[bytes, asyncio.Event] = {}  # keys (parts, columns) a caller waits to see
         self.decided: dict[tuple[int, str], str] = {}  # (round, group key) -> our group id, once known
         # what we moved for others (contributions in, averaged parts out), for accounting
         self.served_in = self.served_out = 0
@@ -72,7 +72,6 @@ class PartServer:
         # the results of the columns of bounded groups we hold (grid_allreduce.py): the column's encoded
         # averaged parts, or None when the column failed; served to any peer that asks, by key
         self.columns: dict[bytes, list[torch.Tensor] | None] = {}
-        self._published: dict[bytes, asyncio.Event] = {}
         # the column keys we will publish, by (round, group), once our grid for it is decided: a key of
         # that round we do not hold is answered at once (a peer with another view of the group asked)
         self.holding: dict[tuple[int, str], set[bytes]] = {}
@@ -80,8 +79,7 @@ class PartServer:
     def register(self, key: bytes, part: Part) -> None:
         """Start reducing ``part``; contributions that came early stop waiting for it."""
         self.parts[key] = part
-        if key in self._registered:
-            self._registered.pop(key).set()
+        self._arrived(key)
 
     def forget_later(self, key: bytes, decided: tuple[int, str], seconds: float) -> None:
         """Drop the part after ``seconds`` (it serves stragglers until then), its decision after 3x."""
@@ -99,18 +97,25 @@ class PartServer:
         if decided is not None and decided != gid:
             return None  # we formed this group with other members: refuse at once
         if key not in self.parts:
-            event = self._registered.setdefault(key, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), self.wait)
-            except asyncio.TimeoutError:
-                return None
+            await self._await(key)
         return self.parts.get(key)
+
+    def _arrived(self, key: bytes) -> None:
+        """A part was registered or a column published under ``key``: callers waiting for it go on."""
+        if key in self._awaited:
+            self._awaited.pop(key).set()
+
+    async def _await(self, key: bytes) -> None:
+        """Wait (at most ``self.wait``) for ``key`` to be registered or published."""
+        try:
+            await asyncio.wait_for(self._awaited.setdefault(key, asyncio.Event()).wait(), self.wait)
+        except asyncio.TimeoutError:
+            pass
 
     def publish(self, key: bytes, messages: list[torch.Tensor] | None, seconds: float) -> None:
         """Serve a column's result (``None``: it failed) under ``key`` for ``seconds``."""
         self.columns[key] = messages
-        if key in self._published:
-            self._published.pop(key).set()
+        self._arrived(key)
         asyncio.get_running_loop().call_later(seconds, self.columns.pop, key, None)
 
     async def column(self, request: averaging_pb2.AveragingData, context):
@@ -126,11 +131,7 @@ class PartServer:
             yield averaging_pb2.AveragingData(code=MISSING)
             return
         if key not in self.columns:
-            event = self._published.setdefault(key, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), self.wait)
-            except asyncio.TimeoutError:
-                pass
+            await self._await(key)
         messages = self.columns.get(key)
         if messages is None:
             yield averaging_pb2.AveragingData(code=MISSING)

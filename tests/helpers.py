@@ -20,6 +20,7 @@ from pathlib import Path
 from hivemind.proto import averaging_pb2
 
 from dht.node import start_dht
+from p2p_spes.allreduce import GroupAllReduce
 from p2p_spes.chaos import group_alive
 from p2p_spes.local_swarm import spawn_bootstrap
 from p2p_spes.reducer import PartServer
@@ -259,3 +260,21 @@ class Forgot(PartServer):
 
     async def fetch(self, request, context):
         yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+
+class Dies(GroupAllReduce):
+    """A member that joins the group and is gone before the transfers: it sends nothing, and its
+    handlers refuse everyone (as a restarted process that forgot the round would). It never retries."""
+
+    handlers = Forgot
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.server = self.handlers(self.codec, self.aggregate, self.server.wait)
+
+    async def run(self, round_no, group, tensor, weight, expected, **kwargs):
+        self.retries = 0
+
+        def gone():
+            raise RuntimeError("this member died after joining")
+        return await super().run(round_no, group, gone, weight, expected, **kwargs)

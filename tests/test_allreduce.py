@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from helpers import Forgot, Peers
+from helpers import Dies, Peers
 from hivemind.proto import averaging_pb2
 
 from p2p_spes.aggregation import build_aggregator
@@ -206,24 +206,6 @@ class Hangs(PartServer):
     async def fetch(self, request, context):
         await asyncio.sleep(15.0)
         yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-
-
-class Dies(GroupAllReduce):
-    """A member that joins the group and is gone before the transfers: it sends nothing, and its
-    handlers refuse everyone (as a restarted process that forgot the round would). It never retries."""
-
-    handlers = Forgot
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.server = self.handlers(self.codec, self.aggregate, self.server.wait)
-
-    async def run(self, round_no, group, tensor, weight, expected, **kwargs):
-        self.retries = 0
-
-        def gone():
-            raise RuntimeError("this member died after joining")
-        return await super().run(round_no, group, gone, weight, expected, **kwargs)
 
 
 class Freezes(Dies):
