@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py                                  # 8, 16 and 24 peers, one kill each
     python benchmarks/scale.py --peers 24 --faults churn        # a fault per round on average
+    python benchmarks/scale.py --peers 24 --faults churn --set swarm.group_size=16   # the shared group as a grid
     python benchmarks/scale.py --peers 16 --faults kill --steps 200 --seed 1
 
 Every peer is a ``p2p-spes train`` process on 127.0.0.1 (``p2p_spes/local_swarm.py``), one thread
