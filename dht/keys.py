@@ -28,6 +28,12 @@ def group_key(run_id: str, round_no: int, group: str) -> str:
     return f"{run_id}.round{round_no}.{group}"
 
 
+def decided_key(group: str) -> str:
+    """Subkey per peer (the first arrival, or whoever believes it is): the membership it decided for the
+    group under the key ``group`` (a :func:`group_key`), which every member adopts."""
+    return f"{group}.decided"
+
+
 def version_key(run_id: str, round_no: int) -> str:
     """Subkey per peer: digests of the shared parameters and experts it holds after a round."""
     return f"{run_id}.round{round_no}.versions"

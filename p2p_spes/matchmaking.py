@@ -11,12 +11,17 @@ agreed base from the same records.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
 from hivemind.utils import get_dht_time
 
+from dht.keys import decided_key
 from dht.records import signed_values
+
+log = logging.getLogger(__name__)
+SETTLE = 5.0  # seconds past the join window a member waits for the first arrival's decision
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,14 @@ def agreed_base(bases: dict[str, Base]) -> Base | None:
     return Base(digest, rounds[digest])
 
 
+def first_arrival(records: dict[str, dict]) -> str:
+    """The member whose record says it arrived first (ties by peer id): it decides the membership."""
+    return min(records, key=lambda p: (records[p]["t"], p))
+
+
 def agreed_window(records: dict[str, dict], matchmaking_time: float) -> float:
     """The join window the first arrival proposed (ties by peer id), at most ``matchmaking_time``."""
-    first = min(records, key=lambda p: (records[p]["t"], p))
-    proposed = records[first].get("m")
+    proposed = records[first_arrival(records)].get("m")
     if isinstance(proposed, (int, float)) and not isinstance(proposed, bool) and proposed > 0:
         return min(float(proposed), matchmaking_time)
     return matchmaking_time
@@ -105,7 +114,70 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
     await read()
     joined = decide(records, matchmaking_time)
     joined.done = set(done)
-    return joined
+    if done:
+        return joined
+    return await settle(dht, key, peer_id, owner, records, joined, ttl)
+
+
+async def settle(dht, key: str, peer_id: str, owner: bytes, records: dict[str, dict], own: Joined,
+                 ttl: float) -> Joined:
+    """The membership the first arrival decided, which every member adopts (module docstring); ``own``
+    (what we read ourselves) if we are the first arrival, or if no decision comes in time."""
+    where = decided_key(key)
+    leader = first_arrival(records)
+    rank = (records[leader]["t"], leader)
+    if leader == peer_id:
+        try:
+            await asyncio.wait_for(dht.store(where, decision(own, peer_id, records[peer_id]["t"]),
+                                             expiration_time=get_dht_time() + ttl, subkey=owner,
+                                             return_future=True), SETTLE)
+        except asyncio.TimeoutError:
+            log.warning("could not publish the membership of %s: the DHT did not answer", key)
+    until = time.monotonic() + own.window + SETTLE
+    while True:
+        try:
+            found = await asyncio.wait_for(dht.get(where, latest=True, return_future=True),
+                                           max(until - time.monotonic(), 0.0) + 1)
+        except asyncio.TimeoutError:
+            found = None
+        published = {p: v for p, v in signed_values(found).items()
+                     if isinstance(v.get("t"), float) and (v["t"], p) <= rank}
+        for p in sorted(published, key=lambda p: (published[p]["t"], p)):
+            joined = adopted(published[p], own)
+            if joined is not None:
+                if joined.members != own.members:
+                    log.info("%s: adopted the membership %s decided (%d members; we read %d)", key, p,
+                             len(joined.members), len(own.members))
+                return joined
+        if time.monotonic() >= until:
+            log.warning("%s: no decision from its first arrival %s, going by our own reading", key, leader)
+            return own
+        await asyncio.sleep(0.2)
+
+
+def decision(joined: Joined, peer_id: str, arrival: float) -> dict:
+    """The record the first arrival publishes: the members, the window and the agreed base with the
+    indices of the members that hold it (what a member needs to rebase)."""
+    value = {"peer_id": peer_id, "t": arrival, "members": list(joined.members), "w": joined.window}
+    base = agreed_base(joined.bases)
+    if base is not None:
+        value.update(b=base.digest, br=base.round,
+                     h=[i for i, p in enumerate(joined.members) if p in joined.bases and joined.bases[p].digest == base.digest])
+    return value
+
+
+def adopted(value: dict, own: Joined) -> Joined | None:
+    """The membership a decision record holds, with our own arrivals' lateness; None if malformed."""
+    members, window, holders = value.get("members"), value.get("w"), value.get("h", [])
+    if (not isinstance(members, list) or not members or not all(isinstance(p, str) for p in members)
+            or members != sorted(set(members)) or isinstance(window, bool) or not isinstance(window, (int, float))
+            or not window > 0 or not isinstance(holders, list)
+            or not all(type(i) is int and 0 <= i < len(members) for i in holders)):
+        return None
+    bases = {}
+    if isinstance(value.get("b"), str) and type(value.get("br")) is int:
+        bases = {members[i]: Base(value["b"], value["br"]) for i in holders}
+    return Joined(list(members), dict(own.lateness), float(window), bases)
 
 
 async def announce_done(dht, key: str, peer_id: str, owner: bytes, ttl: float) -> None:

@@ -1,0 +1,109 @@
+"""Group formation on real hivemind DHTs: members whose readings of the arrivals differ still end with
+one membership, the first arrival's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from helpers import Peers
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+from dht.identity import peer_id_of_owner
+from dht.keys import group_key
+from p2p_spes import matchmaking
+from p2p_spes.matchmaking import Base, Joined, adopted, decision, join_group
+
+WINDOW = 2.0
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    peers = Peers()
+    yield peers
+    peers.close()
+
+
+class Blind:
+    """A DHT whose reads of the arrival records never show one peer's record (it landed too late for
+    us): the view a member on a loaded machine can have at the cutoff."""
+
+    def __init__(self, dht, hidden: str) -> None:
+        self.dht, self.hidden = dht, hidden
+
+    def store(self, *args, **kwargs):
+        return self.dht.store(*args, **kwargs)
+
+    async def get(self, key, **kwargs):
+        found = await self.dht.get(key, **kwargs)
+        if found is None or key.endswith(".decided") or not isinstance(found.value, dict):
+            return found
+        kept = {k: v for k, v in found.value.items() if peer_id_of_owner(k) != self.hidden}
+        return ValueWithExpiration(kept, found.expiration_time)
+
+
+def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] | None = None,
+         present: list[int] | None = None) -> list[Joined]:
+    """Every member in ``present`` joins the same group, member i ``delays[i]`` seconds after the first;
+    member i reads the arrivals without member ``blind[i]``'s record."""
+    ids = [node.peer_id.to_base58() for node in peers.nodes]
+    present = list(range(len(ids))) if present is None else present
+    key = group_key(run_id, 0, "shared")
+
+    async def member(i: int) -> Joined:
+        await asyncio.sleep(delays[i])
+        dht = Blind(peers.nodes[i], ids[blind[i]]) if blind and i in blind else peers.nodes[i]
+        return await join_group(dht, key, ids[i], peers.owners[i], set(ids), 1.0, WINDOW, None,
+                                matchmaking_time=WINDOW, ttl=30.0)
+
+    async def everyone() -> list[Joined]:
+        return list(await asyncio.gather(*(member(i) for i in present)))
+    return peers.call(everyone())
+
+
+@pytest.mark.slow
+def test_a_member_that_missed_a_record_adopts_the_first_arrivals_membership(dhts):
+    """Member 1 never sees member 2's arrival. Going by its own reading it would form a group of two
+    while the others form one of three (a split round); it adopts member 0's decision instead."""
+    ids = [node.peer_id.to_base58() for node in dhts.nodes]
+    joined = form(dhts, "mm-missed", [0.0, 0.3, 0.6], blind={1: 2})
+    assert [j.members for j in joined] == [sorted(ids)] * 3
+
+
+@pytest.mark.slow
+def test_a_member_the_first_arrival_did_not_see_is_late_whatever_it_read(dhts):
+    """The first arrival never sees member 2: its decision leaves it out, and everyone, member 2
+    included, goes by that decision (member 2 is then the late one)."""
+    ids = [node.peer_id.to_base58() for node in dhts.nodes]
+    joined = form(dhts, "mm-leader-blind", [0.0, 0.3, 0.6], blind={0: 2})
+    assert [j.members for j in joined] == [sorted(ids[:2])] * 3
+    assert ids[2] not in joined[2].members
+
+
+@pytest.mark.slow
+def test_without_a_decision_members_go_by_their_own_reading_after_a_bounded_wait(dhts, monkeypatch):
+    """The first arrival wrote its arrival and died before deciding: the others wait the window plus
+    SETTLE for its decision, then each goes by its own (identical) reading."""
+    monkeypatch.setattr(matchmaking, "SETTLE", 1.0)
+    ids = [node.peer_id.to_base58() for node in dhts.nodes]
+    key = group_key("mm-dead-leader", 0, "shared")
+    now = get_dht_time()
+    assert dhts.nodes[0].store(key, {"peer_id": ids[0], "w": 1.0, "t": now, "m": WINDOW},
+                               expiration_time=now + 30, subkey=dhts.owners[0])
+    t0 = time.monotonic()
+    joined = form(dhts, "mm-dead-leader", [0.0, 0.2, 0.2], present=[1, 2])
+    assert [j.members for j in joined] == [sorted(ids)] * 2
+    assert time.monotonic() - t0 >= 1.0  # waited for the decision before going it alone
+
+
+def test_a_decision_round_trips_and_a_malformed_one_is_refused():
+    own = Joined(["a", "b", "c"], {"a": 0.0, "b": 0.4}, 2.0, {"a": Base("d1", 3), "c": Base("d1", 3), "b": Base("d0", 2)})
+    back = adopted(decision(own, "a", 10.0), Joined(["a", "b"], {"a": 0.0}, 2.0))
+    assert back.members == ["a", "b", "c"] and back.window == 2.0
+    assert back.bases == {"a": Base("d1", 3), "c": Base("d1", 3)}  # the agreed base and who holds it
+    assert back.lateness == {"a": 0.0}  # our own reading's
+    good = decision(own, "a", 10.0)
+    for bad in ({"members": ["b", "a"]}, {"members": []}, {"members": ["a", "a"]}, {"members": "ab"},
+                {"w": 0}, {"w": True}, {"h": [5]}, {"h": [True]}, {"h": "0"}):
+        assert adopted({**good, **bad}, own) is None, bad
