@@ -8,7 +8,8 @@ loop:
 
 1. **Join.** Each member writes ``(weight, arrival time, proposed window, base)`` under the group's DHT
    key. The group is everyone who arrived within the first arrival's proposed window (at most
-   ``matchmaking_time``) of it; a member stops waiting early once every peer it expects has arrived.
+   ``matchmaking_time``) of it; a member stops waiting early once every peer it expects has arrived,
+   and every member adopts the membership the first arrival published (``matchmaking.py``).
    The sorted member list hashes to a group id. The *base* is the digest (and round) of the value the
    tensor is relative to (a pseudo-gradient's anchor): the group agrees on the newest one its members
    name, and a member holding another first takes the agreed one from a member (``rebase``).

@@ -145,7 +145,8 @@ class SwarmSync:
             self.tokens_averaged += report.tokens
         trainer.log_record({**report.metrics(trainer.step), "schedule_jump": jump})
         self.next_round = max(self.next_round, report.round + 1)
-        if report.outcome == "failed" and not report.shared.refused:
+        if report.outcome in ("failed", "alone") and not report.shared.refused:
+            # alone with others in the swarm: we were frozen or cut off past their round's records
             self._rejoin(trainer)
         self.swarm.expect_round(self.next_round)
         self._heal(trainer)
@@ -170,7 +171,8 @@ class SwarmSync:
                             "bytes_received_total": int(self.swarm.stats["bytes_received"])})
 
     def _rejoin(self, trainer: Trainer) -> None:
-        """After a round that failed for us, rejoin like a newcomer if the swarm has moved past it.
+        """After a round that failed for us (or that we spent alone), rejoin like a newcomer if the swarm
+        has moved past it.
 
         A peer that was frozen or cut off misses rounds the others complete; it takes the swarm's
         latest agreed weights (keeping the experts only it trains, whose newest version is its own) and

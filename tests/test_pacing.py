@@ -108,6 +108,8 @@ class _Swarm:
         self.calls: list[tuple[int, int, float]] = []
         self.stats: Counter = Counter()
         self.members = 2
+        self.others_round: int | None = None  # the newest round another live peer finished
+        self.caught_up: list[int | None] = []
 
     def update_status(self, **fields) -> None:
         pass
@@ -122,7 +124,14 @@ class _Swarm:
         return []
 
     def swarm_round(self) -> int | None:
-        return None
+        return self.others_round
+
+    def sole_experts(self) -> list[int]:
+        return []
+
+    def catch_up(self, keep=()) -> dict:
+        self.caught_up = [*self.caught_up, self.others_round]
+        return {"round": self.others_round, "step": self.others_round * 10}
 
     def sync(self, round_no, step, weight, on_joined=None) -> RoundReport:
         self.calls.append((round_no, step, weight))
@@ -169,6 +178,26 @@ def test_a_peer_runs_its_own_boundary_and_no_round_past_the_end():
         trainer2.tokens += 10
         hook2(trainer2)
     assert hook2.tokens_averaged == 0, "a round alone averages nothing"
+
+
+@pytest.mark.parametrize("others_round", [None, 1, 5])
+def test_a_peer_alone_in_a_round_the_others_have_moved_past_rejoins_them(others_round):
+    """A peer frozen past the others' round records finds nobody in its round and averages alone; when
+    the others' records say they are rounds ahead it takes their state like a joiner instead of
+    spending one lone round after another catching up. Alone in the swarm (or alone with the others
+    not past it) it goes on."""
+    swarm, trainer = _Swarm(), _trainer(max_steps=100)
+    swarm.members, swarm.others_round = 1, others_round
+    hook = SwarmSync(swarm, sync_steps=10)
+    for _ in range(10):
+        trainer.step += 1
+        hook(trainer)
+    assert [c[0] for c in swarm.calls] == [1]
+    if others_round == 5:
+        assert swarm.caught_up == [5] and hook.next_round == 6 and trainer.step == 50
+        assert swarm.stats["steps_skipped"] == 40
+    else:
+        assert swarm.caught_up == [] and hook.next_round == 2 and trainer.step == 10
 
 
 def test_round_outcomes_are_reported_honestly():

@@ -51,16 +51,24 @@ def version_window(sw: SwarmConfig) -> float:
     return sw.matchmaking_time + 2.0
 
 
+def adopt_window(sw: SwarmConfig) -> float:
+    """How long a peer that missed the shared group waits for the digests of those that made it: they
+    publish after their transfers (up to an averaging timeout after the group closed) and expert groups,
+    and without a digest of theirs there is no result to adopt."""
+    return version_window(sw) + sw.averaging_timeout
+
+
 def sync_deadline(sw: SwarmConfig, peers: int | None = None) -> float:
     """The longest a sync round can hold a peer up, whatever the others do: join window and averaging
     timeout, once more per group retry (which forms ``HOLD`` after the failed attempt's deadline), then
-    the version window (downloads of refreshed experts come on top, bounded by size). A shared group
+    the wait for the others' digests, which is longest when adopting their result (downloads of refreshed
+    experts come on top, bounded by size). A shared group
     run as a grid (more than ``group_size`` of the swarm's ``peers``, or any number when not given) has
     its rows' deadline, a column's (and its retries') and the results' on top."""
     flat = (1 + sw.group_retries) * (sw.matchmaking_time + sw.averaging_timeout) + sw.group_retries * HOLD
     if sw.group_size and (peers is None or peers > sw.group_size):
         flat += 2 * sw.averaging_timeout + sw.matchmaking_time
-    return flat + version_window(sw)
+    return flat + adopt_window(sw)
 
 
 class RoundRunner:
@@ -141,7 +149,9 @@ class RoundRunner:
         call(self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=sw.record_ttl))
         # wait for the digests of the peers that took part in this round; a peer that did not join the
         # shared group is dead or late, and waiting for it would only slow everyone down
-        versions = wait_versions(self.runtime, round_no, shared_members, version_window(sw))
+        adopting = not report.shared.ok and not report.shared.refused
+        versions = wait_versions(self.runtime, round_no, shared_members,
+                                 adopt_window(sw) if adopting else version_window(sw))
         report.versions_missing = len(shared_members - set(versions))
         if not report.shared.ok and not report.shared.refused:
             report.adopted_shared_from = self._adopt_shared(model, round_no, versions)
