@@ -17,7 +17,9 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   each sync (h1-moments then differs from data parallel only in the second moment: the mean of the
   replicas' squared gradients instead of the squared mean gradient);
 * ``h1-moments-lr``: h1-moments with the learning rate times sqrt(P), the rescaling that undoes that
-  difference where gradient noise dominates the second moment.
+  difference where gradient noise dominates the second moment;
+* ``centralized-lr2``, ``h50-lr2``: centralized and h50 with the learning rate doubled (is the gap the
+  swarm's, or does the schedule undertrain both?).
 
 Scored by ``convergence.Validation`` (the same 1,024 validation windows as every quality arm). Prints a
 table and writes ``benchmarks/results/local_steps.json``.
@@ -65,6 +67,7 @@ PROBES = {
     "centralized": Probe(1, 0), "h50": Probe(PEERS, 50), "h10": Probe(PEERS, 10), "h1": Probe(PEERS, 1),
     "h50-moments": Probe(PEERS, 50, True), "h10-moments": Probe(PEERS, 10, True), "h1-moments": Probe(PEERS, 1, True),
     "h1-moments-lr": Probe(PEERS, 1, True, math.sqrt(PEERS)),
+    "centralized-lr2": Probe(1, 0, lr_scale=2.0), "h50-lr2": Probe(PEERS, 50, lr_scale=2.0),
 }
 
 

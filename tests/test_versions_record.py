@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from hivemind.utils import get_dht_time
 
 from dht.keys import config_key, peers_key, run_config_key, version_key
 from dht.node import start_dht
 from dht.records import RunSchema, VersionRecord, signed_values
+from p2p_spes.swarm.agreement import wait_versions
 
 D1, D2, D3 = "a" * 64, "b" * 64, "c" * 64
 
@@ -67,3 +71,45 @@ def test_a_version_record_passes_the_run_dht_and_reads_back():
         assert VersionRecord.from_value(identity.peer_id, values[identity.peer_id]) == record
     finally:
         dht.shutdown()
+
+
+class ScriptedReads:
+    """A runtime whose reads of a round's version key return ``reads`` in turn (the last one repeats)."""
+
+    run_id = "r"
+
+    def __init__(self, reads: list[dict[str, VersionRecord]]) -> None:
+        self.reads, self.count = reads, 0
+
+    def call(self, coro):
+        return asyncio.run(coro)
+
+    async def get(self, key: str) -> dict:
+        assert key == version_key("r", 3)
+        read = self.reads[min(self.count, len(self.reads) - 1)]
+        self.count += 1
+        return {p: v.to_value() for p, v in read.items()}
+
+
+def rec(peer: str, ok: bool = True) -> VersionRecord:
+    return VersionRecord(peer, ok, D1, {})
+
+
+def test_wait_versions_keeps_records_that_lapse_between_reads():
+    reads = [{"A": rec("A")}, {"B": rec("B")}]  # A's record expired before B's was stored
+    versions = wait_versions(ScriptedReads(reads), 3, {"A", "B"}, window=5.0)
+    assert set(versions) == {"A", "B"}
+
+
+def test_an_adopter_stops_waiting_once_it_has_a_result():
+    runtime = ScriptedReads([{"A": rec("A", ok=False)}, {"B": rec("B")}])  # C never publishes
+    start = time.monotonic()
+    versions = wait_versions(runtime, 3, {"A", "B", "C"}, window=20.0, after=0.3,
+                             enough=lambda vs: any(v.ok for v in vs.values()))
+    assert time.monotonic() - start < 5.0, "one result is enough for a peer that adopts"
+    assert set(versions) == {"A", "B"}
+    start = time.monotonic()
+    versions = wait_versions(ScriptedReads([{"A": rec("A", ok=False)}]), 3, {"A", "C"}, window=1.0, after=0.3,
+                             enough=lambda vs: any(v.ok for v in vs.values()))
+    assert time.monotonic() - start >= 1.0, "without a result to adopt, the whole window is waited"
+    assert set(versions) == {"A"}

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dht.keys import version_key
@@ -49,13 +49,22 @@ def read_versions(runtime: Runtime, round_no: int) -> dict[str, VersionRecord]:
     return {p: v for p, v in parsed.items() if v is not None}
 
 
-def wait_versions(runtime: Runtime, round_no: int, peers: set[str], window: float) -> dict[str, VersionRecord]:
-    """Version records of ``round_no``, waiting up to ``window`` seconds for every one of ``peers``."""
-    deadline = time.monotonic() + window
+def wait_versions(runtime: Runtime, round_no: int, peers: set[str], window: float,
+                  enough: Callable[[dict[str, VersionRecord]], bool] | None = None,
+                  after: float = 0.0) -> dict[str, VersionRecord]:
+    """Version records of ``round_no``, waiting up to ``window`` seconds for every one of ``peers``.
+
+    Every record read is kept (a member that published early may lapse before a late member
+    publishes). With ``enough``, the wait also ends once ``after`` seconds have passed and
+    ``enough(records)`` holds: a peer adopting the others' result needs one of their digests, not all.
+    """
+    start = time.monotonic()
+    seen: dict[str, VersionRecord] = {}
     while True:
-        versions = read_versions(runtime, round_no)
-        if set(peers) <= set(versions) or time.monotonic() > deadline:
-            return versions
+        seen.update(read_versions(runtime, round_no))
+        waited = time.monotonic() - start
+        if set(peers) <= set(seen) or waited > window or (enough is not None and waited >= after and enough(seen)):
+            return seen
         time.sleep(0.2)
 
 

@@ -58,6 +58,12 @@ def adopt_window(sw: SwarmConfig) -> float:
     return version_window(sw) + sw.averaging_timeout
 
 
+def version_ttl(sw: SwarmConfig) -> float:
+    """How long a digest stays in the DHT: a peer that missed the group reads it up to an adopt window
+    after the members published it."""
+    return sw.record_ttl + adopt_window(sw)
+
+
 def sync_deadline(sw: SwarmConfig, peers: int | None = None) -> float:
     """The longest a sync round can hold a peer up, whatever the others do: join window and averaging
     timeout, once more per group retry (which forms ``HOLD`` after the failed attempt's deadline), then
@@ -146,12 +152,13 @@ class RoundRunner:
             {e: self.server.current(f"expert:{e}")["digest"] for e in model.local_experts},
             {e: tensor_digest(model.expert_tensors(e)) for e in orphaned if e in held},
         )
-        call(self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=sw.record_ttl))
+        call(self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=version_ttl(sw)))
         # wait for the digests of the peers that took part in this round; a peer that did not join the
         # shared group is dead or late, and waiting for it would only slow everyone down
         adopting = not report.shared.ok and not report.shared.refused
         versions = wait_versions(self.runtime, round_no, shared_members,
-                                 adopt_window(sw) if adopting else version_window(sw))
+                                 adopt_window(sw) if adopting else version_window(sw),
+                                 enough=self._has_result if adopting else None, after=version_window(sw))
         report.versions_missing = len(shared_members - set(versions))
         if not report.shared.ok and not report.shared.refused:
             report.adopted_shared_from = self._adopt_shared(model, round_no, versions)
@@ -284,6 +291,10 @@ class RoundRunner:
             if uid in leads:
                 copy_into(targets, [t.detach() + d for t, d in zip(targets, leads[uid])])
                 self.outer.ahead.add(uid)
+
+    def _has_result(self, versions: dict[str, VersionRecord]) -> bool:
+        """Whether another peer published a shared result this peer could adopt."""
+        return any(v.ok for p, v in versions.items() if p != self.peer_id)
 
     def _adopt_shared(self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord]) -> str | None:
         """After missing the shared group, take the result the others agreed on (as a joiner would)."""
