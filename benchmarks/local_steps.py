@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/local_steps.py                 # every arm, seeds 0 1 2 (~3 min per arm and seed)
     .venv/bin/python benchmarks/local_steps.py --arms h50 h1 --seeds 0 --out /tmp/local
+    .venv/bin/python benchmarks/local_steps.py --arms h1-moments --seeds 0 --add   # merged into the stored runs
 
 No network, no DHT, no experts split: P full replicas of the quality benchmark's model
 (``benchmarks/quality.py``: the convergence benchmark's narrow tiny config, 400 steps) train in turn on
@@ -113,20 +114,35 @@ def average(models: list[MoETransformer], optimizers: list[torch.optim.Optimizer
                     s[key].copy_(mean)
 
 
+def previous_finals(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], list[str]]:
+    """The stored final losses by arm and seed (for ``--add``) and the commands that produced them;
+    refused when they were measured with other steps or batch."""
+    previous = json.loads(args.out.read_text())
+    if (previous["steps"], previous["batch"]) != (args.steps, args.batch):
+        raise SystemExit(f"{args.out} holds {previous['steps']} steps of batch {previous['batch']}: "
+                         "run without --add, or with --out elsewhere")
+    finals = {arm: {int(s): v for s, v in row["finals"].items()} for arm, row in previous["arms"].items()}
+    return finals, previous.get("commands", [previous["command"]])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arms", nargs="+", default=list(PROBES), choices=list(PROBES))
+    parser.add_argument("--arms", nargs="*", default=list(PROBES), choices=list(PROBES),
+                        help="none with --add: only the table of the stored runs")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=8, help="per-replica batch (centralized: replicas x this)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--add", action="store_true", help="merge into the stored runs of the same steps and batch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     common = [*convergence.CONFIG, f"train.max_steps={args.steps}", f"train.warmup_steps={max(args.steps // 20, 1)}"]
     data = TokenDataset(prepare_embedded_data()["train"], verify=True)
     validation = convergence.Validation(load_config(None, common).model.max_seq_len, 1024)
     console = Console(width=160)
-    finals: dict[str, dict[int, float]] = {a: {} for a in args.arms}
+    finals, commands = previous_finals(args) if args.add and args.out.exists() else ({}, [])
+    for arm in args.arms:
+        finals.setdefault(arm, {})
     t0 = time.monotonic()
     for seed in args.seeds:
         for arm in args.arms:
@@ -136,7 +152,8 @@ def main() -> None:
             finals[arm][seed] = validation.loss(model)
             console.print(f"{arm} seed {seed}: {finals[arm][seed]:.4f} ({(time.monotonic() - t0) / 60:.1f} min so far)")
     base = finals.get("centralized", {})
-    table = Table(title=f"full replicas averaged in one process, {args.steps} steps, seeds {args.seeds}")
+    seeds = sorted({s for by_seed in finals.values() for s in by_seed})
+    table = Table(title=f"full replicas averaged in one process, {args.steps} steps, seeds {seeds}")
     for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "final loss (mean)", "vs centralized (per seed)"):
         table.add_column(col, justify="left" if col == "arm" else "right")
     rows = {}
@@ -152,8 +169,9 @@ def main() -> None:
                       "-" if arm == "centralized" or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": "python benchmarks/local_steps.py " + " ".join(sys.argv[1:]),
-                                    "steps": args.steps, "batch": args.batch, "seeds": args.seeds,
+    command = "python benchmarks/local_steps.py " + " ".join(sys.argv[1:])
+    args.out.write_text(json.dumps({"command": command, "commands": [*commands, command],
+                                    "steps": args.steps, "batch": args.batch, "seeds": seeds,
                                     "validation": validation.describe, "wall_seconds": round(time.monotonic() - t0, 1),
                                     "arms": rows}, indent=1))
     console.print(f"wrote {args.out}")
