@@ -20,7 +20,10 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
 * ``h1-moments-lr``: h1-moments with the learning rate times sqrt(P), the rescaling that undoes that
   difference where gradient noise dominates the second moment;
 * ``centralized-lr2``, ``h50-lr2``: centralized and h50 with the learning rate doubled (is the gap the
-  swarm's, or does the schedule undertrain both?).
+  swarm's, or does the schedule undertrain both?);
+* ``h50-clip``, ``h1-moments-clip``: the replicas clip their gradient norm at sqrt(P) x ``grad_clip``
+  (a batch P times smaller has a norm up to sqrt(P) larger where noise dominates: with the threshold
+  unchanged, batches of 8 are clipped at every step past step 200 here, batches of 32 never).
 
 Scored by ``convergence.Validation`` (the same 1,024 validation windows as every quality arm). Prints a
 table and writes ``benchmarks/results/local_steps.json``.
@@ -62,6 +65,8 @@ class Probe:
     sync: int  # steps between averages
     moments: bool = False  # average AdamW's exp_avg and exp_avg_sq too
     lr_scale: float = 1.0
+    clip_scale: float = 1.0  # gradient clipping threshold times this
+
 
 
 PROBES = {
@@ -69,6 +74,7 @@ PROBES = {
     "h50-moments": Probe(PEERS, 50, True), "h10-moments": Probe(PEERS, 10, True), "h1-moments": Probe(PEERS, 1, True),
     "h1-moments-lr": Probe(PEERS, 1, True, math.sqrt(PEERS)),
     "centralized-lr2": Probe(1, 0, lr_scale=2.0), "h50-lr2": Probe(PEERS, 50, lr_scale=2.0),
+    "h50-clip": Probe(PEERS, 50, clip_scale=math.sqrt(PEERS)), "h1-moments-clip": Probe(PEERS, 1, True, clip_scale=math.sqrt(PEERS)),
 }
 
 
@@ -91,7 +97,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             x, y = loader.next_batch()
             model.loss(x, y, z_loss_weight=tr.z_loss_weight).loss.backward()
             params = [p for _, p in trainable_parameters(model)]
-            torch.nn.utils.clip_grad_norm_(params, tr.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, tr.grad_clip * probe.clip_scale)
             opt.step()
             opt.zero_grad(set_to_none=True)
         if probe.replicas > 1 and (step + 1) % probe.sync == 0:
@@ -154,7 +160,7 @@ def main() -> None:
     base = finals.get("centralized", {})
     seeds = sorted({s for by_seed in finals.values() for s in by_seed})
     table = Table(title=f"full replicas averaged in one process, {args.steps} steps, seeds {seeds}")
-    for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "final loss (mean)", "vs centralized (per seed)"):
+    for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "clip x", "final loss (mean)", "vs centralized (per seed)"):
         table.add_column(col, justify="left" if col == "arm" else "right")
     rows = {}
     for arm, by_seed in finals.items():
@@ -164,7 +170,7 @@ def main() -> None:
                      "gap": convergence.spread(gaps) if gaps else None}
         gap = rows[arm]["gap"]
         table.add_row(arm, f"{probe.replicas} x {args.batch * PEERS if probe.replicas == 1 else args.batch}",
-                      "-" if probe.replicas == 1 else str(probe.sync), "yes" if probe.moments else "no", f"{probe.lr_scale:g}",
+                      "-" if probe.replicas == 1 else str(probe.sync), "yes" if probe.moments else "no", f"{probe.lr_scale:g}", f"{probe.clip_scale:g}",
                       f"{rows[arm]['mean']:.4f}",
                       "-" if arm == "centralized" or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})")
     console.print(table)
