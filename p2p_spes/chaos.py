@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import statistics
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -71,12 +72,17 @@ class Chaos:
     """Inject faults into ``swarm``'s peers; every action is recorded in :attr:`faults`."""
 
     def __init__(self, swarm: LocalSwarm, sync_steps: int, freeze_seconds: float, seed: int = 0,
-                 min_live: int = 2) -> None:
+                 min_live: int = 2, background_freezes: bool = False) -> None:
+        """With ``background_freezes`` a random freeze returns at once and the peer thaws on its own
+        (the next fault need not wait the freeze out, so faults keep their rate)."""
         self.swarm, self.sync_steps = swarm, sync_steps
         self.freeze_seconds, self.min_live = freeze_seconds, min_live
+        self.background_freezes = background_freezes
         self.rng = random.Random(seed)
         self.faults: list[Fault] = []
         self.down: set[int] = set()
+        self.frozen: set[int] = set()
+        self._thaws: list[threading.Thread] = []
 
     def live(self) -> list[int]:
         return [i for i, p in enumerate(self.swarm.procs) if p.poll() is None and i not in self.down]
@@ -90,19 +96,22 @@ class Chaos:
         """SIGKILL the peer's main process only: its DHT and p2pd must die with it (no orphans).
 
         ``in_sync`` waits until the peer finished the last step before a round and then kills it a
-        random moment into that round's averaging.
+        random moment into that round's averaging. It needs the peer to log every step
+        (``train.log_interval=1``); when no such step shows within ``timeout`` the note says so.
         """
         proc = self.swarm.procs[index]
         note = ""
         if in_sync:
             deadline = time.monotonic() + timeout
+            seen = False
             while time.monotonic() < deadline and proc.poll() is None:
                 step = self.last_step(index)
                 if step > 0 and step % self.sync_steps == self.sync_steps - 1:
+                    seen = True
                     break
                 time.sleep(0.02)
             time.sleep(self.rng.uniform(0.3, 2.0))
-            note = f"after step {self.last_step(index)}"
+            note = f"after step {self.last_step(index)}" + ("" if seen else f" (no step before a round within {timeout:.0f} s)")
         start = time.time()
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -112,19 +121,38 @@ class Chaos:
         self.faults.append(fault)
         return fault
 
-    def freeze(self, index: int, seconds: float | None = None) -> Fault:
-        """SIGSTOP the peer's whole process group (a machine that hangs), then SIGCONT it."""
+    def freeze(self, index: int, seconds: float | None = None, wait: bool = True) -> Fault:
+        """SIGSTOP the peer's whole process group (a machine that hangs), then SIGCONT it. Without
+        ``wait`` it returns at once (the fault's end is then the planned one) and a thread thaws the
+        peer; :meth:`thaw_all` waits for those threads."""
         seconds = self.freeze_seconds if seconds is None else seconds
-        pid = self.swarm.procs[index].pid
+        proc = self.swarm.procs[index]
         start = time.time()
-        os.killpg(pid, signal.SIGSTOP)
-        try:
-            time.sleep(seconds)
-        finally:
-            os.killpg(pid, signal.SIGCONT)
-        fault = Fault("freeze", index, start, time.time(), f"{seconds:.0f}s")
+        self.frozen.add(index)
+        os.killpg(proc.pid, signal.SIGSTOP)
+
+        def thaw() -> None:
+            try:
+                time.sleep(seconds)
+            finally:
+                signal_group(proc, signal.SIGCONT)
+                self.frozen.discard(index)
+
+        fault = Fault("freeze", index, start, start + seconds, f"{seconds:.0f}s")
+        if wait:
+            thaw()
+            fault.end = time.time()
+        else:
+            thread = threading.Thread(target=thaw, daemon=True)
+            thread.start()
+            self._thaws.append(thread)
         self.faults.append(fault)
         return fault
+
+    def thaw_all(self, timeout: float | None = None) -> None:
+        """Wait for every background freeze to end (each lets its peer go on)."""
+        for thread in self._thaws:
+            thread.join(timeout)
 
     def restart(self, index: int, timeout: float = 120.0) -> Fault:
         """Start a killed peer again from its own checkpoint, joining through any live peer."""
@@ -193,11 +221,14 @@ class Chaos:
             return None
         extra = extra or {}
         kind = self.rng.choice(["kill", "kill-in-sync", "freeze", *extra])
-        victim = self.rng.choice(live)
+        awake = [i for i in live if i not in self.frozen]
+        if not awake:
+            return None
+        victim = self.rng.choice(awake)
         if kind in extra:
             return extra[kind](victim)
         if kind == "freeze":
-            return self.freeze(victim)
+            return self.freeze(victim, wait=not self.background_freezes)
         return self.kill(victim, in_sync=kind == "kill-in-sync")
 
     def run(self, duration: float, interval: tuple[float, float]) -> list[Fault]:
