@@ -118,6 +118,12 @@ SUMMARY_KEYS = ("step", "tokens", "local_experts", "rounds_joined", "rounds_alon
                 "bytes_received", "final_train_loss", "memory", "sync_memory")
 
 
+def schedule(steps: int) -> list[str]:
+    """The overrides for a run of ``steps`` steps with its warm-up (a twentieth of them): the same in
+    every benchmark that scores on this model."""
+    return [f"train.max_steps={steps}", f"train.warmup_steps={max(steps // 20, 1)}"]
+
+
 # Scoring ---------------------------------------------------------------------------------------------
 class Validation:
     """Windows 0 .. count-1 of the embedded validation split, scored by mean next-token cross-entropy."""
@@ -499,8 +505,8 @@ def main() -> None:
     cfg = load_config(None, CONFIG + args.extra)
     seq, args.experts = cfg.model.max_seq_len, cfg.moe.num_experts
     boundaries = list(range(args.eval_every, args.steps + 1, args.eval_every))
-    common = CONFIG + [
-        f"train.max_steps={args.steps}", f"train.warmup_steps={max(args.steps // 20, 1)}", f"swarm.sync_steps={args.sync_steps}",
+    common = CONFIG + schedule(args.steps) + [
+        f"swarm.sync_steps={args.sync_steps}",
         f"train.checkpoint_interval={args.eval_every}", f"train.keep_checkpoints={len(boundaries) + 1}",
         f"train.eval_interval={args.steps}", "train.eval_batches=1", f"swarm.merge_decay_steps={args.steps}",
         *args.extra,

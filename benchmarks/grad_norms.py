@@ -54,8 +54,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = load_config(None, [*convergence.CONFIG, f"train.max_steps={args.steps}",
-                             f"train.warmup_steps={max(args.steps // 20, 1)}", f"train.seed={args.seed}"])
+    cfg = load_config(None, [*convergence.CONFIG, *convergence.schedule(args.steps), f"train.seed={args.seed}"])
     tr = cfg.train
     data = TokenDataset(prepare_embedded_data()["train"], verify=True)
     model = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(cfg.moe.num_experts)))

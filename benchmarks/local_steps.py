@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--add", action="store_true", help="merge into the stored runs of the same steps and batch")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    common = [*convergence.CONFIG, f"train.max_steps={args.steps}", f"train.warmup_steps={max(args.steps // 20, 1)}"]
+    common = [*convergence.CONFIG, *convergence.schedule(args.steps)]
     data = TokenDataset(prepare_embedded_data()["train"], verify=True)
     validation = convergence.Validation(load_config(None, common).model.max_seq_len, 1024)
     console = Console(width=160)

@@ -215,7 +215,7 @@ def setup(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     """The overrides every arm shares (the convergence benchmark's model; schedule and checkpoints at
     ``--eval-every``) and the scored steps. Sync intervals, merging and the rest stay at their defaults."""
     boundaries = list(range(args.eval_every, args.steps + 1, args.eval_every))
-    common = [*convergence.CONFIG, f"train.max_steps={args.steps}", f"train.warmup_steps={max(args.steps // 20, 1)}",
+    common = [*convergence.CONFIG, *convergence.schedule(args.steps),
               f"train.checkpoint_interval={args.eval_every}", f"train.keep_checkpoints={len(boundaries) + 1}",
               f"train.eval_interval={args.steps}", "train.eval_batches=1", *args.extra]
     return common, boundaries

@@ -158,9 +158,10 @@ class RoundRunner:
         adopting = not report.shared.ok and not report.shared.refused
         versions = wait_versions(self.runtime, round_no, shared_members,
                                  adopt_window(sw) if adopting else version_window(sw),
-                                 enough=self._has_result if adopting else None, after=version_window(sw))
+                                 enough=(lambda vs: bool(self._adoptable(vs))) if adopting else None,
+                                 after=version_window(sw))
         report.versions_missing = len(shared_members - set(versions))
-        if not report.shared.ok and not report.shared.refused:
+        if adopting:
             report.adopted_shared_from = self._adopt_shared(model, round_no, versions)
         # choose versions from the shared group's members first: a late peer (thawed, or out of its group)
         # publishes a digest some members see and others do not, and must not tip anyone's choice
@@ -292,13 +293,13 @@ class RoundRunner:
                 copy_into(targets, [t.detach() + d for t, d in zip(targets, leads[uid])])
                 self.outer.ahead.add(uid)
 
-    def _has_result(self, versions: dict[str, VersionRecord]) -> bool:
-        """Whether another peer published a shared result this peer could adopt."""
-        return any(v.ok for p, v in versions.items() if p != self.peer_id)
+    def _adoptable(self, versions: dict[str, VersionRecord]) -> dict[str, VersionRecord]:
+        """The other peers' records that carry a shared result this peer could adopt."""
+        return {p: v for p, v in versions.items() if p != self.peer_id and v.ok}
 
     def _adopt_shared(self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord]) -> str | None:
         """After missing the shared group, take the result the others agreed on (as a joiner would)."""
-        best = majority(v.shared for p, v in versions.items() if p != self.peer_id and v.ok)
+        best = majority(v.shared for v in self._adoptable(versions).values())
         if best is None:
             return None
         like = [p.detach() for _, p in model.shared_parameters()]
