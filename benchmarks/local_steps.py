@@ -23,7 +23,10 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   swarm's, or does the schedule undertrain both?);
 * ``h50-clip``, ``h1-moments-clip``: the replicas clip their gradient norm at sqrt(P) x ``grad_clip``
   (a batch P times smaller has a norm up to sqrt(P) larger where noise dominates: with the threshold
-  unchanged, batches of 8 are clipped at every step past step 200 here, batches of 32 never).
+  unchanged, batches of 8 are clipped at every step past step 200 here, batches of 32 never);
+* ``dp``: data parallel, the replicas' gradients averaged before every step (then clipped, one
+  identical AdamW step on each): what differs from centralized is only that each replica's loss,
+  load-balancing term included, is taken over its own batch of 8.
 
 Scored by ``convergence.Validation`` (the same 1,024 validation windows as every quality arm). Prints a
 table and writes ``benchmarks/results/local_steps.json``.
@@ -66,7 +69,7 @@ class Probe:
     moments: bool = False  # average AdamW's exp_avg and exp_avg_sq too
     lr_scale: float = 1.0
     clip_scale: float = 1.0  # gradient clipping threshold times this
-
+    grads: bool = False  # average the gradients before every step: data parallel, one AdamW state in effect
 
 
 PROBES = {
@@ -75,6 +78,7 @@ PROBES = {
     "h1-moments-lr": Probe(PEERS, 1, True, math.sqrt(PEERS)),
     "centralized-lr2": Probe(1, 0, lr_scale=2.0), "h50-lr2": Probe(PEERS, 50, lr_scale=2.0),
     "h50-clip": Probe(PEERS, 50, clip_scale=math.sqrt(PEERS)), "h1-moments-clip": Probe(PEERS, 1, True, clip_scale=math.sqrt(PEERS)),
+    "dp": Probe(PEERS, 1, grads=True),
 }
 
 
@@ -91,11 +95,14 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
                for i in range(probe.replicas)]
     tr = cfg.train
     for step in range(tr.max_steps):
-        for model, opt, loader in zip(models, optimizers, loaders):
+        for model, loader in zip(models, loaders):
             model.train()
-            set_lr(opt, lr_at(step, tr) * probe.lr_scale)
             x, y = loader.next_batch()
             model.loss(x, y, z_loss_weight=tr.z_loss_weight).loss.backward()
+        if probe.grads:
+            average_grads(models)
+        for model, opt in zip(models, optimizers):
+            set_lr(opt, lr_at(step, tr) * probe.lr_scale)
             params = [p for _, p in trainable_parameters(model)]
             torch.nn.utils.clip_grad_norm_(params, tr.grad_clip * probe.clip_scale)
             opt.step()
@@ -103,6 +110,17 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
         if probe.replicas > 1 and (step + 1) % probe.sync == 0:
             average(models, optimizers, probe.moments)
     return models[0]
+
+
+@torch.no_grad()
+def average_grads(models: list[MoETransformer]) -> None:
+    """Every replica's gradient becomes the replicas' mean (an expert no token reached has none)."""
+    for column in zip(*[[p for _, p in trainable_parameters(m)] for m in models]):
+        if all(p.grad is None for p in column):
+            continue
+        mean = torch.stack([torch.zeros_like(p) if p.grad is None else p.grad for p in column]).mean(0)
+        for p in column:
+            p.grad = mean.clone()
 
 
 @torch.no_grad()

@@ -6,10 +6,11 @@ bit-identical), and a peer lost mid-round can leave partially averaged tensors b
 keeps hivemind's DHT, transport and compression and runs the protocol in the trainer's own event
 loop:
 
-1. **Join.** Each member writes ``(weight, arrival time, proposed window, base)`` under the group's DHT
-   key. The group is everyone who arrived within the first arrival's proposed window (at most
-   ``matchmaking_time``) of it; a member stops waiting early once every peer it expects has arrived,
-   and every member adopts the membership the first arrival published (``matchmaking.py``).
+1. **Join.** Each member writes ``(weight, arrival time, proposed window, proposed deadline, base)``
+   under the group's DHT key. The group is everyone who arrived within the first arrival's proposed
+   window (at most ``matchmaking_time``) of it; a member stops waiting early once every peer it expects
+   has arrived, and every member adopts the membership and transfer deadline (the longest any member
+   proposed) the first arrival published (``matchmaking.py``).
    The sorted member list hashes to a group id. The *base* is the digest (and round) of the value the
    tensor is relative to (a pseudo-gradient's anchor): the group agrees on the newest one its members
    name, and a member holding another first takes the agreed one from a member (``rebase``).
@@ -191,8 +192,10 @@ class GroupAllReduce:
         """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``.
 
         ``on_members`` is called once the membership is decided (or matchmaking failed). ``window`` is the
-        join window this peer proposes and ``timeout`` its deadline for the transfers (both measured by
-        the caller; at most the configured ``matchmaking_time`` and ``timeout``). With ``base``, when the
+        join window this peer proposes and ``timeout`` the deadline for the transfers it proposes (both
+        measured by the caller, None if it has not measured them; at most the configured
+        ``matchmaking_time`` and ``timeout``); the group keeps the longest deadline its members proposed,
+        the configured one if none did. With ``base``, when the
         group agrees on another base, ``rebase(digest, members holding it)`` is awaited first (it must
         take that base or raise); ``tensor`` may then be a function, called after it. A ``bounded``
         group with more members than ``group_size`` runs in rows and columns (``grid_allreduce.py``) and
@@ -209,7 +212,7 @@ class GroupAllReduce:
                      attempt, len(survivors), result.error)
             # the retry's deadline is twice the measured one (at most the configured one): a round that
             # lost a member is a disturbed one, and the members' rates were not measured under it
-            relaxed = self.timeout if timeout is None else min(2 * timeout, self.timeout)
+            relaxed = None if timeout is None else min(2 * timeout, self.timeout)
             retry = await self._attempt(round_no, group, f"{group}~{attempt}", tensor, weight, survivors, None,
                                         None, relaxed, base, rebase, hold_until=result.deadline_at + HOLD)
             retry.attempts = attempt
@@ -246,14 +249,16 @@ class GroupAllReduce:
         """One formation of ``group`` under DHT key ``key`` and its transfers (see :meth:`run`)."""
         t0 = time.monotonic()
         window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
-        timeout = self.timeout if timeout is None else min(timeout, self.timeout)
+        proposal = None if timeout is None else min(timeout, self.timeout)
         try:
             joined = await join_group(
                 self.dht, group_key(self.run_id, round_no, key), self.peer_id, self.owner,
                 set(expected) | {self.peer_id}, weight, window, base,
                 matchmaking_time=self.matchmaking_time, ttl=self.matchmaking_time + self.timeout + 30,
-                hold_until=hold_until)
+                hold_until=hold_until, timeout=proposal)
             members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
+            # the group's deadline: the longest a member proposed (matchmaking.py), else the configured one
+            timeout = min(joined.timeout, self.timeout) if joined.timeout > 0 else self.timeout
         except asyncio.TimeoutError:
             result = GroupResult(None, [])
             result.error, result.seconds = "the DHT did not answer during matchmaking", time.monotonic() - t0

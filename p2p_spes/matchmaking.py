@@ -1,11 +1,16 @@
 """Who averages together: a group's members, its join window and the base its tensors are relative to.
 
-Each member writes ``(weight, arrival time, proposed window, base)`` under the group's DHT key (a
-signed subkey: nobody joins in another's name). The group is everyone who arrived within the first
-arrival's proposed window (at most ``matchmaking_time``) of it; a member stops waiting early once
-every peer it expects has arrived, and re-reads once after a grace period so that records landing
-just before the cutoff are seen by everyone. Every member computes the same members, window and
-agreed base from the same records.
+Each member writes ``(weight, arrival time, proposed window, proposed transfer deadline, base)`` under
+the group's DHT key (a signed subkey: nobody joins in another's name). The group is everyone who
+arrived within the first arrival's proposed window (at most ``matchmaking_time``) of it; a member
+stops waiting early once every peer it expects has arrived, and re-reads once after a grace period so
+that records landing just before the cutoff are seen by everyone. Every member computes the same
+members, window, transfer deadline and agreed base from the same records, and the first arrival
+publishes what it computed for the others to adopt.
+
+The transfer deadline is the longest any member proposed: each member measures its own from the
+rates it saw, and a member that gave up at its own 5 s while another still sent for its 23 s would
+fail an attempt the slower one could finish, then retry it while that one is still inside it.
 """
 
 from __future__ import annotations
@@ -51,34 +56,48 @@ def first_arrival(records: dict[str, dict]) -> str:
     return min(records, key=lambda p: (records[p]["t"], p))
 
 
+def proposed(value: object) -> float | None:
+    """A positive number from a record (window or deadline), or None: a bool or anything else is refused."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
+
+
+def agreed_timeout(records: dict[str, dict], members: list[str]) -> float:
+    """The transfer deadline of a group: the longest the members proposed (0.0 when none did, as peers
+    of an earlier version do not; each then keeps its own)."""
+    return max((d for p in members if (d := proposed(records.get(p, {}).get("d"))) is not None), default=0.0)
+
+
 def agreed_window(records: dict[str, dict], matchmaking_time: float) -> float:
     """The join window the first arrival proposed (ties by peer id), at most ``matchmaking_time``."""
-    proposed = records[first_arrival(records)].get("m")
-    if isinstance(proposed, (int, float)) and not isinstance(proposed, bool) and proposed > 0:
-        return min(float(proposed), matchmaking_time)
-    return matchmaking_time
+    window = proposed(records[first_arrival(records)].get("m"))
+    return matchmaking_time if window is None else min(window, matchmaking_time)
 
 
 @dataclass
 class Joined:
-    """A decided membership: sorted members, every arrival's delay after the first, the window used and
-    the bases the members named."""
+    """A decided membership: sorted members, every arrival's delay after the first, the window used, the
+    bases the members named and the transfer deadline they agreed on (0.0: none proposed)."""
 
     members: list[str]
     lateness: dict[str, float] = field(default_factory=dict)
     window: float = 0.0
     bases: dict[str, Base] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)  # peers that said they applied an earlier attempt (a retry's key)
+    timeout: float = 0.0
 
 
 async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[str], weight: float, window: float,
-                     base: Base | None, *, matchmaking_time: float, ttl: float, hold_until: float | None = None) -> Joined:
+                     base: Base | None, *, matchmaking_time: float, ttl: float, hold_until: float | None = None,
+                     timeout: float | None = None) -> Joined:
     """Join the group under ``key`` and return its decided membership (see the module docstring).
 
     A retry's key may also hold ``done`` records (:func:`announce_done`): peers that applied the attempt
     before. Seeing one ends the wait (the retry must not form: its result would differ from theirs).
     ``hold_until`` (monotonic time) keeps the wait going until then even once every expected peer has
-    arrived, so that a member still finishing the earlier attempt can say it applied it.
+    arrived, so that a member still finishing the earlier attempt can say it applied it. ``timeout`` is
+    the transfer deadline this member proposes (the group's is the longest proposed).
     Every DHT request is bounded: one that never answers raises ``asyncio.TimeoutError``.
     """
     arrival = get_dht_time()
@@ -86,6 +105,8 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
     mine = {"peer_id": peer_id, "w": float(weight), "t": arrival, "m": float(window)}
     if base is not None:
         mine.update(b=base.digest, br=int(base.round))
+    if timeout is not None:
+        mine["d"] = float(timeout)
     await asyncio.wait_for(dht.store(key, mine, expiration_time=arrival + ttl, subkey=owner, return_future=True),
                            matchmaking_time + 10)
     if hold_until is not None:
@@ -159,6 +180,8 @@ def decision(joined: Joined, peer_id: str, arrival: float) -> dict:
     """The record the first arrival publishes: the members, the window and the agreed base with the
     indices of the members that hold it (what a member needs to rebase)."""
     value = {"peer_id": peer_id, "t": arrival, "members": list(joined.members), "w": joined.window}
+    if joined.timeout > 0:
+        value["d"] = joined.timeout
     base = agreed_base(joined.bases)
     if base is not None:
         value.update(b=base.digest, br=base.round,
@@ -168,16 +191,16 @@ def decision(joined: Joined, peer_id: str, arrival: float) -> dict:
 
 def adopted(value: dict, own: Joined) -> Joined | None:
     """The membership a decision record holds, with our own arrivals' lateness; None if malformed."""
-    members, window, holders = value.get("members"), value.get("w"), value.get("h", [])
+    members, window, holders = value.get("members"), proposed(value.get("w")), value.get("h", [])
+    timeout = proposed(value["d"]) if "d" in value else 0.0
     if (not isinstance(members, list) or not members or not all(isinstance(p, str) for p in members)
-            or members != sorted(set(members)) or isinstance(window, bool) or not isinstance(window, (int, float))
-            or not window > 0 or not isinstance(holders, list)
+            or members != sorted(set(members)) or window is None or timeout is None or not isinstance(holders, list)
             or not all(type(i) is int and 0 <= i < len(members) for i in holders)):
         return None
     bases = {}
     if isinstance(value.get("b"), str) and type(value.get("br")) is int:
         bases = {members[i]: Base(value["b"], value["br"]) for i in holders}
-    return Joined(list(members), dict(own.lateness), float(window), bases)
+    return Joined(list(members), dict(own.lateness), window, bases, timeout=timeout)
 
 
 async def announce_done(dht, key: str, peer_id: str, owner: bytes, ttl: float) -> None:
@@ -189,7 +212,8 @@ async def announce_done(dht, key: str, peer_id: str, owner: bytes, ttl: float) -
 
 def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
     """The membership every member computes from the same arrival records (``{peer: {"t": arrival,
-    "m": proposed window, "b"/"br": base}}``): everyone who arrived within the first arrival's window.
+    "m": proposed window, "d": proposed deadline, "b"/"br": base}}``): everyone who arrived within the
+    first arrival's window, with the longest deadline they proposed.
     Also what ``p2p_spes/simulation.py`` runs, so the model forms groups as peers do."""
     agreed = agreed_window(records, matchmaking_time)
     times = {p: v["t"] for p, v in records.items()}
@@ -197,4 +221,5 @@ def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
     members = sorted(p for p, t in times.items() if t <= first + agreed)
     bases = {p: Base(records[p]["b"], records[p]["br"]) for p in members
              if isinstance(records[p].get("b"), str) and type(records[p].get("br")) is int}
-    return Joined(members, {p: t - first for p, t in times.items()}, agreed, bases)
+    return Joined(members, {p: t - first for p, t in times.items()}, agreed, bases,
+                  timeout=agreed_timeout(records, members))

@@ -2,8 +2,8 @@
 
 **The project's own code** decides what it decides in a real run: who is in a group
 (``matchmaking.decide`` on the arrival records peers would write, with the join window each peer's
-``pacing.Deadlines`` proposes from the arrivals it saw), each member's transfer deadline
-(``Deadlines.transfer_timeout`` from the rates it observed), the size of every message
+``pacing.Deadlines`` proposes from the arrivals it saw), the group's transfer deadline (the longest its
+members propose, each ``Deadlines.transfer_timeout`` from the rates it observed), the size of every message
 (``compression.Codec.wire_bytes``), where experts go (``placement.spes_block``; a restarted peer
 resumes its own) and who takes over an expert whose holders died (``healing.plan_takeover``), and the rule that a group attempt is all-or-nothing and is retried once
 among the members that survive it, formed after the failed attempt's deadline (``allreduce.GroupAllReduce``,
@@ -151,7 +151,10 @@ def simulate(cfg: SimConfig) -> SimResult:
         arrival = {p.id: t_open + rng.uniform(0, p.step) + rng.uniform(0, 0.2) for p in live}
         present = [p for p in live if p.id not in fails or fails[p.id][0] > arrival[p.id]]
         by_id = {p.id: p for p in live}
-        records = {p.id: {"t": arrival[p.id], "m": p.deadlines.join_window()} for p in present}
+        # each proposes the deadline it measured for an all-reduce among everyone present, as sync_round does
+        _, expected_bytes = _all_reduce_seconds(codec, cfg.shared_params, [p.rate for p in present])
+        records = {p.id: {"t": arrival[p.id], "m": p.deadlines.join_window(),
+                          "d": p.deadlines.proposed_timeout(expected_bytes // 2)} for p in present}
         applied, attempts, moved, end, counted = False, 0, {}, t_open, 0.0
         members: list[str] = []
         late: list[str] = []
@@ -164,14 +167,15 @@ def simulate(cfg: SimConfig) -> SimResult:
             everyone = len(members) == len(live)
             start = (max(arrival[m] for m in members) if everyone else min(arrival[m] for m in members) + joined.window) + 0.5
             grid = make_grid(members, sw.group_size)
+            deadline = joined.timeout or sw.averaging_timeout  # none measured: the configured one
             if grid is not None:
-                applied, end, counted, attempts = _grid_round(grid, start, joined.window, fails, by_id, codec, cfg, moved)
+                applied, end, counted, attempts = _grid_round(grid, start, joined.window, deadline, fails, by_id, codec,
+                                                              cfg, moved)
             while grid is None:
                 attempts += 1
                 if len(members) < 2:
                     break  # alone: nothing averaged (at a retry, nothing applied either)
                 seconds, nbytes = _all_reduce_seconds(codec, cfg.shared_params, [by_id[m].rate for m in members])
-                deadline = min(by_id[m].deadlines.transfer_timeout(nbytes // 2) for m in members)
                 for m in members:
                     moved[m] = moved.get(m, 0) + nbytes
                 lost = {m: fails[m] for m in members if m in fails and start <= fails[m][0] < start + min(seconds, deadline)}
@@ -188,11 +192,14 @@ def simulate(cfg: SimConfig) -> SimResult:
                 survivors = [m for m in members if not (m in fails and fails[m][0] <= noticed)]
                 # the retry forms once the failed attempt's deadline has passed (allreduce.HOLD)
                 reform = max(noticed, start + deadline + HOLD)
-                retry = {m: {"t": noticed + rng.uniform(0, 0.3), "m": sw.matchmaking_time} for m in survivors}
+                # each proposes twice the deadline it measured (at most the configured one), as allreduce does
+                retry = {m: {"t": noticed + rng.uniform(0, 0.3), "m": sw.matchmaking_time,
+                             "d": _relaxed(by_id[m].deadlines.proposed_timeout(nbytes // 2), sw)} for m in survivors}
                 if not retry:
                     end = noticed
                     break
-                members = decide(retry, sw.matchmaking_time).members
+                reformed = decide(retry, sw.matchmaking_time)
+                members, deadline = reformed.members, reformed.timeout or sw.averaging_timeout
                 start = reform + 0.5 + rng.uniform(0, 0.3)
         refresh = []
         for p in live:
@@ -212,18 +219,22 @@ def simulate(cfg: SimConfig) -> SimResult:
     return SimResult(cfg, outcomes)
 
 
-def _grid_round(grid: Grid, start: float, window: float, fails: dict[str, tuple[float, bool]], by_id: dict[str, _Peer],
-                codec: Codec, cfg: SimConfig, moved: dict[str, int]) -> tuple[bool, float, float, int]:
+def _relaxed(proposal: float | None, sw: SwarmConfig) -> float | None:
+    """What a member proposes for a retry: twice its measured deadline, at most the configured one."""
+    return None if proposal is None else min(2 * proposal, sw.averaging_timeout)
+
+
+def _grid_round(grid: Grid, start: float, window: float, timeout: float, fails: dict[str, tuple[float, bool]],
+                by_id: dict[str, _Peer], codec: Codec, cfg: SimConfig, moved: dict[str, int]) -> tuple[bool, float, float, int]:
     """A shared group run as a grid (``grid_allreduce.py``): rows, then a flat all-reduce per column among
-    its holders (retried like any group), then every member fetches every column. Returns whether the
+    its holders (retried like any group), then every member fetches every column, within the group's
+    agreed transfer deadline ``timeout``. Returns whether the
     average was applied, when the group ended, the share of the members' contributions it holds and the
     most attempts a column took."""
     sw = cfg.swarm
     bounds = column_bounds(cfg.shared_params, grid.columns)
     wire = [codec.wire_bytes(bounds[c + 1] - bounds[c]) for c in range(grid.columns)]
     members = [p for row in grid.rows for p in row]
-    nbytes = sum(wire) * 2 * (len(members) - 1) // len(members)  # what sync_round's deadline is measured for
-    timeout = min(by_id[m].deadlines.transfer_timeout(nbytes // 2) for m in members)
 
     # rows: every member sends each row member the wire bytes of its columns; a row that lost a member
     # waits for it until the row deadline, then its holders come to the columns with what they have
@@ -244,7 +255,7 @@ def _grid_round(grid: Grid, start: float, window: float, fails: dict[str, tuple[
         if not arrived:
             return False, max(row_end.values()), 0.0, 1
         first = min(arrived.values())
-        close = max(arrived.values()) if len(arrived) == len(grid.rows) else first + window
+        close = min(max(arrived.values()), first + window)  # all came, or the window closed on the late
         in_column = [k for k, t in arrived.items() if t <= close]
         col_start = close + 0.5
         ok = False
@@ -278,9 +289,13 @@ def _grid_round(grid: Grid, start: float, window: float, fails: dict[str, tuple[
             moved[holders[k]] = moved.get(holders[k], 0) + wire[c] * (len(grid.rows[k]) - 1)
         end = max(end, col_end)
     fetch = max(sum(wire) / by_id[m].rate for m in members) + PHASE_LATENCY
-    if applied:  # what each member's deadlines learn from the transfers, as sync_round's do
-        for m in members:
-            by_id[m].deadlines.observe_transfer(moved.get(m, 0), end + fetch - start)
+    if applied:
+        # what each member's deadlines learn from the transfers, as sync_round's do: not a row's that
+        # waited for a lost member (its members report it lost)
+        for k, row in enumerate(grid.rows):
+            if len(row_in[k]) == len(row):
+                for m in row:
+                    by_id[m].deadlines.observe_transfer(moved.get(m, 0), end + fetch - start)
     return applied, end + fetch, counted / (grid.columns * len(members)) if applied else 0.0, attempts
 
 

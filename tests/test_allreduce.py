@@ -25,8 +25,9 @@ def dhts():
     peers.close()
 
 
-def run_group(peers, tensors, weights, compression, run_id, present=None, aggregate=None, kinds=None):
+def run_group(peers, tensors, weights, compression, run_id, present=None, aggregate=None, kinds=None, timeouts=None):
     present = list(range(len(peers))) if present is None else present
+    timeouts = timeouts or {}
     dhts = peers.nodes
     kinds = kinds or {}
 
@@ -40,7 +41,8 @@ def run_group(peers, tensors, weights, compression, run_id, present=None, aggreg
             await reducer.start()
             reducers.append(reducer)
         expected = {dhts[i].peer_id.to_base58() for i in range(len(dhts))}
-        return await asyncio.gather(*(r.run(0, "g", tensors[i], weights[i], expected) for r, i in zip(reducers, present)))
+        return await asyncio.gather(*(r.run(0, "g", tensors[i], weights[i], expected, timeout=timeouts.get(i))
+                                      for r, i in zip(reducers, present)))
 
     return peers.call(main())
 
@@ -236,6 +238,35 @@ def test_a_member_lost_mid_round_costs_the_others_a_retry_not_the_round(dhts, fa
     # have said so by then; HOLD more), then takes one more join window and its transfers
     limit = 10.0 + HOLD + 3 * WINDOW + 3.0
     assert max(r.seconds for r in survivors) < limit, [round(r.seconds, 1) for r in survivors]
+
+
+class SlowToTake(PartServer):
+    """A reducer on a slow link: each contribution takes it 2.5 s before it reads it."""
+
+    async def contribute(self, stream, context):
+        await asyncio.sleep(2.5)
+        return await super().contribute(stream, context)
+
+
+class SlowLink(GroupAllReduce):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.server = SlowToTake(self.codec, self.aggregate, self.server.wait)
+
+
+@pytest.mark.slow
+def test_members_keep_the_longest_deadline_any_of_them_proposed(dhts):
+    """Member 0 measured fast links and proposes a 1 s deadline; member 2's link takes 2.5 s per part.
+    Going by its own deadline member 0 would fail the attempt (and retry it while the others were still
+    inside it); the group keeps the longest deadline proposed, and every member completes the first
+    attempt with the same mean."""
+    tensors = [torch.randn(4_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
+    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-deadline", kinds={2: SlowLink},
+                        timeouts={0: 1.0, 1: 8.0, 2: 8.0})
+    assert all(r.ok and r.attempts == 1 and len(r.members) == 3 for r in results), \
+        [(r.ok, r.attempts, r.error) for r in results]
+    assert len({tensor_digest([r.tensor]) for r in results}) == 1
+    torch.testing.assert_close(results[0].tensor, sum(tensors) / 3)
 
 
 class RefusesFetches(PartServer):

@@ -13,7 +13,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from dht.identity import peer_id_of_owner
 from dht.keys import group_key
 from p2p_spes import matchmaking
-from p2p_spes.matchmaking import Base, Joined, adopted, decision, join_group
+from p2p_spes.matchmaking import Base, Joined, adopted, decide, decision, join_group
 
 WINDOW = 2.0
 
@@ -44,9 +44,10 @@ class Blind:
 
 
 def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] | None = None,
-         present: list[int] | None = None) -> list[Joined]:
-    """Every member in ``present`` joins the same group, member i ``delays[i]`` seconds after the first;
-    member i reads the arrivals without member ``blind[i]``'s record."""
+         present: list[int] | None = None, timeouts: list[float] | None = None) -> list[Joined]:
+    """Every member in ``present`` joins the same group, member i ``delays[i]`` seconds after the first
+    (proposing the transfer deadline ``timeouts[i]``); member i reads the arrivals without member
+    ``blind[i]``'s record."""
     ids = [node.peer_id.to_base58() for node in peers.nodes]
     present = list(range(len(ids))) if present is None else present
     key = group_key(run_id, 0, "shared")
@@ -55,7 +56,7 @@ def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] |
         await asyncio.sleep(delays[i])
         dht = Blind(peers.nodes[i], ids[blind[i]]) if blind and i in blind else peers.nodes[i]
         return await join_group(dht, key, ids[i], peers.owners[i], set(ids), 1.0, WINDOW, None,
-                                matchmaking_time=WINDOW, ttl=30.0)
+                                matchmaking_time=WINDOW, ttl=30.0, timeout=timeouts[i] if timeouts else None)
 
     async def everyone() -> list[Joined]:
         return list(await asyncio.gather(*(member(i) for i in present)))
@@ -69,6 +70,14 @@ def test_a_member_that_missed_a_record_adopts_the_first_arrivals_membership(dhts
     ids = [node.peer_id.to_base58() for node in dhts.nodes]
     joined = form(dhts, "mm-missed", [0.0, 0.3, 0.6], blind={1: 2})
     assert [j.members for j in joined] == [sorted(ids)] * 3
+
+
+@pytest.mark.slow
+def test_every_member_keeps_the_deadline_the_first_arrival_decided(dhts):
+    """Members propose 5, 23 and 9 s; member 1 never sees member 2's record. All keep the longest
+    proposed among the decided members, 23 s, whatever they read themselves."""
+    joined = form(dhts, "mm-deadline", [0.0, 0.3, 0.6], blind={1: 2}, timeouts=[5.0, 23.0, 9.0])
+    assert [j.timeout for j in joined] == [23.0] * 3
 
 
 @pytest.mark.slow
@@ -97,13 +106,24 @@ def test_without_a_decision_members_go_by_their_own_reading_after_a_bounded_wait
     assert time.monotonic() - t0 >= 1.0  # waited for the decision before going it alone
 
 
+def test_the_deadline_is_the_longest_a_decided_member_proposed():
+    records = {"a": {"t": 1.0, "m": 2.0, "d": 5.0}, "b": {"t": 1.5, "m": 2.0, "d": 23.0},
+               "c": {"t": 1.2, "m": 2.0, "d": True}, "late": {"t": 9.0, "m": 2.0, "d": 60.0}}
+    joined = decide(records, 2.0)
+    assert joined.members == ["a", "b", "c"] and joined.timeout == 23.0  # not the late one's; a bool is no number
+    assert decide({"a": {"t": 1.0, "m": 2.0}}, 2.0).timeout == 0.0  # none proposed: each keeps its own
+
+
 def test_a_decision_round_trips_and_a_malformed_one_is_refused():
-    own = Joined(["a", "b", "c"], {"a": 0.0, "b": 0.4}, 2.0, {"a": Base("d1", 3), "c": Base("d1", 3), "b": Base("d0", 2)})
+    own = Joined(["a", "b", "c"], {"a": 0.0, "b": 0.4}, 2.0, {"a": Base("d1", 3), "c": Base("d1", 3), "b": Base("d0", 2)},
+                 timeout=23.0)
     back = adopted(decision(own, "a", 10.0), Joined(["a", "b"], {"a": 0.0}, 2.0))
-    assert back.members == ["a", "b", "c"] and back.window == 2.0
+    assert back.members == ["a", "b", "c"] and back.window == 2.0 and back.timeout == 23.0
     assert back.bases == {"a": Base("d1", 3), "c": Base("d1", 3)}  # the agreed base and who holds it
     assert back.lateness == {"a": 0.0}  # our own reading's
     good = decision(own, "a", 10.0)
     for bad in ({"members": ["b", "a"]}, {"members": []}, {"members": ["a", "a"]}, {"members": "ab"},
-                {"w": 0}, {"w": True}, {"h": [5]}, {"h": [True]}, {"h": "0"}):
+                {"w": 0}, {"w": True}, {"h": [5]}, {"h": [True]}, {"h": "0"}, {"d": 0}, {"d": True}, {"d": "23"}):
         assert adopted({**good, **bad}, own) is None, bad
+    old = {k: v for k, v in good.items() if k != "d"}  # a first arrival of an earlier version
+    assert adopted(old, own).timeout == 0.0

@@ -38,9 +38,11 @@ def test_transfer_deadline_scales_with_the_payload_and_the_observed_rate():
     sw = load_config(None, ["swarm.averaging_timeout=600"]).swarm
     d = Deadlines(sw)
     assert d.transfer_timeout(10**9) == 600.0, "no measurement yet: the configured timeout"
+    assert d.proposed_timeout(10**9) is None, "nor anything to propose to a group (it keeps the others')"
     for _ in range(3):
         d.observe_transfer(2_500_000, 1.0)  # 20 Mbit/s
     assert d.transfer_timeout(25_000_000) == pytest.approx(3 * 10 + 2)  # a 25 MB payload takes ~10 s
+    assert d.proposed_timeout(25_000_000) == pytest.approx(32.0)
     assert d.transfer_timeout(1000) == d.floor, "never shorter than the floor"
     assert d.transfer_timeout(10**10) == 600.0, "never longer than the configured timeout"
     d.observe_transfer(100, 10.0)  # tiny transfers measure latency, not bandwidth: ignored

@@ -70,6 +70,12 @@ class Deadlines:
         rate, _ = median_and_mad(list(self._rates))
         return min(max(3 * nbytes / rate + 2.0, self.floor), self.sw.averaging_timeout)
 
+    def proposed_timeout(self, nbytes: int) -> float | None:
+        """The deadline to propose to a group (it keeps the longest proposed): None until our links are
+        measured, so that a peer that knows nothing of them yet (a joiner, a restart) does not stretch
+        every group it joins to the configured ``averaging_timeout``; it keeps the group's."""
+        return None if len(self._rates) < self.min_samples else self.transfer_timeout(nbytes)
+
     def describe(self) -> dict[str, float]:
         """What the inspector and metrics show: the window and the median observed rate."""
         rate = statistics.median(self._rates) if self._rates else 0.0

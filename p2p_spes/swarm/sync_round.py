@@ -200,12 +200,13 @@ class RoundRunner:
         self.stats["bytes_received"] += report.bytes_received
         return report
 
-    def _group_timeout(self, flat: torch.Tensor, members: int) -> float:
-        """The transfer deadline of an all-reduce of ``flat`` among ``members``: each member sends and
-        receives about (members - 1) / members of it, twice (contributions, then averaged parts)."""
+    def _group_timeout(self, flat: torch.Tensor, members: int) -> float | None:
+        """The transfer deadline we propose for an all-reduce of ``flat`` among ``members`` (None: not
+        measured yet): each member sends and receives about (members - 1) / members of it, twice
+        (contributions, then averaged parts)."""
         members = max(members, 2)
         wire = self.reducer.codec.wire_bytes(flat.numel())
-        return self.deadlines.transfer_timeout(int(wire * 2 * (members - 1) / members))
+        return self.deadlines.proposed_timeout(int(wire * 2 * (members - 1) / members))
 
     def _contribution(self, uid: str, current: torch.Tensor, sending: dict[str, torch.Tensor]):
         """What we send for ``uid``, computed once the group's anchor is ours (after any rebase)."""
@@ -248,7 +249,10 @@ class RoundRunner:
         if not res.ok:
             info.error = res.error
             return info
-        if len(res.members) > 1:
+        if len(res.members) > 1 and not res.lost:
+            # a round that lost a member waited for it: its time says nothing of the links, and the
+            # group's deadline is the longest any member proposes, so one member's inflated estimate
+            # would become everyone's (a round without losses still counts a retry our own link needed)
             self.deadlines.observe_transfer(res.bytes_sent + res.bytes_received, res.transfer_seconds)
         if len(res.members) > 1:
             reason = self.guard.implausible(uid.split(":")[0], local, self.outer.anchor[uid] - res.tensor)
