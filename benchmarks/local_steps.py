@@ -70,6 +70,7 @@ class Probe:
     lr_scale: float = 1.0
     clip_scale: float = 1.0  # gradient clipping threshold times this
     grads: bool = False  # average the gradients before every step: data parallel, one AdamW state in effect
+    pooled: bool = False  # optim.PooledNoiseAdamW with peers = replicas
 
 
 PROBES = {
@@ -79,6 +80,7 @@ PROBES = {
     "centralized-lr2": Probe(1, 0, lr_scale=2.0), "h50-lr2": Probe(PEERS, 50, lr_scale=2.0),
     "h50-clip": Probe(PEERS, 50, clip_scale=math.sqrt(PEERS)), "h1-moments-clip": Probe(PEERS, 1, True, clip_scale=math.sqrt(PEERS)),
     "dp": Probe(PEERS, 1, grads=True),
+    "h1-pooled": Probe(PEERS, 1, pooled=True), "h50-pooled": Probe(PEERS, 50, pooled=True),
 }
 
 
@@ -90,7 +92,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
     models = [first] + [MoETransformer(cfg.model, cfg.moe, local_experts=experts) for _ in range(probe.replicas - 1)]
     for m in models[1:]:
         m.load_state_dict(first.state_dict())
-    optimizers = [build_optimizer(m, cfg.train) for m in models]
+    optimizers = [build_optimizer(m, cfg.train, peers=probe.replicas if probe.pooled else 1) for m in models]
     loaders = [BatchLoader(data, cfg.model.max_seq_len, batch, seed=seed, peer_index=i, num_peers=probe.replicas)
                for i in range(probe.replicas)]
     tr = cfg.train
