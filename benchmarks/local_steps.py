@@ -32,6 +32,9 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   A probe of a method change; at seed 0 it moved h1 from +8.1% to +7.2% and made h50 worse (+13.3%
   against +11.6%), so the trainer does not use it.
 
+* ``h50-nesterov``: h50 with the swarm's Nesterov outer step (``swarm/outer.py``, DiLoCo's lr 0.7 and
+  momentum 0.9) on the averaged pseudo-gradient instead of taking the mean.
+
 ``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
 never mixes with the stored 400-step runs.
 
@@ -59,11 +62,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import convergence
 
-from p2p_spes.config import Config, load_config
+from p2p_spes.config import Config, SwarmConfig, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer, lr_at, parameter_groups, set_lr, trainable_parameters
+from p2p_spes.swarm.outer import OuterOptimizer
 
 RESULTS = Path(__file__).parent / "results" / "local_steps.json"
 PEERS = 4  # replicas of the averaged arms; centralized trains one replica of PEERS x the batch
@@ -78,6 +82,7 @@ class Probe:
     clip_scale: float = 1.0  # gradient clipping threshold times this
     grads: bool = False  # average the gradients before every step: data parallel, one AdamW state in effect
     pooled: bool = False  # PooledNoiseAdamW (below) with peers = replicas
+    nesterov: bool = False  # the swarm's Nesterov outer step (lr 0.7, momentum 0.9) instead of the plain mean
 
 
 PROBES = {
@@ -88,7 +93,9 @@ PROBES = {
     "h50-clip": Probe(PEERS, 50, clip_scale=math.sqrt(PEERS)), "h1-moments-clip": Probe(PEERS, 1, True, clip_scale=math.sqrt(PEERS)),
     "dp": Probe(PEERS, 1, grads=True),
     "h1-pooled": Probe(PEERS, 1, pooled=True), "h50-pooled": Probe(PEERS, 50, pooled=True),
+    "h50-nesterov": Probe(PEERS, 50, nesterov=True),
 }
+NESTEROV = SwarmConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, and quality.py's
 
 
 class PooledNoiseAdamW(torch.optim.Optimizer):
@@ -159,6 +166,9 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
     loaders = [BatchLoader(data, cfg.model.max_seq_len, batch, seed=seed, peer_index=i, num_peers=probe.replicas)
                for i in range(probe.replicas)]
     tr = cfg.train
+    outer = OuterOptimizer(NESTEROV) if probe.nesterov else None
+    anchors = [p.detach().clone() for _, p in trainable_parameters(first)]
+    momenta: list[torch.Tensor | None] = [None] * len(anchors)
     for step in range(tr.max_steps):
         for model, loader in zip(models, loaders):
             model.train()
@@ -174,6 +184,12 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             opt.zero_grad(set_to_none=True)
         if probe.replicas > 1 and (step + 1) % probe.sync == 0:
             average(models, optimizers, probe.moments)
+            if outer is not None:  # from the anchor, the averaged pseudo-gradient through the outer step
+                with torch.no_grad():
+                    for i, column in enumerate(zip(*[[p for _, p in trainable_parameters(m)] for m in models])):
+                        anchors[i], momenta[i] = outer.outer_step(anchors[i], anchors[i] - column[0], momenta[i])
+                        for p in column:
+                            p.copy_(anchors[i])
     return models[0]
 
 

@@ -14,14 +14,17 @@ bytes per peer compare across N. Faults (``p2p_spes/chaos.py``):
 * ``kill``: one peer (never the first, whose address the others joined through) SIGKILLed a third of
   the way into the run; it does not come back;
 * ``churn``: from the first round on, faults aimed at one per measured round time: a kill (at a
-  random moment or inside a round), a freeze of a whole process group for longer than the sync
-  deadline (thawed in the background, so the next fault does not wait for it), or a restart of a
-  killed peer from its own checkpoint. Peers log every step, so a kill inside a round finds one;
+  random moment or inside a round) or a freeze of a whole process group for longer than the sync
+  deadline (thawed in the background, so the next fault does not wait for it); between them, killed
+  peers restart from their own checkpoints (a restart does not take a fault's turn). Peers log every
+  step, so a kill inside a round finds one;
 * ``none``.
 
 Reported per N: peer-rounds applied / attempted (a peer-round is applied when the peer averaged the
 shared weights with others or took the result its group agreed on), rounds in which every peer that
-ran the round applied an average, the median seconds per round, bytes sent + received + downloaded per
+ran the round applied an average (a peer that came back to find the swarm two rounds past its own
+takes the swarm's state and skips those rounds: they are counted apart, as ``peer_rounds_skipped``),
+the median seconds per round, bytes sent + received + downloaded per
 peer per round, how many different shared weights the surviving peers hold at the end (their last
 common round), groups that needed a retry and members lost from them, the peak proportional memory (PSS) of a
 peer (its process group: trainer, DHT, p2pd) and of the whole swarm, and processes left behind.
@@ -113,6 +116,8 @@ def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]
     """The row of one run (see the module docstring)."""
     per_peer = rounds_of(run_dir, peers)
     rows = [r for records in per_peer.values() for r in records]
+    skipped = sum(len(r["rounds_skipped"]) for i in range(peers) for r in read_metrics(run_dir / f"peer{i}")
+                  if isinstance(r.get("rounds_skipped"), list))
     applied = [r for r in rows if r["outcome"] in ("averaged", "adopted")]
     by_round: dict[int, list[dict]] = {}
     for r in rows:
@@ -126,6 +131,9 @@ def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]
         "peer_rounds": len(rows), "peer_rounds_applied": len(applied),
         "applied_share": len(applied) / len(rows) if rows else None,
         "peer_rounds_averaged": sum(r["outcome"] == "averaged" for r in rows),
+        # rounds a peer back from a freeze (or restarted) found finished and the next one too: it took
+        # the swarm's state instead of running them, and has no line for them
+        "peer_rounds_skipped": skipped,
         "rounds": len(by_round), "rounds_everyone_applied": len(everyone),
         "everyone_share": len(everyone) / len(by_round) if by_round else None,
         "seconds_per_round": statistics.median(r["sync_seconds"] for r in rows) if rows else None,
@@ -175,9 +183,12 @@ def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work:
                 time.sleep(max(due - time.monotonic(), 0.0))
                 if sum(chaos.last_step(i) >= steps - 2 * SYNC_STEPS for i in chaos.live()) >= len(chaos.live()) // 2:
                     break  # near the end: let the survivors finish
-                fault = chaos.random_fault()
-                if fault:
-                    console.print(f"  [{time.monotonic() - t0:5.0f}s] {fault.kind} peer {fault.peer} {fault.note}")
+                for _ in range(peers):  # restarts come between faults, then one kill or freeze
+                    fault = chaos.random_fault()
+                    if fault:
+                        console.print(f"  [{time.monotonic() - t0:5.0f}s] {fault.kind} peer {fault.peer} {fault.note}")
+                    if fault is None or fault.kind != "restart":
+                        break
         chaos.thaw_all(max(timeout - (time.monotonic() - t0), 1.0))
         codes = swarm.wait(max(timeout - (time.monotonic() - t0), 1.0))
     finally:
@@ -212,7 +223,8 @@ def main() -> int:
         results.append(run_size(n, args.experts or max(args.peers), args.faults, args.steps, args.seed, work, console,
                                 args.overrides))
         r = results[-1]
-        console.print(f"  applied {r['peer_rounds_applied']}/{r['peer_rounds']} peer-rounds, "
+        console.print(f"  applied {r['peer_rounds_applied']}/{r['peer_rounds']} peer-rounds "
+                      f"({r['peer_rounds_skipped']} skipped by peers that came back rounds behind), "
                       f"{r['final_weights']} set(s) of weights at the end, {r['wall_seconds']:.0f} s")
     table = Table(title=f"scale: micro config, {args.steps} steps, a round every {SYNC_STEPS}, faults: {args.faults}, "
                         f"seed {args.seed}, group_size {load_config(None, args.overrides).swarm.group_size}")

@@ -90,7 +90,7 @@ class SwarmSync:
         last = trainer.step >= trainer.cfg.train.max_steps
         if self._pending is not None and (self._due(trainer) or last or self._pending[0].done()):
             self.finish(trainer)
-        if not self._due(trainer):
+        if not self._due(trainer) or self._passed(trainer):
             return
         round_no, weight = self.next_round, trainer.tokens - self.tokens_at_last_sync
         self.tokens_at_last_sync = trainer.tokens
@@ -151,6 +151,26 @@ class SwarmSync:
         self.swarm.expect_round(self.next_round)
         self._heal(trainer)
 
+    def _passed(self, trainer: Trainer) -> bool:
+        """Whether the swarm has finished our due round and the one after it (we were frozen, cut off or
+        restarted from an older checkpoint), and we took its state instead of running the round.
+
+        Running it would find nobody, spend a join window and the adopt wait alone (20 s and more on
+        the 24-peer churn run) and then catch up anyway. One round behind is left to the round itself:
+        its late member adopts the result the group agreed on, which costs less than the whole state.
+        """
+        ahead = self.swarm.swarm_round()
+        if ahead is None or ahead <= self.next_round:
+            return False
+        skipped = self.next_round
+        if not self._rejoin(trainer):
+            return False
+        self.tokens_at_last_sync = trainer.tokens  # what we trained since our last round was replaced
+        self.swarm.stats["rounds_skipped"] += self.next_round - skipped
+        trainer.log_record({"step": trainer.step, "rounds_skipped": list(range(skipped, self.next_round))})
+        self.swarm.expect_round(self.next_round)
+        return True
+
     def _heal(self, trainer: Trainer) -> None:
         """At a sync boundary, take over the under-replicated experts the plan gives us (healing.py)."""
         mine = self.swarm.experts_to_take()
@@ -170,9 +190,9 @@ class SwarmSync:
         trainer.log_record({"step": trainer.step, "took_over": mine, "local_experts": trainer.model.local_experts,
                             "bytes_received_total": int(self.swarm.stats["bytes_received"])})
 
-    def _rejoin(self, trainer: Trainer) -> None:
+    def _rejoin(self, trainer: Trainer) -> bool:
         """After a round that failed for us (or that we spent alone), rejoin like a newcomer if the swarm
-        has moved past it.
+        has moved past it; whether we did.
 
         A peer that was frozen or cut off misses rounds the others complete; it takes the swarm's
         latest agreed weights (keeping the experts only it trains, whose newest version is its own) and
@@ -180,16 +200,17 @@ class SwarmSync:
         """
         ahead = self.swarm.swarm_round()
         if ahead is None or ahead < self.next_round:
-            return
+            return False
         meta = self.swarm.catch_up(keep=self.swarm.sole_experts())
         if meta is None:
-            return
+            return False
         target = max(int(meta["step"]), trainer.step)
         log.warning("behind the swarm (round %d, others at %d): took the state of round %s, step %d -> %d",
                     self.next_round - 1, ahead, meta["round"], trainer.step, target)
         self.swarm.stats["steps_skipped"] += target - trainer.step
         trainer.step = target
-        self.next_round = int(meta["round"]) + 1
+        self.next_round = max(self.next_round, int(meta["round"]) + 1)
+        return True
 
 
 def _own_checkpoint(run_dir: Path, resume: str | None, cfg: Config) -> tuple[Path | None, dict[str, Any] | None]:
@@ -295,6 +316,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "delta_refreshes": int(swarm.stats["delta_refreshes"]),
                 "anchors_rebased": int(swarm.stats["anchors_rebased"]),
                 "steps_skipped": int(swarm.stats["steps_skipped"]),
+                "rounds_skipped": int(swarm.stats["rounds_skipped"]),
                 "updates_refused": int(swarm.stats["updates_refused"]),
                 "experts_taken_over": int(swarm.stats["experts_taken_over"]),
                 "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),

@@ -111,6 +111,7 @@ class _Swarm:
         self.stats: Counter = Counter()
         self.members = 2
         self.others_round: int | None = None  # the newest round another live peer finished
+        self.others_after_sync: int | None = None  # ... once our round is over (we were frozen inside it)
         self.caught_up: list[int | None] = []
 
     def update_status(self, **fields) -> None:
@@ -137,6 +138,8 @@ class _Swarm:
 
     def sync(self, round_no, step, weight, on_joined=None) -> RoundReport:
         self.calls.append((round_no, step, weight))
+        if self.others_after_sync is not None:
+            self.others_round = self.others_after_sync
         return RoundReport(round=round_no, step=step, tokens=int(weight),
                            groups={"shared": GroupReport(ok=True, members=self.members, group_id="g")})
 
@@ -184,12 +187,12 @@ def test_a_peer_runs_its_own_boundary_and_no_round_past_the_end():
 
 @pytest.mark.parametrize("others_round", [None, 1, 5])
 def test_a_peer_alone_in_a_round_the_others_have_moved_past_rejoins_them(others_round):
-    """A peer frozen past the others' round records finds nobody in its round and averages alone; when
-    the others' records say they are rounds ahead it takes their state like a joiner instead of
+    """A peer frozen inside its round, past the others' round records, finds nobody and averages alone;
+    when the others' records say they are rounds ahead it takes their state like a joiner instead of
     spending one lone round after another catching up. Alone in the swarm (or alone with the others
     not past it) it goes on."""
     swarm, trainer = _Swarm(), _trainer(max_steps=100)
-    swarm.members, swarm.others_round = 1, others_round
+    swarm.members, swarm.others_round, swarm.others_after_sync = 1, min(others_round or 0, 1) or None, others_round
     hook = SwarmSync(swarm, sync_steps=10)
     for _ in range(10):
         trainer.step += 1
@@ -200,6 +203,34 @@ def test_a_peer_alone_in_a_round_the_others_have_moved_past_rejoins_them(others_
         assert swarm.stats["steps_skipped"] == 40
     else:
         assert swarm.caught_up == [] and hook.next_round == 2 and trainer.step == 10
+
+
+@pytest.mark.parametrize("others_round", [1, 2, 5])
+def test_a_peer_whose_round_the_swarm_finished_long_ago_takes_its_state_instead(others_round):
+    """Back from a freeze, the others' records say they finished our due round and the next: the round
+    would find nobody, so the peer takes their state at once (its tokens since its last round are
+    replaced) and logs the rounds it skipped. One round behind it runs the round (its late member
+    adopts the agreed result there)."""
+    records = []
+    swarm, trainer = _Swarm(), _trainer(max_steps=100)
+    trainer.log_record = records.append
+    swarm.others_round = others_round
+    hook = SwarmSync(swarm, sync_steps=10)
+    for _ in range(10):
+        trainer.step += 1
+        trainer.tokens += 100
+        hook(trainer)
+    if others_round == 1:
+        assert [c[0] for c in swarm.calls] == [1] and swarm.caught_up == []
+        return
+    assert swarm.calls == [] and swarm.caught_up == [others_round]
+    assert hook.next_round == others_round + 1 and trainer.step == 10 * others_round
+    assert swarm.stats["rounds_skipped"] == others_round
+    assert records[-1]["rounds_skipped"] == list(range(1, others_round + 1))
+    trainer.step += 10
+    trainer.tokens += 1000
+    hook(trainer)  # the next round weighs only what was trained since the state was taken
+    assert swarm.calls == [(others_round + 1, 10 * (others_round + 1), 1000)]
 
 
 def test_round_outcomes_are_reported_honestly():
