@@ -72,6 +72,9 @@ class _SlowRound:
     def round_opened(self, round_no: int) -> bool:
         return False  # nobody else: rounds start at our own boundaries
 
+    def swarm_round(self) -> int | None:
+        return None  # nobody else's round to be behind
+
     def sync(self, round_no: int, step: int, weight: float, on_joined=None) -> RoundReport:
         self.seen.append(self.model)
         if on_joined is not None:  # the group is decided at once; the averaging itself is slow
