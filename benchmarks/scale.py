@@ -25,8 +25,8 @@ shared weights with others or took the result its group agreed on), rounds in wh
 ran the round applied an average (a peer that came back to find the swarm two rounds past its own
 takes the swarm's state and skips those rounds: they are counted apart, as ``peer_rounds_skipped``),
 the median seconds per round, bytes sent + received + downloaded per
-peer per round, how many different shared weights the surviving peers hold at the end (their last
-common round), groups that needed a retry and members lost from them, the peak proportional memory (PSS) of a
+peer per round, how many different shared weights the surviving peers hold at the end (at the last round any of them
+ran or took; ``ended_behind`` counts survivors whose last round is an earlier one), groups that needed a retry and members lost from them, the peak proportional memory (PSS) of a
 peer (its process group: trainer, DHT, p2pd) and of the whole swarm, and processes left behind.
 Writes ``benchmarks/results/scale.json``.
 """
@@ -116,16 +116,22 @@ def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]
     """The row of one run (see the module docstring)."""
     per_peer = rounds_of(run_dir, peers)
     rows = [r for records in per_peer.values() for r in records]
-    skipped = sum(len(r["rounds_skipped"]) for i in range(peers) for r in read_metrics(run_dir / f"peer{i}")
-                  if isinstance(r.get("rounds_skipped"), list))
+    lines = {i: read_metrics(run_dir / f"peer{i}") for i in range(peers)}
+    skipped = sum(len(r["rounds_skipped"]) for i in range(peers) for r in lines[i] if isinstance(r.get("rounds_skipped"), list))
     applied = [r for r in rows if r["outcome"] in ("averaged", "adopted")]
     by_round: dict[int, list[dict]] = {}
     for r in rows:
         by_round.setdefault(r["sync_round"], []).append(r)
     everyone = [n for n, rs in by_round.items() if all(r["outcome"] in ("averaged", "adopted") for r in rs)]
-    last = {i: {r["sync_round"]: r for r in per_peer[i]} for i in survivors}
-    common = set.intersection(*(set(v) for v in last.values())) if last else set()
-    final = max(common) if common else None
+    # each survivor's last shared weights: its last round's, or the state it took when it skipped rounds
+    last: dict[int, tuple[int, str]] = {}
+    for i in survivors:
+        for r in lines[i]:
+            if "sync_round" in r:
+                last[i] = (r["sync_round"], r.get("shared_digest", ""))
+            elif "caught_up_round" in r:
+                last[i] = (r["caught_up_round"], r.get("shared_digest") or "")
+    final = max((v[0] for v in last.values()), default=None)
     groups = [g for r in rows for g in r.get("groups", {}).values()]
     return {
         "peer_rounds": len(rows), "peer_rounds_applied": len(applied),
@@ -145,7 +151,8 @@ def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]
         "grid_groups": sum(bool(r.get("groups", {}).get("shared", {}).get("rows")) for r in rows),
         "partial_groups": sum(bool(r.get("groups", {}).get("shared", {}).get("partial")) for r in rows),
         "final_round": final,
-        "final_weights": len({last[i][final]["shared_digest"] for i in survivors}) if final is not None else None,
+        "final_weights": len({d for r, d in last.values() if r == final}) if final is not None else None,
+        "ended_behind": sum(r != final for r, _ in last.values()),  # survivors whose last round is an earlier one
         "survivors": len(survivors),
     }
 

@@ -160,14 +160,8 @@ class SwarmSync:
         its late member adopts the result the group agreed on, which costs less than the whole state.
         """
         ahead = self.swarm.swarm_round()
-        if ahead is None or ahead <= self.next_round:
+        if ahead is None or ahead <= self.next_round or not self._rejoin(trainer):
             return False
-        skipped = self.next_round
-        if not self._rejoin(trainer):
-            return False
-        self.tokens_at_last_sync = trainer.tokens  # what we trained since our last round was replaced
-        self.swarm.stats["rounds_skipped"] += self.next_round - skipped
-        trainer.log_record({"step": trainer.step, "rounds_skipped": list(range(skipped, self.next_round))})
         self.swarm.expect_round(self.next_round)
         return True
 
@@ -196,7 +190,8 @@ class SwarmSync:
 
         A peer that was frozen or cut off misses rounds the others complete; it takes the swarm's
         latest agreed weights (keeping the experts only it trains, whose newest version is its own) and
-        its place in the schedule, and says so. Its local progress since its last round is replaced.
+        its place in the schedule, and says so (a metrics line with the rounds it skipped and the digest
+        of the shared weights it took). Its local progress since its last round is replaced.
         """
         ahead = self.swarm.swarm_round()
         if ahead is None or ahead < self.next_round:
@@ -209,7 +204,12 @@ class SwarmSync:
                     self.next_round - 1, ahead, meta["round"], trainer.step, target)
         self.swarm.stats["steps_skipped"] += target - trainer.step
         trainer.step = target
+        skipped = list(range(self.next_round, int(meta["round"]) + 1))
         self.next_round = max(self.next_round, int(meta["round"]) + 1)
+        self.tokens_at_last_sync = trainer.tokens  # what we trained since our last round was replaced
+        self.swarm.stats["rounds_skipped"] += len(skipped)
+        trainer.log_record({"step": trainer.step, "rounds_skipped": skipped, "caught_up_round": int(meta["round"]),
+                            "shared_digest": meta.get("digest")})
         return True
 
 

@@ -248,10 +248,13 @@ class SlowToTake(PartServer):
         return await super().contribute(stream, context)
 
 
-class SlowLink(GroupAllReduce):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.server = SlowToTake(self.codec, self.aggregate, self.server.wait)
+def serving_with(handlers: type[PartServer]):
+    """A GroupAllReduce whose reducer side is ``handlers`` (a member whose link or server misbehaves)."""
+    def make(*args, **kwargs) -> GroupAllReduce:
+        reducer = GroupAllReduce(*args, **kwargs)
+        reducer.server = handlers(reducer.codec, reducer.aggregate, reducer.server.wait)
+        return reducer
+    return make
 
 
 @pytest.mark.slow
@@ -261,7 +264,7 @@ def test_members_keep_the_longest_deadline_any_of_them_proposed(dhts):
     inside it); the group keeps the longest deadline proposed, and every member completes the first
     attempt with the same mean."""
     tensors = [torch.randn(4_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
-    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-deadline", kinds={2: SlowLink},
+    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-deadline", kinds={2: serving_with(SlowToTake)},
                         timeouts={0: 1.0, 1: 8.0, 2: 8.0})
     assert all(r.ok and r.attempts == 1 and len(r.members) == 3 for r in results), \
         [(r.ok, r.attempts, r.error) for r in results]
@@ -277,19 +280,13 @@ class RefusesFetches(PartServer):
         yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
 
 
-class ServesNobody(GroupAllReduce):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.server = RefusesFetches(self.codec, self.aggregate, self.server.wait)
-
-
 @pytest.mark.slow
 def test_members_do_not_form_again_when_one_of_them_applied_the_attempt(dhts):
     """Member 0 completes the attempt; 1 and 2 cannot fetch its part. Forming the group again among
     themselves would give them an average that differs from the one member 0 applied: they see that it
     did (its "done" record) and fail instead, leaving the round's adopt path to take its result."""
     tensors = [torch.randn(4_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
-    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-done", kinds={0: ServesNobody})
+    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-done", kinds={0: serving_with(RefusesFetches)})
     assert results[0].ok and len(results[0].members) == 3, results[0].error
     torch.testing.assert_close(results[0].tensor, sum(tensors) / 3)
     for r in results[1:]:

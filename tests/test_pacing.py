@@ -227,6 +227,7 @@ def test_a_peer_whose_round_the_swarm_finished_long_ago_takes_its_state_instead(
     assert hook.next_round == others_round + 1 and trainer.step == 10 * others_round
     assert swarm.stats["rounds_skipped"] == others_round
     assert records[-1]["rounds_skipped"] == list(range(1, others_round + 1))
+    assert records[-1]["caught_up_round"] == others_round
     trainer.step += 10
     trainer.tokens += 1000
     hook(trainer)  # the next round weighs only what was trained since the state was taken
