@@ -44,19 +44,24 @@ class Blind:
 
 
 def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] | None = None,
-         present: list[int] | None = None, timeouts: list[float] | None = None) -> list[Joined]:
+         present: list[int] | None = None, timeouts: list[float] | None = None,
+         hold: float | None = None) -> list[Joined]:
     """Every member in ``present`` joins the same group, member i ``delays[i]`` seconds after the first
     (proposing the transfer deadline ``timeouts[i]``); member i reads the arrivals without member
-    ``blind[i]``'s record."""
+    ``blind[i]``'s record. With ``hold``, it is a retry that forms ``hold`` seconds after the first
+    member starts joining (the failed attempt's deadline)."""
     ids = [node.peer_id.to_base58() for node in peers.nodes]
     present = list(range(len(ids))) if present is None else present
     key = group_key(run_id, 0, "shared")
+
+    start = time.monotonic()
 
     async def member(i: int) -> Joined:
         await asyncio.sleep(delays[i])
         dht = Blind(peers.nodes[i], ids[blind[i]]) if blind and i in blind else peers.nodes[i]
         return await join_group(dht, key, ids[i], peers.owners[i], set(ids), 1.0, WINDOW, None,
-                                matchmaking_time=WINDOW, ttl=30.0, timeout=timeouts[i] if timeouts else None)
+                                matchmaking_time=WINDOW, ttl=30.0, timeout=timeouts[i] if timeouts else None,
+                                hold_until=None if hold is None else start + hold)
 
     async def everyone() -> list[Joined]:
         return list(await asyncio.gather(*(member(i) for i in present)))
@@ -78,6 +83,15 @@ def test_every_member_keeps_the_deadline_the_first_arrival_decided(dhts):
     proposed among the decided members, 23 s, whatever they read themselves."""
     joined = form(dhts, "mm-deadline", [0.0, 0.3, 0.6], blind={1: 2}, timeouts=[5.0, 23.0, 9.0])
     assert [j.timeout for j in joined] == [23.0] * 3
+
+
+@pytest.mark.slow
+def test_a_retry_counts_arrivals_from_when_it_can_form_not_from_the_first_to_notice(dhts):
+    """Member 0 saw the attempt fail at once (a refused dial); members 1 and 2 waited out its deadline,
+    3.5 s later, longer than the join window. The retry forms at the deadline, so all three are in it."""
+    ids = [node.peer_id.to_base58() for node in dhts.nodes]
+    joined = form(dhts, "mm-retry", [0.0, 3.5, 3.5], hold=4.0)
+    assert [j.members for j in joined] == [sorted(ids)] * 3
 
 
 @pytest.mark.slow
