@@ -155,12 +155,16 @@ class Chaos:
             thread.join(timeout)
 
     def restart(self, index: int, timeout: float = 120.0) -> Fault:
-        """Start a killed peer again from its own checkpoint, joining through any live peer."""
+        """Start a killed peer again from its own checkpoint, joining through up to three live peers that
+        are not frozen (one address alone may die or freeze while the peer starts: its daemon then
+        fails to start, as a user's would with one dead bootstrap address)."""
         start = time.time()
-        sources = [i for i in self.live() if (self.swarm.run_dir / f"peer{i}" / "peer.json").exists()]
+        sources = [i for i in self.live()
+                   if i not in self.frozen and (self.swarm.run_dir / f"peer{i}" / "peer.json").exists()]
         if not sources:
             raise RuntimeError("no live peer to rejoin through")
-        maddrs = self.swarm.wait_for_maddrs(sources[0], timeout)
+        maddrs = [m for i in self.rng.sample(sources, min(3, len(sources)))
+                  for m in self.swarm.wait_for_maddrs(i, timeout)]
         self.swarm.start_peer(index, maddrs, resume=True)
         self.down.discard(index)
         fault = Fault("restart", index, start, time.time())
