@@ -186,7 +186,9 @@ def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work:
             while time.monotonic() - t0 < timeout and any(p.poll() is None for p in swarm.procs):
                 times = [r["sync_seconds"] for rs in rounds_of(run_dir, peers).values() for r in rs]
                 round_time = 0.25 * SYNC_STEPS + (statistics.median(times) if times else 10.0)
-                due += chaos.rng.uniform(0.5, 1.5) * round_time
+                # a fault that waited long (a kill inside a round waits for one) leaves the schedule at most
+                # one round time behind: catching up on every missed turn fired 7 faults within 20 s
+                due = max(due, time.monotonic() - round_time) + chaos.rng.uniform(0.5, 1.5) * round_time
                 time.sleep(max(due - time.monotonic(), 0.0))
                 if sum(chaos.last_step(i) >= steps - 2 * SYNC_STEPS for i in chaos.live()) >= len(chaos.live()) // 2:
                     break  # near the end: let the survivors finish
