@@ -147,6 +147,10 @@ class ProgressView:
             self._round(p, record)
         elif "took_over" in record:
             self.event(f"{name} took over expert(s) {record['took_over']} (now trains {record.get('local_experts')})")
+        elif "caught_up_round" in record:
+            skipped = record.get("rounds_skipped") or []
+            self.event(f"{name} fell behind the swarm: took its state of round {record['caught_up_round']} "
+                       f"(skipped {len(skipped)} round(s)) and goes on from step {record.get('step')}")
         else:
             if isinstance(record.get("loss"), (int, float)):
                 p.loss = float(record["loss"])

@@ -51,6 +51,7 @@ def test_events_name_what_happened_and_each_is_printed_once():
     view.update("peer1", round_record(4, 40, outcome="failed", groups_failed=["shared", "expert2"]))
     view.update("peer1", round_record(5, 50, outcome="adopted"))
     view.update("peer1", {"step": 50, "took_over": [4], "local_experts": [1, 4]})
+    view.update("peer0", {"step": 70, "rounds_skipped": [4, 5, 6, 7], "caught_up_round": 7, "shared_digest": "ab"})
     view.set_state("peer1", "died", "killed by SIGKILL")
     view.set_state("peer1", "died", "killed by SIGKILL")
     assert view.events == [
@@ -60,12 +61,13 @@ def test_events_name_what_happened_and_each_is_printed_once():
         "round 4 failed on peer1 (groups: shared, expert2); it keeps its own weights and tries again next round",
         "peer1 missed round 5 and took the result the others agreed on",
         "peer1 took over expert(s) [4] (now trains [1, 4])",
+        "peer0 fell behind the swarm: took its state of round 7 (skipped 4 round(s)) and goes on from step 70",
         "peer1 died: killed by SIGKILL",
     ]
     text = out.getvalue()
     assert text.count("peer1 died") == 1 and "\x1b[" not in text  # plain lines, no redraw codes
     p0 = view.peers["peer0"]
-    assert (p0.round, p0.round_outcome, p0.step) == (3, "averaged", 30)
+    assert (p0.round, p0.round_outcome, p0.step) == (3, "averaged", 70)
     assert p0.sent_mb == 6.0 and p0.received_mb == 12.0  # three rounds of 2 MB out, 3 + 1 MB in
 
 
