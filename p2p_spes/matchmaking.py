@@ -103,9 +103,10 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
     arrival = get_dht_time()
     if hold_until is not None:
         # a retry forms at hold_until (the failed attempt's deadline): a member that saw the failure at
-        # once (a refused dial) and one that waited the deadline out both count from then, or the first
-        # to notice would close the window on the rest (at 24 peers, 17 of 21 survivors arrived "late")
-        arrival += max(hold_until - time.monotonic(), 0.0)
+        # once (a refused dial) counts as arriving one window before it, so that the window closes when
+        # the hold ends, not before those that waited the deadline out came (counted from when the first
+        # noticed, 17 of 21 survivors arrived "late" at 24 peers) nor a window after it
+        arrival += max(hold_until - window - time.monotonic(), 0.0)
     give_up = time.monotonic() + matchmaking_time + 10
     mine = {"peer_id": peer_id, "w": float(weight), "t": arrival, "m": float(window)}
     if base is not None:
