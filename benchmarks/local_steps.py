@@ -30,8 +30,7 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
 * ``h1-pooled``, ``h50-pooled``: each replica's AdamW divides the noise part of its second moment
   (``v - m^2``) by P (``PooledNoiseAdamW``): the step scale the P batches' mean gradient would get.
   A probe of a method change; at seed 0 it moved h1 from +8.1% to +7.2% and made h50 worse (+13.3%
-  against +11.6%), so the trainer does not use it.
-
+  against +11.6%), so the trainer does not use it;
 * ``h50-nesterov``: h50 with the swarm's Nesterov outer step (``swarm/outer.py``, DiLoCo's lr 0.7 and
   momentum 0.9) on the averaged pseudo-gradient instead of taking the mean.
 

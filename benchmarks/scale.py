@@ -114,9 +114,8 @@ def rounds_of(run_dir: Path, peers: int) -> dict[int, list[dict[str, Any]]]:
 
 def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]:
     """The row of one run (see the module docstring)."""
-    per_peer = rounds_of(run_dir, peers)
-    rows = [r for records in per_peer.values() for r in records]
-    lines = {i: read_metrics(run_dir / f"peer{i}") for i in range(peers)}
+    lines = {i: read_metrics(run_dir / f"peer{i}") for i in range(peers)}  # read once: rounds and catch-ups
+    rows = [r for i in range(peers) for r in lines[i] if "sync_round" in r]
     skipped = sum(len(r["rounds_skipped"]) for i in range(peers) for r in lines[i] if isinstance(r.get("rounds_skipped"), list))
     applied = [r for r in rows if r["outcome"] in ("averaged", "adopted")]
     by_round: dict[int, list[dict]] = {}

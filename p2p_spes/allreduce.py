@@ -67,6 +67,12 @@ log = logging.getLogger(__name__)
 HOLD = 1.0  # seconds past a failed attempt's deadline before the next forms: members that finished say so by then
 
 
+def relaxed_timeout(proposal: float | None, configured: float) -> float | None:
+    """What a member proposes for a retry: twice the deadline it measured, at most ``configured`` (a
+    round that lost a member is a disturbed one, and the members' rates were not measured under it)."""
+    return None if proposal is None else min(2 * proposal, configured)
+
+
 Rebase = Callable[[Base, list[str]], Awaitable[None]]
 
 
@@ -210,11 +216,9 @@ class GroupAllReduce:
             survivors = set(result.members) - set(result.lost)
             log.info("round %d group %s: attempt %d among the %d members still answering (%s)", round_no, group,
                      attempt, len(survivors), result.error)
-            # the retry's deadline is twice the measured one (at most the configured one): a round that
-            # lost a member is a disturbed one, and the members' rates were not measured under it
-            relaxed = None if timeout is None else min(2 * timeout, self.timeout)
             retry = await self._attempt(round_no, group, f"{group}~{attempt}", tensor, weight, survivors, None,
-                                        None, relaxed, base, rebase, hold_until=result.deadline_at + HOLD)
+                                        None, relaxed_timeout(timeout, self.timeout), base, rebase,
+                                        hold_until=result.deadline_at + HOLD)
             retry.attempts = attempt
             retry.bytes_sent += result.bytes_sent
             retry.bytes_received += result.bytes_received
@@ -257,8 +261,7 @@ class GroupAllReduce:
                 matchmaking_time=self.matchmaking_time, ttl=self.matchmaking_time + self.timeout + 30,
                 hold_until=hold_until, timeout=proposal)
             members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
-            # the group's deadline: the longest a member proposed (matchmaking.py), else the configured one
-            timeout = min(joined.timeout, self.timeout) if joined.timeout > 0 else self.timeout
+            timeout = joined.deadline(self.timeout)  # the longest a member proposed (matchmaking.py)
         except asyncio.TimeoutError:
             result = GroupResult(None, [])
             result.error, result.seconds = "the DHT did not answer during matchmaking", time.monotonic() - t0

@@ -87,6 +87,11 @@ class Joined:
     done: set[str] = field(default_factory=set)  # peers that said they applied an earlier attempt (a retry's key)
     timeout: float = 0.0
 
+    def deadline(self, configured: float) -> float:
+        """The transfer deadline the group runs with: the agreed one, at most ``configured``; the
+        configured one when no member proposed any."""
+        return min(self.timeout, configured) if self.timeout > 0 else configured
+
 
 async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[str], weight: float, window: float,
                      base: Base | None, *, matchmaking_time: float, ttl: float, hold_until: float | None = None,

@@ -35,7 +35,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from p2p_spes.allreduce import HOLD
+from p2p_spes.allreduce import HOLD, relaxed_timeout
 from p2p_spes.compression import Codec
 from p2p_spes.config import SwarmConfig
 from p2p_spes.grid import Grid, column_bounds, make_grid
@@ -167,7 +167,7 @@ def simulate(cfg: SimConfig) -> SimResult:
             everyone = len(members) == len(live)
             start = (max(arrival[m] for m in members) if everyone else min(arrival[m] for m in members) + joined.window) + 0.5
             grid = make_grid(members, sw.group_size)
-            deadline = joined.timeout or sw.averaging_timeout  # none measured: the configured one
+            deadline = joined.deadline(sw.averaging_timeout)
             if grid is not None:
                 applied, end, counted, attempts = _grid_round(grid, start, joined.window, deadline, fails, by_id, codec,
                                                               cfg, moved)
@@ -194,12 +194,13 @@ def simulate(cfg: SimConfig) -> SimResult:
                 reform = max(noticed, start + deadline + HOLD)
                 # each proposes twice the deadline it measured (at most the configured one), as allreduce does
                 retry = {m: {"t": noticed + rng.uniform(0, 0.3), "m": sw.matchmaking_time,
-                             "d": _relaxed(by_id[m].deadlines.proposed_timeout(nbytes // 2), sw)} for m in survivors}
+                             "d": relaxed_timeout(by_id[m].deadlines.proposed_timeout(nbytes // 2), sw.averaging_timeout)}
+                         for m in survivors}
                 if not retry:
                     end = noticed
                     break
                 reformed = decide(retry, sw.matchmaking_time)
-                members, deadline = reformed.members, reformed.timeout or sw.averaging_timeout
+                members, deadline = reformed.members, reformed.deadline(sw.averaging_timeout)
                 start = reform + 0.5 + rng.uniform(0, 0.3)
         refresh = []
         for p in live:
@@ -217,11 +218,6 @@ def simulate(cfg: SimConfig) -> SimResult:
             counted=counted if applied else 0.0))
         _heal(peers, r + 1, cfg)
     return SimResult(cfg, outcomes)
-
-
-def _relaxed(proposal: float | None, sw: SwarmConfig) -> float | None:
-    """What a member proposes for a retry: twice its measured deadline, at most the configured one."""
-    return None if proposal is None else min(2 * proposal, sw.averaging_timeout)
 
 
 def _grid_round(grid: Grid, start: float, window: float, timeout: float, fails: dict[str, tuple[float, bool]],

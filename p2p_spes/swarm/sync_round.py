@@ -249,12 +249,12 @@ class RoundRunner:
         if not res.ok:
             info.error = res.error
             return info
-        if len(res.members) > 1 and not res.lost:
-            # a round that lost a member waited for it: its time says nothing of the links, and the
-            # group's deadline is the longest any member proposes, so one member's inflated estimate
-            # would become everyone's (a round without losses still counts a retry our own link needed)
-            self.deadlines.observe_transfer(res.bytes_sent + res.bytes_received, res.transfer_seconds)
         if len(res.members) > 1:
+            if not res.lost:
+                # a round that lost a member waited for it: its time says nothing of the links, and the
+                # group's deadline is the longest any member proposes, so one member's inflated estimate
+                # would become everyone's (a round without losses still counts a retry our own link needed)
+                self.deadlines.observe_transfer(res.bytes_sent + res.bytes_received, res.transfer_seconds)
             reason = self.guard.implausible(uid.split(":")[0], local, self.outer.anchor[uid] - res.tensor)
             if reason:
                 log.warning("refused the %s result of this round: %s", uid, reason)
