@@ -8,12 +8,16 @@ validators): none of those uses it.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import socket
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import hivemind
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
 
 from dht.auth import RunAuth
 from dht.identity import Identity, load_identity
@@ -60,3 +64,39 @@ def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), aut
         dht.shutdown()
         raise SwarmError(f"the DHT came up as {dht.peer_id} instead of the identity's {identity.peer_id}")
     return dht, identity
+
+
+def peer_id_of(maddr: str) -> str | None:
+    """The peer id a full multiaddr ends in (``.../p2p/PEER_ID``), or None."""
+    parts = str(maddr).rstrip("/").split("/")
+    return parts[-1] if len(parts) >= 2 and parts[-2] == "p2p" and parts[-1] else None
+
+
+@dataclass(frozen=True)
+class Redial:
+    """Run in the DHT's process: when its routing table is empty, ping ``peer_ids`` and look up our neighbours.
+
+    hivemind drops a neighbour from the routing table after one request it did not answer, and only
+    ``initial_peers`` at start-up fill it. A peer whose own requests all timed out (it was stopped, or
+    its link dropped for a while) and whom the others dropped in turn never hears of anyone again: it
+    reads no records, sees itself alone and trains apart from the run for good. Pinging peers it knew
+    (their addresses stay in libp2p's peer store) puts them back, and a lookup of our own id finds
+    their neighbours. Returns ``(neighbours before, neighbours after)``; nothing is sent when the table
+    is not empty."""
+
+    peer_ids: tuple[str, ...]
+    timeout: float = 10.0
+
+    async def __call__(self, _dht: hivemind.DHT, node: DHTNode) -> tuple[int, int]:
+        table = node.protocol.routing_table
+        before = len(table.uid_to_peer_id)
+        if before or not self.peer_ids:
+            return before, before
+        pings = [node.protocol.call_ping(PeerID.from_base58(p)) for p in self.peer_ids]
+        try:
+            await asyncio.wait_for(asyncio.gather(*pings, return_exceptions=True), self.timeout)
+            if len(table.uid_to_peer_id):
+                await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), self.timeout)
+        except asyncio.TimeoutError:
+            pass
+        return before, len(table.uid_to_peer_id)

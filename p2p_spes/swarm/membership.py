@@ -28,6 +28,7 @@ from p2p_spes.placement import free_partition, least_covered
 from p2p_spes.swarm.runtime import Runtime
 
 log = logging.getLogger(__name__)
+MAX_SEEN = 32  # peers remembered for a redial
 SYNC_PROTOCOL = 2  # 1: groups averaged weights; 2: pseudo-gradients through a codec (compression.py)
 
 
@@ -74,6 +75,9 @@ class Membership:
         self._published: list[tuple[str, dict[str, Any]]] = []  # model and run config, renewed with the record
         self._heartbeat: asyncio.Future | None = None
         self.members: set[str] = set()  # peers with a valid record (private runs: proof of the secret)
+        self.seen: dict[str, float] = {}  # other live peers we read, newest last: whom to redial if cut off
+        self._isolated = False
+        self._redial: asyncio.Task | None = None
         self.run_config = run_config_record(cfg)  # published once the model check passed
 
     # Views of the others ---------------------------------------------------------------------
@@ -85,7 +89,16 @@ class Membership:
             record = PeerRecord.from_value(peer, value)
             if record is not None and record.fingerprint == self.fingerprint and not value.get("left"):
                 out[peer] = record
+        self.remember(p for p in out if p != self.peer_id)
         return out
+
+    def remember(self, peers: Any) -> None:
+        """Keep the ``MAX_SEEN`` peers read most recently (whom ``stay_connected`` pings if we are cut off)."""
+        for peer in peers:
+            self.seen.pop(peer, None)
+            self.seen[peer] = time.monotonic()
+        for peer in list(self.seen)[:-MAX_SEEN]:
+            del self.seen[peer]
 
     def others(self) -> dict[str, PeerRecord]:
         return {p: r for p, r in self.live_peers().items() if p != self.peer_id}
@@ -234,8 +247,33 @@ class Membership:
     def start_heartbeat(self) -> None:
         self._heartbeat = self.runtime.submit(self._heartbeat_loop())
 
+    async def stay_connected(self) -> None:
+        """Rejoin the DHT through peers we saw (newest first) and our initial peers when it lost every neighbour.
+
+        Without this a peer cut off for a while (stopped, or its link down) that the others dropped in
+        turn would read no records again: it would see itself alone and take over every expert."""
+        if not self.seen and not self.runtime.initial_peer_ids:
+            return  # the run's first peer, before anyone joined: there is nobody to reach
+        try:
+            before, after = await self.runtime.redial_if_isolated(list(reversed(self.seen)))
+        except Exception as exc:  # a background task: say what failed rather than lose it
+            log.warning("checking the DHT's neighbours failed: %s", exc)
+            return
+        if before != 0:
+            self._isolated = False
+            return
+        if after > 0:
+            self.stats["dht_redials"] += 1
+            log.warning("the DHT had lost every neighbour; reconnected through the peers we knew (%d now)", after)
+        elif not self._isolated:
+            log.warning("the DHT has lost every neighbour and none of the %d peers we knew answered; retrying "
+                        "every %.0f s", len(self.seen) + len(self.runtime.initial_peer_ids), self.cfg.swarm.heartbeat)
+        self._isolated = after == 0
+
     async def _heartbeat_loop(self) -> None:
         while True:
+            if self._redial is None or self._redial.done():  # apart: pinging dead peers must not delay our record
+                self._redial = asyncio.create_task(self.stay_connected())
             try:
                 await self.publish()
                 for key, value in self._published:  # the model and run config live as long as a peer does

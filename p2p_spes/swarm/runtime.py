@@ -23,7 +23,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from dht.auth import RunAuth
-from dht.node import start_dht
+from dht.node import Redial, peer_id_of, start_dht
 from dht.records import signed_values
 from p2p_spes.config import SwarmConfig
 from p2p_spes.errors import SwarmError
@@ -100,6 +100,7 @@ class Runtime:
                 "firewall blocks the port"
             ) from None
         self.peer_id: str = self.identity.peer_id
+        self.initial_peer_ids = [p for p in map(peer_id_of, sw.initial_peers) if p and p != self.peer_id]
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         self.p2p = self.call(self.dht.replicate_p2p())
 
@@ -131,6 +132,17 @@ class Runtime:
             )
         except asyncio.TimeoutError:
             log.warning("DHT write of %s timed out after %.0f s", key, DHT_REQUEST_TIMEOUT)
+
+    async def redial_if_isolated(self, known: list[str]) -> tuple[int, int]:
+        """When the DHT knows no neighbour, ping ``known`` peers and our initial peers (``dht.node.Redial``).
+
+        Returns the neighbours before and after; a DHT that does not answer in time reads as ``(-1, -1)``."""
+        peers = tuple(dict.fromkeys(p for p in [*known, *self.initial_peer_ids] if p != self.peer_id))
+        try:
+            return await asyncio.wait_for(self.dht.run_coroutine(Redial(peers), return_future=True),
+                                          DHT_REQUEST_TIMEOUT)
+        except asyncio.TimeoutError:
+            return -1, -1
 
     def shutdown(self) -> None:
         """Stop the DHT, cancel what still runs on the loop, and stop the loop."""

@@ -1,0 +1,162 @@
+"""A peer whose DHT lost every neighbour finds the run again (``dht.node.Redial``, ``Membership.stay_connected``).
+
+hivemind drops a neighbour after one unanswered request and never re-bootstraps, so a peer that was
+stopped for a while and dropped by the others in turn reads no record again. These tests cut a real
+loopback peer off that way and check that it reconnects through its initial peers, or, when those
+died, through the peers it last read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+from hivemind.p2p import PeerID
+
+from dht.auth import RunAuth
+from dht.node import Redial, peer_id_of
+from p2p_spes.config import load_config
+from p2p_spes.swarm.membership import Membership
+from p2p_spes.swarm.runtime import Runtime
+
+RUN = "redial"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+async def neighbours(_dht, node) -> list[str]:
+    return [p.to_base58() for p in node.protocol.routing_table.uid_to_peer_id.values()]
+
+
+class Drop:
+    """Remove ``peer`` (or everyone, with None) from a node's routing table: what unanswered requests do."""
+
+    def __init__(self, peer: str | None) -> None:
+        self.peer = peer
+
+    async def __call__(self, _dht, node) -> int:
+        table = node.protocol.routing_table
+        for uid, peer in list(table.uid_to_peer_id.items()):
+            if self.peer is None or peer == PeerID.from_base58(self.peer):
+                del table[uid]
+        return len(table.uid_to_peer_id)
+
+
+class Member:
+    """One trainer's DHT side: a ``Runtime`` and a ``Membership`` that publishes a record with one expert."""
+
+    def __init__(self, initial_peers: list[str], expert: int) -> None:
+        self.cfg = load_config(overrides=[f"swarm.run_id={json.dumps(RUN)}",
+                                          f"swarm.initial_peers={json.dumps(initial_peers)}",
+                                          f"swarm.host_maddrs={json.dumps(LOOPBACK)}"])
+        self.runtime = Runtime(self.cfg.swarm, RunAuth())
+        self.stats: Counter = Counter()
+        self.membership = Membership(self.runtime, self.cfg, self.stats, experts=lambda: [expert])
+        self.peer_id = self.runtime.peer_id
+        self.alive = True
+
+    def others_seen(self, step: int = 0) -> set[str]:
+        """The other peers whose record at ``step`` we can read (old records linger in our own storage)."""
+        return {p for p, r in self.membership.live_peers().items() if p != self.peer_id and r.step == step}
+
+    def neighbours(self) -> list[str]:
+        return self.runtime.dht.run_coroutine(neighbours)
+
+    def drop(self, peer: str | None) -> int:
+        return self.runtime.dht.run_coroutine(Drop(peer))
+
+    def stop(self) -> None:
+        if self.alive:
+            self.alive = False
+            self.runtime.shutdown()
+
+
+@pytest.fixture
+def swarm():
+    """Peers 0-2 joined through peer 0; the last one is the peer under test, joined through peer 0 too."""
+    first = Member([], 0)
+    maddrs = list(first.runtime.maddrs)
+    members = [first] + [Member(maddrs, e) for e in (1, 2, 3)]
+    try:
+        yield members
+    finally:
+        for m in members:
+            m.stop()
+
+
+def announce_all(members: list[Member], step: int = 0) -> None:
+    """Every live peer writes its record at ``step`` (as its heartbeat would)."""
+    for m in members:
+        if m.alive:
+            m.membership.update_status(step=step)
+            m.membership.announce()
+
+
+def cut_off(members: list[Member]) -> None:
+    """The last peer drops everyone and everyone drops it: what a long stop does to both sides."""
+    me = members[-1]
+    assert me.drop(None) == 0
+    for m in members[:-1]:
+        if m.alive:
+            m.drop(me.peer_id)
+
+
+@pytest.mark.slow
+def test_a_cut_off_peer_reconnects_through_its_initial_peer(swarm):
+    me = swarm[-1]
+    announce_all(swarm)
+    assert me.others_seen() == {m.peer_id for m in swarm[:-1]}
+    cut_off(swarm)
+    me.membership.seen.clear()  # only the initial peer is left to try
+    announce_all(swarm, step=1)
+    assert me.others_seen(step=1) == set(), "a peer with no neighbour should not read new records"
+    assert me.neighbours() == []
+    me.runtime.call(me.membership.stay_connected())
+    assert me.stats["dht_redials"] == 1
+    assert swarm[0].peer_id in me.neighbours()
+    announce_all(swarm, step=2)
+    assert me.others_seen(step=2) == {m.peer_id for m in swarm[:-1]}
+
+
+@pytest.mark.slow
+def test_a_cut_off_peer_whose_initial_peer_died_reconnects_through_peers_it_read(swarm):
+    me = swarm[-1]
+    announce_all(swarm)
+    assert me.others_seen() == {m.peer_id for m in swarm[:-1]}
+    assert set(me.membership.seen) == {m.peer_id for m in swarm[:-1]}
+    swarm[0].stop()  # the only address it was given
+    cut_off(swarm)
+    announce_all(swarm, step=1)
+    assert me.others_seen(step=1) == set()
+    started = time.monotonic()
+    me.runtime.call(me.membership.stay_connected())
+    assert time.monotonic() - started < 25, "a dead peer's ping must not hold the redial up for long"
+    assert me.stats["dht_redials"] == 1
+    assert set(me.neighbours()) & {swarm[1].peer_id, swarm[2].peer_id}
+    announce_all(swarm, step=2)
+    assert me.others_seen(step=2) == {swarm[1].peer_id, swarm[2].peer_id}
+
+
+@pytest.mark.slow
+def test_a_connected_peer_or_the_runs_first_peer_sends_nothing(swarm):
+    me = swarm[-1]
+    announce_all(swarm)
+    me.others_seen()
+    before = me.neighbours()
+    me.runtime.call(me.membership.stay_connected())
+    assert me.stats["dht_redials"] == 0 and me.neighbours() == before
+    # a node with no neighbour and nobody to ask: Redial sends nothing and says so
+    alone = Member([], 9)
+    try:
+        assert alone.runtime.dht.run_coroutine(Redial(())) == (0, 0)
+        alone.runtime.call(alone.membership.stay_connected())
+        assert alone.stats["dht_redials"] == 0
+    finally:
+        alone.stop()
+
+
+def test_peer_id_of_a_multiaddr():
+    assert peer_id_of("/ip4/1.2.3.4/tcp/5/p2p/QmPeer") == "QmPeer"
+    assert peer_id_of("/ip4/1.2.3.4/tcp/5") is None
+    assert peer_id_of("/ip4/1.2.3.4/tcp/5/p2p/") is None
