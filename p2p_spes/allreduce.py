@@ -31,7 +31,9 @@ average among themselves. A dead member does not come; a slow one that does is w
 attempt succeeded says so under the next attempt's key (``announce_done``), and the next attempt forms
 no earlier than the failed one's deadline (plus ``HOLD``): a member that sees such a record does not
 form the group again, since its result would differ from what that member applied, and takes the
-agreed result instead (the round's adopt path). Each attempt is all-or-nothing, so no partial average is ever applied; the members of the attempt that succeeds
+agreed result instead (the round's adopt path). A peer that arrived after the group closed joins its
+next attempt the same way (it computes the failed one's deadline from the decision), so when a small
+early group fails, the late majority is in the retry rather than losing the round with it. Each attempt is all-or-nothing, so no partial average is ever applied; the members of the attempt that succeeds
 end bit-identical, and the lost members are reported (``GroupResult.lost``). A member alone at a
 retry fails instead (the others may have applied the first attempt). Views of the membership that
 differ give different group ids and fail loudly. A stream cut short (hivemind ends one silently when
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
 
 from dht.keys import group_key
 from dht.records import signed_values
@@ -214,8 +217,9 @@ class GroupAllReduce:
         while not result.ok and result.retryable and result.attempts <= self.retries:
             attempt = result.attempts + 1
             survivors = set(result.members) - set(result.lost)
-            log.info("round %d group %s: attempt %d among the %d members still answering (%s)", round_no, group,
-                     attempt, len(survivors), result.error)
+            late = self.peer_id not in result.members
+            log.info("round %d group %s: attempt %d among the %d members still answering%s (%s)", round_no, group,
+                     attempt, len(survivors), ", if they form it" if late else "", result.error)
             retry = await self._attempt(round_no, group, f"{group}~{attempt}", tensor, weight, survivors, None,
                                         None, relaxed_timeout(timeout, self.timeout), base, rebase,
                                         hold_until=result.deadline_at + HOLD)
@@ -225,8 +229,10 @@ class GroupAllReduce:
             retry.retries += result.retries
             retry.transfer_seconds += result.transfer_seconds  # the link's speed is measured over all of them
             retry.lateness, retry.window = first.lateness, first.window  # the round's arrivals, not the retry's
-            if not retry.ok and not retry.members:
-                retry.members = result.members  # nobody came: report the group we had
+            if not retry.ok and (late or not retry.members):
+                # nobody came, or we came late and it did not form again (its members applied the attempt
+                # we missed): report the group we had, whose result the caller may adopt
+                retry.members = result.members
             result = retry
         if result.ok:
             if not result.rows:  # (a grid reports the row members whose parts never came)
@@ -279,6 +285,11 @@ class GroupAllReduce:
             return result
         if self.peer_id not in members:
             result.error = "arrived after the group closed"
+            if len(members) > 1 and not (bounded and make_grid(members, self.group_size) is not None):
+                # if its transfers fail, its survivors form it again after its deadline (by the DHT clock,
+                # first + window + deadline); we may join that attempt instead of losing the round with them
+                result.retryable = True
+                result.deadline_at = time.monotonic() + joined.first + agreed + timeout - get_dht_time()
             return result
         result.base = agreed_base(bases)
         deadline = result.deadline_at = time.monotonic() + timeout

@@ -86,6 +86,7 @@ class Joined:
     bases: dict[str, Base] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)  # peers that said they applied an earlier attempt (a retry's key)
     timeout: float = 0.0
+    first: float = 0.0  # the first arrival's time (DHT clock): the group's transfers end by first + window + deadline
 
     def deadline(self, configured: float) -> float:
         """The transfer deadline the group runs with: the agreed one, at most ``configured``; the
@@ -211,7 +212,7 @@ def adopted(value: dict, own: Joined) -> Joined | None:
     bases = {}
     if isinstance(value.get("b"), str) and type(value.get("br")) is int:
         bases = {members[i]: Base(value["b"], value["br"]) for i in holders}
-    return Joined(list(members), dict(own.lateness), window, bases, timeout=timeout)
+    return Joined(list(members), dict(own.lateness), window, bases, timeout=timeout, first=own.first)
 
 
 async def announce_done(dht, key: str, peer_id: str, owner: bytes, ttl: float) -> None:
@@ -233,4 +234,4 @@ def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
     bases = {p: Base(records[p]["b"], records[p]["br"]) for p in members
              if isinstance(records[p].get("b"), str) and type(records[p].get("br")) is int}
     return Joined(members, {p: t - first for p, t in times.items()}, agreed, bases,
-                  timeout=agreed_timeout(records, members))
+                  timeout=agreed_timeout(records, members), first=first)

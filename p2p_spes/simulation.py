@@ -6,7 +6,7 @@
 members propose, each ``Deadlines.transfer_timeout`` from the rates it observed), the size of every message
 (``compression.Codec.wire_bytes``), where experts go (``placement.spes_block``; a restarted peer
 resumes its own) and who takes over an expert whose holders died (``healing.plan_takeover``), and the rule that a group attempt is all-or-nothing and is retried once
-among the members that survive it, formed after the failed attempt's deadline (``allreduce.GroupAllReduce``,
+among the members that survive it and the peers that arrived after it closed, formed after the failed attempt's deadline (``allreduce.GroupAllReduce``,
 ``allreduce.HOLD``, ``swarm.group_retries``), and, for a shared group of more than ``swarm.group_size``,
 its rows and columns (``grid.make_grid``, ``grid.column_bounds``: who reduces which column and who holds
 it in each row).
@@ -189,7 +189,9 @@ def simulate(cfg: SimConfig) -> SimResult:
                 if attempts > sw.group_retries:
                     end = noticed
                     break
-                survivors = [m for m in members if not (m in fails and fails[m][0] <= noticed)]
+                # the late peers of the first attempt join its retry too (allreduce.GroupAllReduce.run)
+                survivors = [m for m in members + (late if attempts == 1 else [])
+                             if not (m in fails and fails[m][0] <= noticed)]
                 # the retry forms once the failed attempt's deadline has passed (allreduce.HOLD)
                 reform = max(noticed, start + deadline + HOLD)
                 # each proposes twice the deadline it measured (at most the configured one), as allreduce does
@@ -201,6 +203,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                     break
                 reformed = decide(retry, sw.matchmaking_time)
                 members, deadline = reformed.members, reformed.deadline(sw.averaging_timeout)
+                late = [p for p in late if p not in members]
                 start = reform + 0.5 + rng.uniform(0, 0.3)
         refresh = []
         for p in live:

@@ -25,9 +25,11 @@ def dhts():
     peers.close()
 
 
-def run_group(peers, tensors, weights, compression, run_id, present=None, aggregate=None, kinds=None, timeouts=None):
+def run_group(peers, tensors, weights, compression, run_id, present=None, aggregate=None, kinds=None, timeouts=None,
+              delays=None):
+    """Each present peer runs group "g" of round 0; ``delays`` (seconds, by index) hold a peer back first."""
     present = list(range(len(peers))) if present is None else present
-    timeouts = timeouts or {}
+    timeouts, delays = timeouts or {}, delays or {}
     dhts = peers.nodes
     kinds = kinds or {}
 
@@ -41,8 +43,11 @@ def run_group(peers, tensors, weights, compression, run_id, present=None, aggreg
             await reducer.start()
             reducers.append(reducer)
         expected = {dhts[i].peer_id.to_base58() for i in range(len(dhts))}
-        return await asyncio.gather(*(r.run(0, "g", tensors[i], weights[i], expected, timeout=timeouts.get(i))
-                                      for r, i in zip(reducers, present)))
+
+        async def member(r, i):
+            await asyncio.sleep(delays.get(i, 0.0))
+            return await r.run(0, "g", tensors[i], weights[i], expected, timeout=timeouts.get(i))
+        return await asyncio.gather(*(member(r, i) for r, i in zip(reducers, present)))
 
     return peers.call(main())
 
@@ -305,3 +310,36 @@ def test_no_retry_when_retries_are_off(dhts):
     assert not any(r.ok for r in results)
     assert all(r.attempts == 1 for r in results[:2])
     assert all("refused our contribution" in r.error for r in results[:2]), [r.error for r in results[:2]]
+
+
+@pytest.mark.slow
+def test_a_late_peer_joins_the_retry_of_the_group_it_missed(dhts):
+    """Members 0 and 1 form the group; member 2 comes after it closed. Member 1 is gone before the
+    transfers, so the attempt fails and member 0 alone could not form it again (its result could differ
+    from one a member applied). The late member computes the attempt's deadline from the decision and
+    joins its retry: 0 and 2 end with their own weighted mean, bit-identical."""
+    tensors = [torch.randn(5_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
+    results = run_group(dhts, tensors, [1.0, 1.0, 3.0], "none", run_id="t-late-retry", kinds={1: Dies},
+                        delays={2: WINDOW + 1.5})
+    first, late = results[0], results[2]
+    assert first.ok and late.ok, [first.error, late.error]
+    assert first.attempts == late.attempts == 2
+    assert first.members == late.members and len(first.members) == 2
+    assert tensor_digest([first.tensor]) == tensor_digest([late.tensor])
+    torch.testing.assert_close(first.tensor, (tensors[0] + 3 * tensors[2]) / 4)
+    assert late.lateness and max(late.lateness.values()) > WINDOW, "member 2 was not late for the first attempt"
+
+
+@pytest.mark.slow
+def test_a_late_peer_of_a_group_that_succeeds_reports_it_without_forming_another(dhts):
+    """Members 0 and 1 complete the group; member 2, late, waits for the retry that never forms (they
+    said they applied the attempt) and reports the group it missed, whose result it may adopt."""
+    tensors = [torch.randn(5_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
+    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-late-done", delays={2: WINDOW + 1.5})
+    assert all(r.ok and len(r.members) == 2 for r in results[:2]), [r.error for r in results[:2]]
+    late = results[2]
+    late_id = dhts.nodes[2].peer_id.to_base58()
+    assert not late.ok and late_id not in late.members and late.members == results[0].members, late.members
+    assert "applied the earlier attempt" in late.error, late.error
+    # it stops once the members said so, long before the attempt's 10 s deadline would have passed
+    assert late.seconds < 10.0, late.seconds
