@@ -173,8 +173,9 @@ class SwarmConfig:
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
     # a group whose transfers failed (a member died or froze mid-round) forms again among the members
-    # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost
-    group_retries: int = 1
+    # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost.
+    # Two: on a 24-peer churn run a second member died inside the retry and everyone lost the round
+    group_retries: int = 2
     # >= 2: a shared group of more peers runs in rows of at most this many and as many columns, each
     # column a group of one holder per row (p2p_spes/grid.py); a lost peer costs its row's part. 0: flat
     group_size: int = 0

@@ -343,3 +343,42 @@ def test_a_late_peer_of_a_group_that_succeeds_reports_it_without_forming_another
     assert "applied the earlier attempt" in late.error, late.error
     # it stops once the members said so, long before the attempt's 10 s deadline would have passed
     assert late.seconds < 10.0, late.seconds
+
+
+class DiesInTheRetry(GroupAllReduce):
+    """A member that takes part in the first attempt and is gone in the second: it registers no part
+    there, so contributions to it are not taken and the attempt fails at its deadline."""
+
+    async def run(self, round_no, group, tensor, weight, expected, **kwargs):
+        self.retries = 1
+        return await super().run(round_no, group, tensor, weight, expected, **kwargs)
+
+    async def _attempt(self, round_no, group, key, tensor, *args, **kwargs):
+        if key != group:
+            def gone():
+                raise RuntimeError("this member died inside the retry")
+            tensor = gone
+        return await super()._attempt(round_no, group, key, tensor, *args, **kwargs)
+
+
+@pytest.mark.slow
+def test_two_deaths_in_one_round_cost_a_second_retry_not_the_round():
+    """Four members with ``retries=2``: member 3 is gone before the first attempt's transfers, member 2
+    inside the retry. Members 0 and 1 form the group a third time and end with their own mean."""
+    peers = Peers(4)
+    try:
+        tensors = [torch.randn(3_001, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+        def two_retries(*args, **kwargs) -> GroupAllReduce:
+            return GroupAllReduce(*args, **{**kwargs, "retries": 2})
+        results = run_group(peers, tensors, [1.0, 2.0, 1.0, 1.0], "none", run_id="t-two-deaths",
+                            kinds={0: two_retries, 1: two_retries, 2: DiesInTheRetry, 3: Dies})
+        survivors = results[:2]
+        assert all(r.ok and r.attempts == 3 and len(r.members) == 2 for r in survivors), \
+            [(r.ok, r.attempts, r.error) for r in survivors]
+        assert not results[2].ok and results[2].attempts == 2
+        assert tensor_digest([survivors[0].tensor]) == tensor_digest([survivors[1].tensor])
+        torch.testing.assert_close(survivors[0].tensor, (tensors[0] + 2 * tensors[1]) / 3)
+        assert sorted(survivors[0].lost) == sorted(p.peer_id.to_base58() for p in peers.nodes[2:])
+    finally:
+        peers.close()
