@@ -24,6 +24,8 @@ Reported per N: peer-rounds applied / attempted (a peer-round is applied when th
 shared weights with others or took the result its group agreed on), rounds in which every peer that
 ran the round applied an average (a peer that came back to find the swarm two rounds past its own
 takes the swarm's state and skips those rounds: they are counted apart, as ``peer_rounds_skipped``),
+the same among the peers not stopped (SIGSTOP) during the round (a stopped peer cannot take part; it
+takes the swarm's state once thawed; ``peer_rounds_frozen`` counts its rounds),
 the median seconds per round, bytes sent + received + downloaded per
 peer per round, how many different shared weights the surviving peers hold at the end (at the last round any of them
 ran or took; ``ended_behind`` counts survivors whose last round is an earlier one), groups that needed a retry and members lost from them, the peak proportional memory (PSS) of a
@@ -47,7 +49,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from p2p_spes.chaos import Chaos, orphaned, read_metrics
+from p2p_spes.chaos import Chaos, Fault, orphaned, read_metrics
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.swarm import sync_deadline
@@ -112,7 +114,12 @@ def rounds_of(run_dir: Path, peers: int) -> dict[int, list[dict[str, Any]]]:
     return {i: [r for r in read_metrics(run_dir / f"peer{i}") if "sync_round" in r] for i in range(peers)}
 
 
-def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]:
+def frozen_during(row: dict[str, Any], freezes: list[Fault]) -> bool:
+    """Whether one of the peer's freezes overlaps this round (which ends at ``time``)."""
+    return any(f.start < row["time"] and f.end > row["time"] - row["sync_seconds"] for f in freezes)
+
+
+def summarize(run_dir: Path, peers: int, survivors: list[int], faults: list[Fault] = ()) -> dict[str, Any]:
     """The row of one run (see the module docstring)."""
     lines = {i: read_metrics(run_dir / f"peer{i}") for i in range(peers)}  # read once: rounds and catch-ups
     rows = [r for i in range(peers) for r in lines[i] if "sync_round" in r]
@@ -122,6 +129,12 @@ def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]
     for r in rows:
         by_round.setdefault(r["sync_round"], []).append(r)
     everyone = [n for n, rs in by_round.items() if all(r["outcome"] in ("averaged", "adopted") for r in rs)]
+    # a peer stopped (SIGSTOP) during its round cannot take part in it: rounds where every peer that was
+    # not stopped applied an average are counted apart (the stopped one takes the swarm's state when thawed)
+    freezes = {i: [f for f in faults if f.kind == "freeze" and f.peer == i] for i in range(peers)}
+    frozen = {id(r) for i in range(peers) for r in lines[i] if "sync_round" in r and frozen_during(r, freezes[i])}
+    everyone_running = [n for n, rs in by_round.items()
+                        if all(r["outcome"] in ("averaged", "adopted") or id(r) in frozen for r in rs)]
     # each survivor's last shared weights: its last round's, or the state it took when it skipped rounds
     last: dict[int, tuple[int, str]] = {}
     for i in survivors:
@@ -141,6 +154,8 @@ def summarize(run_dir: Path, peers: int, survivors: list[int]) -> dict[str, Any]
         "peer_rounds_skipped": skipped,
         "rounds": len(by_round), "rounds_everyone_applied": len(everyone),
         "everyone_share": len(everyone) / len(by_round) if by_round else None,
+        "peer_rounds_frozen": len(frozen),
+        "rounds_everyone_running_applied": len(everyone_running),
         "seconds_per_round": statistics.median(r["sync_seconds"] for r in rows) if rows else None,
         "mb_per_peer_round": statistics.fmean((r["bytes_sent"] + r["bytes_received"] + r["downloaded_bytes"]) / 1e6
                                               for r in rows) if rows else None,
@@ -206,7 +221,7 @@ def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work:
     survivors = [i for i, c in enumerate(codes) if c == 0]
     row = {"peers": peers, "experts": experts, "faults": faults, "steps": steps, "seed": seed, "wall_seconds": round(time.monotonic() - t0, 1),
            "exit_codes": codes, "fault_log": [vars(f) for f in chaos.faults],
-           **summarize(run_dir, peers, survivors), "processes_left": left,
+           **summarize(run_dir, peers, survivors, chaos.faults), "processes_left": left,
            "peak_pss_peer_mb": round(memory.peak_peer / 2**20), "peak_pss_swarm_mb": round(memory.peak_total / 2**20)}
     return row
 
@@ -236,7 +251,7 @@ def main() -> int:
                       f"{r['final_weights']} set(s) of weights at the end, {r['wall_seconds']:.0f} s")
     table = Table(title=f"scale: micro config, {args.steps} steps, a round every {SYNC_STEPS}, faults: {args.faults}, "
                         f"seed {args.seed}, group_size {load_config(None, args.overrides).swarm.group_size}")
-    for col in ("peers", "peer-rounds applied", "rounds every peer applied", "s per round (median)",
+    for col in ("peers", "peer-rounds applied", "rounds every peer applied", "... every peer not stopped", "s per round (median)",
                 "MB per peer per round", "vs first N", "groups retried (members lost)", "weights at end",
                 "peak MB (PSS) per peer (swarm)", "left behind"):
         table.add_column(col, justify="right")
@@ -246,6 +261,7 @@ def main() -> int:
         table.add_row(
             str(r["peers"]), f"{r['peer_rounds_applied']}/{r['peer_rounds']} ({100 * (r['applied_share'] or 0):.0f}%)",
             f"{r['rounds_everyone_applied']}/{r['rounds']} ({100 * (r['everyone_share'] or 0):.0f}%)",
+            f"{r['rounds_everyone_running_applied']}/{r['rounds']} ({r['peer_rounds_frozen']} peer-rounds stopped)",
             f"{r['seconds_per_round']:.1f}" if r["seconds_per_round"] is not None else "-",
             f"{mb:.2f}" if mb is not None else "-", f"{mb / base:.2f}x" if mb and base else "-",
             f"{r['groups_retried']} ({r['members_lost']})",
