@@ -74,23 +74,26 @@ def peer_id_of(maddr: str) -> str | None:
 
 @dataclass(frozen=True)
 class Redial:
-    """Run in the DHT's process: when its routing table is empty, ping ``peer_ids`` and look up our neighbours.
+    """Run in the DHT's process: when its routing table is empty (or with ``force``), ping ``peer_ids`` and
+    look up our neighbours.
 
     hivemind drops a neighbour from the routing table after one request it did not answer, and only
     ``initial_peers`` at start-up fill it. A peer whose own requests all timed out (it was stopped, or
     its link dropped for a while) and whom the others dropped in turn never hears of anyone again: it
     reads no records, sees itself alone and trains apart from the run for good. Pinging peers it knew
     (their addresses stay in libp2p's peer store) puts them back, and a lookup of our own id finds
-    their neighbours. Returns ``(neighbours before, neighbours after)``; nothing is sent when the table
-    is not empty."""
+    their neighbours. Returns ``(neighbours before, neighbours after)``; without ``force`` nothing is
+    sent when the table is not empty (its neighbours may still be ones that stopped answering: a peer
+    that reads nobody although it read others lately forces it)."""
 
     peer_ids: tuple[str, ...]
     timeout: float = 10.0
+    force: bool = False
 
     async def __call__(self, _dht: hivemind.DHT, node: DHTNode) -> tuple[int, int]:
         table = node.protocol.routing_table
         before = len(table.uid_to_peer_id)
-        if before or not self.peer_ids:
+        if (before and not self.force) or not self.peer_ids:
             return before, before
         pings = [node.protocol.call_ping(PeerID.from_base58(p)) for p in self.peer_ids]
         try:

@@ -90,7 +90,10 @@ class SwarmSync:
         last = trainer.step >= trainer.cfg.train.max_steps
         if self._pending is not None and (self._due(trainer) or last or self._pending[0].done()):
             self.finish(trainer)
-        if not self._due(trainer) or self._passed(trainer):
+        if not self._due(trainer):
+            return
+        self.swarm.reach_others()  # nobody answers at a boundary: reconnect before running a round alone
+        if self._passed(trainer):
             return
         round_no, weight = self.next_round, trainer.tokens - self.tokens_at_last_sync
         self.tokens_at_last_sync = trainer.tokens

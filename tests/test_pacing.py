@@ -113,6 +113,7 @@ class _Swarm:
         self.others_round: int | None = None  # the newest round another live peer finished
         self.others_after_sync: int | None = None  # ... once our round is over (we were frozen inside it)
         self.caught_up: list[int | None] = []
+        self.reached = 0
 
     def update_status(self, **fields) -> None:
         pass
@@ -128,6 +129,10 @@ class _Swarm:
 
     def swarm_round(self) -> int | None:
         return self.others_round
+
+    def reach_others(self) -> bool:
+        self.reached += 1  # called at every due boundary, before the round
+        return True
 
     def sole_experts(self) -> list[int]:
         return []
@@ -176,6 +181,7 @@ def test_a_peer_runs_its_own_boundary_and_no_round_past_the_end():
         trainer.tokens += 10
         hook(trainer)
     assert [c[:2] for c in swarm.calls] == [(1, 10), (2, 20)], "no round 3: it would end past max_steps"
+    assert swarm.reached == 2, "a peer makes sure it reaches the others before each round it runs"
     swarm.members = 1
     trainer2, hook2 = _trainer(), SwarmSync(swarm, sync_steps=10)
     for _ in range(10):

@@ -23,6 +23,7 @@ from p2p_spes.swarm.runtime import Runtime
 
 RUN = "redial"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+RECORD_TTL = 6.0  # seconds: records a cut-off peer holds in its own storage lapse within a test
 
 
 async def neighbours(_dht, node) -> list[str]:
@@ -49,7 +50,8 @@ class Member:
     def __init__(self, initial_peers: list[str], expert: int) -> None:
         self.cfg = load_config(overrides=[f"swarm.run_id={json.dumps(RUN)}",
                                           f"swarm.initial_peers={json.dumps(initial_peers)}",
-                                          f"swarm.host_maddrs={json.dumps(LOOPBACK)}"])
+                                          f"swarm.host_maddrs={json.dumps(LOOPBACK)}",
+                                          f"swarm.record_ttl={RECORD_TTL}"])
         self.runtime = Runtime(self.cfg.swarm, RunAuth())
         self.stats: Counter = Counter()
         self.membership = Membership(self.runtime, self.cfg, self.stats, experts=lambda: [expert])
@@ -66,8 +68,10 @@ class Member:
     def drop(self, peer: str | None) -> int:
         return self.runtime.dht.run_coroutine(Drop(peer))
 
-    def stop(self) -> None:
+    def stop(self, announce: bool = False) -> None:
         if self.alive:
+            if announce:
+                self.membership.announce_leaving()
             self.alive = False
             self.runtime.shutdown()
 
@@ -160,3 +164,36 @@ def test_peer_id_of_a_multiaddr():
     assert peer_id_of("/ip4/1.2.3.4/tcp/5/p2p/QmPeer") == "QmPeer"
     assert peer_id_of("/ip4/1.2.3.4/tcp/5") is None
     assert peer_id_of("/ip4/1.2.3.4/tcp/5/p2p/") is None
+
+
+@pytest.mark.slow
+def test_a_peer_that_reads_nobody_at_a_boundary_reconnects_before_believing_it_is_alone(swarm):
+    """Cut off with neighbours in its table that no longer answer for it (here: none, and the others
+    dropped it), a peer that read others before forces a redial and reads them again."""
+    me = swarm[-1]
+    announce_all(swarm)
+    assert me.others_seen() == {m.peer_id for m in swarm[:-1]}
+    cut_off(swarm)
+    time.sleep(RECORD_TTL + 0.5)  # the records it holds itself lapse: it reads nobody now
+    assert me.others_seen() == set() and me.neighbours() == []
+    announce_all(swarm, step=3)  # the others go on writing records it cannot read
+    started = time.monotonic()
+    assert me.membership.reach_others(within=20.0)
+    assert me.stats["reconnects"] == 1 and time.monotonic() - started < 20
+    assert me.others_seen(step=3) == {m.peer_id for m in swarm[:-1]}
+
+
+@pytest.mark.slow
+def test_a_peer_whose_run_left_waits_once_then_goes_on_alone(swarm):
+    me = swarm[-1]
+    announce_all(swarm)
+    assert me.others_seen() == {m.peer_id for m in swarm[:-1]}
+    for m in swarm[:-1]:
+        m.stop(announce=True)
+    started = time.monotonic()
+    assert not me.membership.reach_others(within=3.0)
+    assert 3.0 <= time.monotonic() - started < 15.0
+    assert me.membership.seen == {} and me.stats["reconnects"] == 0
+    started = time.monotonic()
+    assert not me.membership.reach_others(within=3.0), "it forgot them: no second wait"
+    assert time.monotonic() - started < 1.0

@@ -124,6 +124,11 @@ class Swarm:
     def swarm_step(self) -> int | None:
         return self.membership.swarm_step()
 
+    def reach_others(self) -> bool:
+        """Whether other live peers answer; a peer that read some before and now reads none tries to
+        reach them again for up to two record lifetimes first (``Membership.reach_others``)."""
+        return self.membership.reach_others(2 * self.cfg.swarm.record_ttl)
+
     def swarm_round(self) -> int | None:
         """The newest round another live peer has finished, or None when we are alone."""
         rounds = [r.round for r in self.membership.others().values()]

@@ -103,6 +103,32 @@ class Membership:
     def others(self) -> dict[str, PeerRecord]:
         return {p: r for p, r in self.live_peers().items() if p != self.peer_id}
 
+    def reach_others(self, within: float) -> bool:
+        """Whether another live peer answers; when none does although we read some before, redial them and
+        read again for up to ``within`` seconds before believing we are alone.
+
+        A peer thawed after a long stop reads nothing until its DHT finds its neighbours again: believing
+        it alone, it took over 17 experts and ran its last 4 rounds alone in 3 s on a 24-peer churn run.
+        If nobody answers in time they are forgotten, so a peer whose swarm really left waits once."""
+        if not self.seen or self.others():
+            return bool(self.seen)
+        log.warning("no other peer of the run answers (we read %d before): reconnecting for up to %.0f s",
+                    len(self.seen), within)
+        give_up = time.monotonic() + within
+        while time.monotonic() < give_up:
+            try:
+                self.runtime.call(self.runtime.redial_if_isolated(list(reversed(self.seen)), force=True))
+            except Exception as exc:
+                log.info("redial failed: %s", exc)
+            if self.others():
+                self.stats["reconnects"] += 1
+                log.warning("reached the run again (%d other peers)", len(self.others()))
+                return True
+            time.sleep(min(self.cfg.swarm.heartbeat, 1.0))
+        log.warning("none of the %d peers we knew answered in %.0f s: going on alone", len(self.seen), within)
+        self.seen.clear()
+        return False
+
     def swarm_step(self) -> int | None:
         """The median step the other live peers report, or None when we are alone."""
         steps = sorted(r.step for r in self.others().values())
