@@ -115,9 +115,10 @@ class Membership:
         log.warning("no other peer of the run answers (we read %d before): reconnecting for up to %.0f s",
                     len(self.seen), within)
         give_up = time.monotonic() + within
+        table = (-1, -1)  # the DHT's neighbours before and after the last redial (-1: it did not answer)
         while time.monotonic() < give_up:
             try:
-                self.runtime.call(self.runtime.redial_if_isolated(list(reversed(self.seen)), force=True))
+                table = self.runtime.call(self.runtime.redial_if_isolated(list(reversed(self.seen)), force=True))
             except Exception as exc:
                 log.info("redial failed: %s", exc)
             if self.others():
@@ -125,7 +126,8 @@ class Membership:
                 log.warning("reached the run again (%d other peers)", len(self.others()))
                 return True
             time.sleep(min(self.cfg.swarm.heartbeat, 1.0))
-        log.warning("none of the %d peers we knew answered in %.0f s: going on alone", len(self.seen), within)
+        log.warning("none of the %d peers we knew answered in %.0f s (the DHT knew %d neighbours, %d after the "
+                    "last redial): going on alone", len(self.seen), within, *table)
         self.seen.clear()
         return False
 
