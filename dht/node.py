@@ -74,31 +74,38 @@ def peer_id_of(maddr: str) -> str | None:
 
 @dataclass(frozen=True)
 class Redial:
-    """Run in the DHT's process: when its routing table is empty (or with ``force``), ping ``peer_ids`` and
-    look up our neighbours.
+    """Run in the DHT's process: ping ``peer_ids`` our routing table lacks, and look our neighbours up again.
 
     hivemind drops a neighbour from the routing table after one request it did not answer, and only
     ``initial_peers`` at start-up fill it. A peer whose own requests all timed out (it was stopped, or
     its link dropped for a while) and whom the others dropped in turn never hears of anyone again: it
-    reads no records, sees itself alone and trains apart from the run for good. Pinging peers it knew
-    (their addresses stay in libp2p's peer store) puts them back, and a lookup of our own id finds
-    their neighbours. Returns ``(neighbours before, neighbours after)``; without ``force`` nothing is
-    sent when the table is not empty (its neighbours may still be ones that stopped answering: a peer
-    that reads nobody although it read others lately forces it)."""
+    reads no records, sees itself alone and trains apart from the run for good; two such peers that
+    find each other form a run of their own (a 24-peer churn run ended with such a pair). Pinging peers
+    it knew (their addresses stay in libp2p's peer store) puts them back, and a lookup of our own id
+    finds their neighbours.
+
+    With an empty table (or ``force``: a peer that reads nobody although it read others) every peer in
+    ``peer_ids`` is pinged; otherwise up to ``probe`` of those the table lacks, so that a group cut off
+    from the rest meets it again. Returns ``(neighbours before, neighbours after)``."""
 
     peer_ids: tuple[str, ...]
     timeout: float = 10.0
     force: bool = False
+    probe: int = 0
 
     async def __call__(self, _dht: hivemind.DHT, node: DHTNode) -> tuple[int, int]:
         table = node.protocol.routing_table
         before = len(table.uid_to_peer_id)
-        if (before and not self.force) or not self.peer_ids:
+        targets = [PeerID.from_base58(p) for p in self.peer_ids]
+        if before and not self.force:
+            known = set(table.uid_to_peer_id.values())
+            targets = [p for p in targets if p not in known][:self.probe]
+        if not targets:
             return before, before
-        pings = [node.protocol.call_ping(PeerID.from_base58(p)) for p in self.peer_ids]
         try:
-            await asyncio.wait_for(asyncio.gather(*pings, return_exceptions=True), self.timeout)
-            if len(table.uid_to_peer_id):
+            await asyncio.wait_for(asyncio.gather(*(node.protocol.call_ping(p) for p in targets),
+                                                  return_exceptions=True), self.timeout)
+            if len(table.uid_to_peer_id) > before or self.force:
                 await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), self.timeout)
         except asyncio.TimeoutError:
             pass

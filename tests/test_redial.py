@@ -197,3 +197,25 @@ def test_a_peer_whose_run_left_waits_once_then_goes_on_alone(swarm):
     started = time.monotonic()
     assert not me.membership.reach_others(within=3.0), "it forgot them: no second wait"
     assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.slow
+def test_two_peers_cut_off_together_meet_the_rest_again(swarm):
+    """The peer under test and peer 2 know only each other, and the rest dropped both (what a shared
+    stop does): one heartbeat's probes of peers it read before and lacks bring the rest back."""
+    me, partner = swarm[-1], swarm[2]
+    announce_all(swarm)
+    assert me.others_seen() == {m.peer_id for m in swarm[:-1]}
+    for m in (me, partner):
+        for other in swarm:
+            if other not in (me, partner):
+                m.drop(other.peer_id)
+                other.drop(m.peer_id)
+    assert set(me.neighbours()) == {partner.peer_id}
+    time.sleep(RECORD_TTL + 0.5)
+    announce_all(swarm, step=1)
+    assert me.others_seen(step=1) <= {partner.peer_id}, "the pair reads nothing of the rest"
+    me.runtime.call(me.membership.stay_connected())
+    assert {swarm[0].peer_id, swarm[1].peer_id} <= set(me.neighbours())
+    announce_all(swarm, step=2)
+    assert me.others_seen(step=2) == {m.peer_id for m in swarm[:-1]}

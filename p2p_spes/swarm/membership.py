@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from p2p_spes.swarm.runtime import Runtime
 
 log = logging.getLogger(__name__)
 MAX_SEEN = 32  # peers remembered for a redial
+PROBES = 3  # peers the DHT lacks that a heartbeat pings (a group cut off from the rest meets it again)
 SYNC_PROTOCOL = 2  # 1: groups averaged weights; 2: pseudo-gradients through a codec (compression.py)
 
 
@@ -94,11 +96,12 @@ class Membership:
 
     def remember(self, peers: Any) -> None:
         """Keep the ``MAX_SEEN`` peers read most recently (whom ``stay_connected`` pings if we are cut off)."""
-        for peer in peers:
-            self.seen.pop(peer, None)
-            self.seen[peer] = time.monotonic()
-        for peer in list(self.seen)[:-MAX_SEEN]:
-            del self.seen[peer]
+        with self._lock:  # the heartbeat reads it on the loop's thread
+            for peer in peers:
+                self.seen.pop(peer, None)
+                self.seen[peer] = time.monotonic()
+            for peer in list(self.seen)[:-MAX_SEEN]:
+                del self.seen[peer]
 
     def others(self) -> dict[str, PeerRecord]:
         return {p: r for p, r in self.live_peers().items() if p != self.peer_id}
@@ -118,7 +121,7 @@ class Membership:
         table = (-1, -1)  # the DHT's neighbours before and after the last redial (-1: it did not answer)
         while time.monotonic() < give_up:
             try:
-                table = self.runtime.call(self.runtime.redial_if_isolated(list(reversed(self.seen)), force=True))
+                table = self.runtime.call(self.runtime.redial(list(reversed(self.seen)), force=True))
             except Exception as exc:
                 log.info("redial failed: %s", exc)
             if self.others():
@@ -276,18 +279,24 @@ class Membership:
         self._heartbeat = self.runtime.submit(self._heartbeat_loop())
 
     async def stay_connected(self) -> None:
-        """Rejoin the DHT through peers we saw (newest first) and our initial peers when it lost every neighbour.
+        """Rejoin the DHT through peers we saw and our initial peers when it lost every neighbour, and ping
+        ``PROBES`` of them it lacks at every heartbeat (``dht.node.Redial``).
 
         Without this a peer cut off for a while (stopped, or its link down) that the others dropped in
         turn would read no records again: it would see itself alone and take over every expert."""
         if not self.seen and not self.runtime.initial_peer_ids:
             return  # the run's first peer, before anyone joined: there is nobody to reach
+        with self._lock:
+            known = list(self.seen)
+        random.shuffle(known)  # the probes take turns
         try:
-            before, after = await self.runtime.redial_if_isolated(list(reversed(self.seen)))
+            before, after = await self.runtime.redial(known, probe=PROBES)
         except Exception as exc:  # a background task: say what failed rather than lose it
             log.warning("checking the DHT's neighbours failed: %s", exc)
             return
         if before != 0:
+            if after > before:
+                log.info("met %d DHT neighbours we had lost", after - before)
             self._isolated = False
             return
         if after > 0:

@@ -133,14 +133,14 @@ class Runtime:
         except asyncio.TimeoutError:
             log.warning("DHT write of %s timed out after %.0f s", key, DHT_REQUEST_TIMEOUT)
 
-    async def redial_if_isolated(self, known: list[str], force: bool = False) -> tuple[int, int]:
-        """When the DHT knows no neighbour (or with ``force``), ping ``known`` peers and our initial peers
-        (``dht.node.Redial``).
+    async def redial(self, known: list[str], force: bool = False, probe: int = 0) -> tuple[int, int]:
+        """Ping ``known`` peers and our initial peers: all of them when the DHT knows no neighbour (or with
+        ``force``), else up to ``probe`` of those it lacks (``dht.node.Redial``).
 
         Returns the neighbours before and after; a DHT that does not answer in time reads as ``(-1, -1)``."""
         peers = tuple(dict.fromkeys(p for p in [*known, *self.initial_peer_ids] if p != self.peer_id))
         try:
-            return await asyncio.wait_for(self.dht.run_coroutine(Redial(peers, force=force), return_future=True),
+            return await asyncio.wait_for(self.dht.run_coroutine(Redial(peers, force=force, probe=probe), return_future=True),
                                           DHT_REQUEST_TIMEOUT)
         except asyncio.TimeoutError:
             return -1, -1
