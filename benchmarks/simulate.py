@@ -1,6 +1,6 @@
 """The round protocol at 100 and 1,000 peers, simulated (``p2p_spes/simulation.py``): rounds applied, time, bytes.
 
-    python benchmarks/simulate.py                           # 100 and 1,000 peers, flat and grid, retries 0 and 1, 3 seeds
+    python benchmarks/simulate.py                           # 100 and 1,000 peers, flat and grid, retries 0, 1 and 2, 3 seeds
     python benchmarks/simulate.py --peers 1000 --fail-prob 0.02 --rounds 100
 
 Sizes are spes-1b's (shared 261M parameters, 16 experts of 56.6M), top-k compression, links uniform in
@@ -38,7 +38,7 @@ RESULTS = Path(__file__).parent / "results" / "simulate.json"
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, nargs="+", default=[100, 1000])
-    parser.add_argument("--retries", type=int, nargs="+", default=[0, 1], help="swarm.group_retries values")
+    parser.add_argument("--retries", type=int, nargs="+", default=[0, 1, 2], help="swarm.group_retries values")
     parser.add_argument("--group-size", type=int, nargs="+", default=[0, 16],
                         help="swarm.group_size values (0: one flat shared group)")
     parser.add_argument("--fail-prob", type=float, default=0.05)

@@ -223,16 +223,21 @@ class GroupAllReduce:
             retry = await self._attempt(round_no, group, f"{group}~{attempt}", tensor, weight, survivors, None,
                                         None, relaxed_timeout(timeout, self.timeout), base, rebase,
                                         hold_until=result.deadline_at + HOLD)
+            if late and not retry.ok and not (retry.retryable and self.peer_id not in retry.members):
+                # it did not form again (its members applied the attempt we missed) or failed too: we
+                # report the group we missed, whose result the caller may adopt, as one attempt of ours
+                # (late for the retry as well, we may still join the next one)
+                result.error = f"{result.error}; then {retry.error}"
+                result.retryable = False
+                break
             retry.attempts = attempt
             retry.bytes_sent += result.bytes_sent
             retry.bytes_received += result.bytes_received
             retry.retries += result.retries
             retry.transfer_seconds += result.transfer_seconds  # the link's speed is measured over all of them
             retry.lateness, retry.window = first.lateness, first.window  # the round's arrivals, not the retry's
-            if not retry.ok and (late or not retry.members):
-                # nobody came, or we came late and it did not form again (its members applied the attempt
-                # we missed): report the group we had, whose result the caller may adopt
-                retry.members = result.members
+            if not retry.ok and not retry.members:
+                retry.members = result.members  # nobody came: report the group we had
             result = retry
         if result.ok:
             if not result.rows:  # (a grid reports the row members whose parts never came)
