@@ -323,6 +323,8 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "updates_refused": int(swarm.stats["updates_refused"]),
                 "experts_taken_over": int(swarm.stats["experts_taken_over"]),
                 "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),
+                "dht_redials": int(swarm.stats["dht_redials"]),  # its DHT had lost every neighbour
+                "reconnects": int(swarm.stats["reconnects"]),  # it read nobody at a boundary, then found the run
                 "residency": cfg.swarm.residency,
                 "compression": cfg.swarm.compression,
                 "overlap": cfg.swarm.overlap,
