@@ -77,7 +77,7 @@ class Membership:
         self._published: list[tuple[str, dict[str, Any]]] = []  # model and run config, renewed with the record
         self._heartbeat: asyncio.Future | None = None
         self.members: set[str] = set()  # peers with a valid record (private runs: proof of the secret)
-        self.seen: dict[str, float] = {}  # other live peers we read, newest last: whom to redial if cut off
+        self.seen: dict[str, None] = {}  # other live peers we read, in order, newest last: whom to redial if cut off
         self._isolated = False
         self._redial: asyncio.Task | None = None
         self.run_config = run_config_record(cfg)  # published once the model check passed
@@ -99,7 +99,7 @@ class Membership:
         with self._lock:  # the heartbeat reads it on the loop's thread
             for peer in peers:
                 self.seen.pop(peer, None)
-                self.seen[peer] = time.monotonic()
+                self.seen[peer] = None
             for peer in list(self.seen)[:-MAX_SEEN]:
                 del self.seen[peer]
 
@@ -117,21 +117,25 @@ class Membership:
             return bool(self.seen)
         log.warning("no other peer of the run answers (we read %d before): reconnecting for up to %.0f s",
                     len(self.seen), within)
+        with self._lock:
+            known = list(reversed(self.seen))  # newest first
         give_up = time.monotonic() + within
         table = (-1, -1)  # the DHT's neighbours before and after the last redial (-1: it did not answer)
         while time.monotonic() < give_up:
             try:
-                table = self.runtime.call(self.runtime.redial(list(reversed(self.seen)), force=True))
+                table = self.runtime.call(self.runtime.redial(known, force=True))
             except Exception as exc:
                 log.info("redial failed: %s", exc)
-            if self.others():
+            found = self.others()
+            if found:
                 self.stats["reconnects"] += 1
-                log.warning("reached the run again (%d other peers)", len(self.others()))
+                log.warning("reached the run again (%d other peers)", len(found))
                 return True
             time.sleep(min(self.cfg.swarm.heartbeat, 1.0))
         log.warning("none of the %d peers we knew answered in %.0f s (the DHT knew %d neighbours, %d after the "
-                    "last redial): going on alone", len(self.seen), within, *table)
-        self.seen.clear()
+                    "last redial): going on alone", len(known), within, *table)
+        with self._lock:
+            self.seen.clear()
         return False
 
     def swarm_step(self) -> int | None:
