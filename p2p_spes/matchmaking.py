@@ -63,6 +63,16 @@ def proposed(value: object) -> float | None:
     return None
 
 
+def arrival_delays(records: dict[str, dict]) -> dict[str, float]:
+    """Every arrival's delay after the first, from a group key's records (malformed ones and ``done``
+    records left out): what the next join window is fitted to (``pacing.Deadlines``)."""
+    times = {p: v["t"] for p, v in records.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
+    if not times:
+        return {}
+    first = min(times.values())
+    return {p: t - first for p, t in times.items()}
+
+
 def agreed_timeout(records: dict[str, dict], members: list[str]) -> float:
     """The transfer deadline of a group: the longest the members proposed (0.0 when none did, as peers
     of an earlier version do not; each then keeps its own)."""

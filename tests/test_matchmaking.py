@@ -13,7 +13,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from dht.identity import peer_id_of_owner
 from dht.keys import group_key
 from p2p_spes import matchmaking
-from p2p_spes.matchmaking import Base, Joined, adopted, decide, decision, join_group
+from p2p_spes.matchmaking import Base, Joined, adopted, arrival_delays, decide, decision, join_group
 
 WINDOW = 2.0
 
@@ -126,6 +126,13 @@ def test_the_deadline_is_the_longest_a_decided_member_proposed():
     joined = decide(records, 2.0)
     assert joined.members == ["a", "b", "c"] and joined.timeout == 23.0  # not the late one's; a bool is no number
     assert decide({"a": {"t": 1.0, "m": 2.0}}, 2.0).timeout == 0.0  # none proposed: each keeps its own
+
+
+def test_arrival_delays_count_every_arrival_and_nothing_else():
+    records = {"a": {"t": 101.0, "m": 2.0}, "b": {"t": 100.5}, "late": {"t": 112.5}, "done": {"done": True},
+               "bad": {"t": "soon"}, "worse": "text"}
+    assert arrival_delays(records) == {"a": 0.5, "b": 0.0, "late": 12.0}
+    assert arrival_delays({"done": {"done": True}}) == {}
 
 
 def test_a_decision_round_trips_and_a_malformed_one_is_refused():

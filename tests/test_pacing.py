@@ -34,6 +34,22 @@ def test_join_window_follows_the_last_arrivals_within_the_configured_bound():
     assert len(d._lateness) == 8
 
 
+def test_the_join_window_counts_the_peers_that_came_after_the_group_closed():
+    """Members fitting the window to their own spread (0.2 s) shut out a peer 4 s behind them round
+    after round; read after the round, the group key holds its arrival too, and the window opens to it."""
+    sw = load_config(None, ["swarm.matchmaking_time=10"]).swarm
+    members_only, with_late = Deadlines(sw), Deadlines(sw)
+    for _ in range(4):
+        members_only.observe_round({"a": 0.0, "b": 0.2}, {})  # the read after the round failed: what we had
+        with_late.observe_round({"a": 0.0, "b": 0.2}, {"a": 0.0, "b": 0.2, "late": 4.0})
+    assert members_only.join_window() < 2.0
+    assert 4.0 < with_late.join_window() <= 10.0
+    shrunk = Deadlines(sw)
+    for _ in range(4):  # a read that finds fewer arrivals than the group had (a lapsed record) is not used
+        shrunk.observe_round({"a": 0.0, "b": 0.2, "c": 3.0}, {"a": 0.0, "b": 0.2})
+    assert shrunk.join_window() > 3.0
+
+
 def test_transfer_deadline_scales_with_the_payload_and_the_observed_rate():
     sw = load_config(None, ["swarm.averaging_timeout=600"]).swarm
     d = Deadlines(sw)

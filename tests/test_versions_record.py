@@ -11,7 +11,7 @@ from hivemind.utils import get_dht_time
 from dht.keys import config_key, peers_key, run_config_key, version_key
 from dht.node import start_dht
 from dht.records import RunSchema, VersionRecord, signed_values
-from p2p_spes.swarm.agreement import wait_versions
+from p2p_spes.swarm.agreement import adoptable, wait_versions
 
 D1, D2, D3 = "a" * 64, "b" * 64, "c" * 64
 
@@ -113,3 +113,18 @@ def test_an_adopter_stops_waiting_once_it_has_a_result():
                              enough=lambda vs: any(v.ok for v in vs.values()))
     assert time.monotonic() - start >= 1.0, "without a result to adopt, the whole window is waited"
     assert set(versions) == {"A"}
+
+
+def test_an_adopter_that_knows_the_group_takes_the_first_result_of_a_member():
+    """Members of the attempt that succeeded applied the same bits: the first result one of them
+    publishes is enough, at once (waiting longer made the adopter late for the next round too). A
+    result from a peer outside the group it missed is not taken."""
+    members = {"A", "B", "C"}
+    assert set(adoptable({"A": rec("A", ok=False), "B": rec("B"), "X": rec("X"), "me": rec("me")}, "me", members)) == {"B"}
+    assert set(adoptable({"B": rec("B"), "X": rec("X"), "me": rec("me")}, "me")) == {"B", "X"}
+    runtime = ScriptedReads([{"X": rec("X")}, {"X": rec("X"), "A": rec("A", ok=False)}, {"B": rec("B")}])
+    start = time.monotonic()
+    versions = wait_versions(runtime, 3, members, window=20.0, after=0.0,
+                             enough=lambda vs: bool(adoptable(vs, "me", members)))
+    assert time.monotonic() - start < 2.0 and runtime.count == 3, "stopped at B's result, not before"
+    assert set(versions) == {"X", "A", "B"}

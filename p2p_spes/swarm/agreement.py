@@ -49,6 +49,13 @@ def read_versions(runtime: Runtime, round_no: int) -> dict[str, VersionRecord]:
     return {p: v for p, v in parsed.items() if v is not None}
 
 
+def adoptable(versions: dict[str, VersionRecord], peer_id: str,
+              among: set[str] | None = None) -> dict[str, VersionRecord]:
+    """The records of other peers (of ``among``, if given: the members of the group we missed) that
+    carry a shared result ``peer_id`` could adopt."""
+    return {p: v for p, v in versions.items() if p != peer_id and v.ok and (among is None or p in among)}
+
+
 def wait_versions(runtime: Runtime, round_no: int, peers: set[str], window: float,
                   enough: Callable[[dict[str, VersionRecord]], bool] | None = None,
                   after: float = 0.0) -> dict[str, VersionRecord]:

@@ -51,6 +51,13 @@ class Deadlines:
         if len(lateness) > 1:
             self._lateness.append(min(max(lateness.values()), self.sw.matchmaking_time))
 
+    def observe_round(self, lateness: dict[str, float], after: dict[str, float]) -> None:
+        """Record a round's arrivals: ``after`` (the group key read once the round is over, so it
+        holds the peers that came after the group closed) unless it holds fewer than ``lateness`` (what
+        the group read when it closed). Fitted to the members alone, the window shrinks to the fast
+        peers' spread and shuts a slower peer out round after round."""
+        self.observe_arrivals(after if len(after) >= len(lateness) else lateness)
+
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """Record a transfer that completed; small ones (< 64 kB) say more about latency than bandwidth."""
         if nbytes >= 65536 and seconds > 0:

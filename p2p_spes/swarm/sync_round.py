@@ -25,15 +25,15 @@ from collections.abc import Callable
 
 import torch
 
-from dht.keys import peers_key, version_key
+from dht.keys import group_key, peers_key, version_key
 from dht.records import PeerRecord, VersionRecord
 from p2p_spes.allreduce import HOLD, GroupAllReduce, GroupResult
 from p2p_spes.compression import ErrorFeedback
 from p2p_spes.config import SwarmConfig
-from p2p_spes.matchmaking import Base
+from p2p_spes.matchmaking import Base, arrival_delays
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.model import MoETransformer, copy_into
-from p2p_spes.swarm.agreement import Refresher, group_id, majority, wait_versions
+from p2p_spes.swarm.agreement import Refresher, adoptable, group_id, majority, wait_versions
 from p2p_spes.swarm.membership import Membership
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten, split_like
 from p2p_spes.swarm.pacing import Deadlines
@@ -111,7 +111,6 @@ class RoundRunner:
             round_no, "shared", self._contribution("shared", flat, sending), weight, set(peers),
             on_members=on_joined, window=window, timeout=self._group_timeout(flat, len(peers)),
             base=self.outer.base("shared"), rebase=self._rebase("shared", flat.numel()), bounded=True))
-        self.deadlines.observe_arrivals(shared_res.lateness)
         report.groups["shared"] = self._apply(shared_res, shared, "shared", flat, sending, round_no)
         report.join_window = shared_res.window
 
@@ -156,13 +155,24 @@ class RoundRunner:
         # wait for the digests of the peers that took part in this round; a peer that did not join the
         # shared group is dead or late, and waiting for it would only slow everyone down
         adopting = not report.shared.ok and not report.shared.refused
+        # adopting, with the group's membership known: the members of its attempt that succeeded applied
+        # the same bits, so the first result one of them publishes is the result. Waiting the normal
+        # window for more made the adopter start its next round late, miss that group too, and adopt
+        # again (rounds 10-15 of a 24-peer churn run: 12-15 adopters per round behind groups of 2-5)
+        candidates = shared_members if decided else None
         versions = wait_versions(self.runtime, round_no, shared_members,
                                  adopt_window(sw) if adopting else version_window(sw),
-                                 enough=(lambda vs: bool(self._adoptable(vs))) if adopting else None,
-                                 after=version_window(sw))
+                                 enough=(lambda vs: bool(adoptable(vs, self.peer_id, candidates))) if adopting else None,
+                                 after=0.0 if decided else version_window(sw))
         report.versions_missing = len(shared_members - set(versions))
         if adopting:
-            report.adopted_shared_from = self._adopt_shared(model, round_no, versions)
+            report.adopted_shared_from = self._adopt_shared(model, round_no, versions, candidates)
+        # the next join window counts every arrival in the group's key, the late ones included: a window
+        # fitted to the members alone shrinks to the fast peers' spread and shuts the slower ones out
+        # for good (each of them adopts, late, every round; its tokens are lost every time)
+        if shared_res.lateness:
+            self.deadlines.observe_round(shared_res.lateness, arrival_delays(
+                call(self.runtime.get(group_key(self.runtime.run_id, round_no, "shared")))))
         # choose versions from the shared group's members first: a late peer (thawed, or out of its group)
         # publishes a digest some members see and others do not, and must not tip anyone's choice
         agreed = {p: v for p, v in versions.items() if p in shared_members} if decided else versions
@@ -297,17 +307,15 @@ class RoundRunner:
                 copy_into(targets, [t.detach() + d for t, d in zip(targets, leads[uid])])
                 self.outer.ahead.add(uid)
 
-    def _adoptable(self, versions: dict[str, VersionRecord]) -> dict[str, VersionRecord]:
-        """The other peers' records that carry a shared result this peer could adopt."""
-        return {p: v for p, v in versions.items() if p != self.peer_id and v.ok}
-
-    def _adopt_shared(self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord]) -> str | None:
-        """After missing the shared group, take the result the others agreed on (as a joiner would)."""
-        best = majority(v.shared for v in self._adoptable(versions).values())
+    def _adopt_shared(self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord],
+                      among: set[str] | None = None) -> str | None:
+        """After missing the shared group, take the result the others (of ``among``) agreed on (as a joiner would)."""
+        results = adoptable(versions, self.peer_id, among)
+        best = majority(v.shared for v in results.values())
         if best is None:
             return None
         like = [p.detach() for _, p in model.shared_parameters()]
-        sources = sorted(p for p, v in versions.items() if v.shared == best and p != self.peer_id)
+        sources = sorted(p for p, v in results.items() if v.shared == best)
         found = self.downloader.first_of(sources, f"shared@{best}", like)
         if found is None:
             return None
