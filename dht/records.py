@@ -86,6 +86,7 @@ class VersionValue(_Signed):
     shared: pydantic.StrictStr
     experts: dict[ExpertKey, pydantic.StrictStr]
     copies: dict[ExpertKey, pydantic.StrictStr] = {}
+    n: pydantic.conint(strict=True, ge=0) = 0  # members of the group whose shared result it holds (0: none)
 
 
 class RunSchema(pydantic.BaseModel):
@@ -148,14 +149,20 @@ class VersionRecord:
     shared: str  # digest of its shared (non-expert) parameters
     experts: dict[int, str]  # expert it trains -> digest of its copy
     copies: dict[int, str] = field(default_factory=dict)  # expert nobody trains -> digest of its frozen copy
+    # members of the group whose shared result it holds (0: none, or a peer of an earlier version): a peer
+    # adopting that result knows how many of their records to expect
+    group: int = 0
 
     def to_value(self) -> dict[str, Any]:
         """The value to store (the wire format: expert indices as strings)."""
-        return {
+        value = {
             "peer_id": self.peer_id, "ok": self.ok, "shared": self.shared,
             "experts": {str(e): d for e, d in self.experts.items()},
             "copies": {str(e): d for e, d in self.copies.items()},
         }
+        if self.group:
+            value["n"] = self.group
+        return value
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> VersionRecord | None:
@@ -167,7 +174,7 @@ class VersionRecord:
         except pydantic.ValidationError:
             return None
         return cls(peer_id, parsed.ok, parsed.shared, {int(e): d for e, d in parsed.experts.items()},
-                   {int(e): d for e, d in parsed.copies.items()})
+                   {int(e): d for e, d in parsed.copies.items()}, parsed.n)
 
 
 def signed_values(result: Any) -> dict[str, dict[str, Any]]:

@@ -29,7 +29,8 @@ attempt failed in the transfers joins the group again under the attempt's own ke
 up to ``retries`` more times within the round), with the same tensor, and the members that come
 average among themselves. A dead member does not come; a slow one that does is welcome. A member whose
 attempt succeeded says so under the next attempt's key (``announce_done``), and the next attempt forms
-no earlier than the failed one's deadline (plus ``HOLD``): a member that sees such a record does not
+no earlier than the failed one's deadline for every member (the first arrival's time + window +
+``DECISION_LAG`` + deadline, by the DHT clock, plus ``HOLD``): a member that sees such a record does not
 form the group again, since its result would differ from what that member applied, and takes the
 agreed result instead (the round's adopt path). A peer that arrived after the group closed joins its
 next attempt the same way (it computes the failed one's deadline from the decision), so when a small
@@ -61,7 +62,7 @@ from p2p_spes.aggregation import Aggregator, weighted_mean
 from p2p_spes.compression import Codec
 from p2p_spes.grid import Grid, make_grid
 from p2p_spes.grid_allreduce import ColumnResult, GridRound
-from p2p_spes.matchmaking import Base, agreed_base, announce_done, join_group
+from p2p_spes.matchmaking import DECISION_LAG, Base, agreed_base, announce_done, join_group
 from p2p_spes.part_client import PartClient, PartMissing
 from p2p_spes.reducer import Part, PartServer
 from p2p_spes.transport import TransportError, TruncatedStream, pack
@@ -273,6 +274,12 @@ class GroupAllReduce:
                 hold_until=hold_until, timeout=proposal)
             members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
             timeout = joined.deadline(self.timeout)  # the longest a member proposed (matchmaking.py)
+            # when the attempt's transfers have ended for every member (each counts its deadline from when it
+            # read the decision: up to DECISION_LAG past the window, by the DHT clock); the next attempt forms
+            # after it. Counted from our own decision instead, the late peers (who know only the DHT clock)
+            # and the members that failed at once formed the retry before the members that waited their
+            # deadline out came (12 of 17 peers of a 24-peer churn run's round arrived 3.5 s too late)
+            ended = time.monotonic() + joined.first + joined.window + DECISION_LAG + timeout - get_dht_time()
         except asyncio.TimeoutError:
             result = GroupResult(None, [])
             result.error, result.seconds = "the DHT did not answer during matchmaking", time.monotonic() - t0
@@ -291,13 +298,14 @@ class GroupAllReduce:
         if self.peer_id not in members:
             result.error = "arrived after the group closed"
             if len(members) > 1 and not (bounded and make_grid(members, self.group_size) is not None):
-                # if its transfers fail, its survivors form it again after its deadline (by the DHT clock,
-                # first + window + deadline); we may join that attempt instead of losing the round with them
+                # if its transfers fail, its survivors form it again once they have ended for every member
+                # (``ended``); we may join that attempt instead of losing the round with them
                 result.retryable = True
-                result.deadline_at = time.monotonic() + joined.first + agreed + timeout - get_dht_time()
+                result.deadline_at = ended
             return result
         result.base = agreed_base(bases)
-        deadline = result.deadline_at = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
+        result.deadline_at = max(deadline, ended)
         if len(members) == 1 and key != group:
             # alone at a retry: the others applied the first attempt's result (or are gone); averaging
             # with nobody would set us apart from them, failing lets the caller take what they agreed on

@@ -27,6 +27,9 @@ from dht.records import signed_values
 
 log = logging.getLogger(__name__)
 SETTLE = 5.0  # seconds past the join window a member waits for the first arrival's decision
+# seconds past the join window (DHT clock) by which members have read the decision, as a rule: each counts
+# its transfer deadline from then, so the group's attempt may end this much later for some than for others
+DECISION_LAG = SETTLE + 1.0
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ it in each row).
 finishes its ``sync_steps`` and every other peer arrives at the end of the step it is in (pacing), plus
 up to 0.2 s of DHT latency. An all-reduce of ``n`` members lasts two phases of ``(n-1)/n`` of the
 encoded tensor up and down at the slowest member's rate, plus 50 ms per phase; a peer then downloads
-the encoded updates of the experts it holds frozen at its own rate. Each live peer fails in a round
-with probability ``fail_prob``, at a uniform moment of the round: killed (restarts from its checkpoint
-``restart_rounds`` rounds later) or frozen (back the next round). A kill inside a group's transfers is
+the encoded updates of the experts it holds frozen at its own rate. Each live peer fails at a
+constant rate, on average ``fail_prob`` times per failure-free round (its steps, a join window and one
+all-reduce among everyone), so a round stretched by a retry meets more failures: killed (restarts from
+its checkpoint ``restart_rounds`` rounds later) or frozen (back the next round). A kill inside a group's transfers is
 noticed at once, a freeze at the deadline. Not modelled: the expert groups' own failures (their holders
 are the shared group's members), the version exchange, merges, CPU contention, latency beyond the fixed
 per-phase cost, and the two-boundary confirmation healing waits for (takeovers happen at once).
@@ -40,7 +41,7 @@ from p2p_spes.compression import Codec
 from p2p_spes.config import SwarmConfig
 from p2p_spes.grid import Grid, column_bounds, make_grid
 from p2p_spes.healing import plan_takeover
-from p2p_spes.matchmaking import decide
+from p2p_spes.matchmaking import DECISION_LAG, decide
 from p2p_spes.placement import spes_block
 from p2p_spes.swarm.pacing import Deadlines
 
@@ -145,9 +146,11 @@ def simulate(cfg: SimConfig) -> SimResult:
         live = [p for p in peers if p.dead_until <= r]
         coverage = len(_holders(live, r)) / cfg.experts
         t_open = min(p.step for p in live) * cfg.sync_steps
-        span = t_open + 2 * sw.matchmaking_time
-        fails = {p.id: (rng.uniform(0, span), rng.random() < cfg.kill_share)
-                 for p in live if rng.random() < cfg.fail_prob}
+        # each live peer fails at a constant rate, fail_prob times per failure-free round on average (its
+        # steps, a join window and one all-reduce among everyone): a round that runs long meets more of them
+        nominal = t_open + sw.matchmaking_time + _all_reduce_seconds(codec, cfg.shared_params, [p.rate for p in live])[0]
+        fails = {p.id: (rng.expovariate(cfg.fail_prob / nominal), rng.random() < cfg.kill_share)
+                 for p in live} if cfg.fail_prob > 0 else {}
         arrival = {p.id: t_open + rng.uniform(0, p.step) + rng.uniform(0, 0.2) for p in live}
         present = [p for p in live if p.id not in fails or fails[p.id][0] > arrival[p.id]]
         by_id = {p.id: p for p in live}
@@ -159,7 +162,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         members: list[str] = []
         late: list[str] = []
         if records:
-            joined = decide(records, sw.matchmaking_time)
+            joined = opened = decide(records, sw.matchmaking_time)  # opened: the attempt under way
             members, late = joined.members, [p for p in records if p not in joined.members]
             for m in members:
                 by_id[m].deadlines.observe_arrivals(joined.lateness)
@@ -192,8 +195,9 @@ def simulate(cfg: SimConfig) -> SimResult:
                 # the late peers of the first attempt join its retry too (allreduce.GroupAllReduce.run)
                 survivors = [m for m in members + (late if attempts == 1 else [])
                              if not (m in fails and fails[m][0] <= noticed)]
-                # the retry forms once the failed attempt's deadline has passed (allreduce.HOLD)
-                reform = max(noticed, start + deadline + HOLD)
+                # the retry forms once the failed attempt has ended for every member: its deadline counted
+                # from the latest the members read the decision (allreduce.py), + HOLD
+                reform = max(noticed, opened.first + opened.window + DECISION_LAG + deadline + HOLD)
                 # each proposes twice the deadline it measured (at most the configured one), as allreduce does
                 retry = {m: {"t": noticed + rng.uniform(0, 0.3), "m": sw.matchmaking_time,
                              "d": relaxed_timeout(by_id[m].deadlines.proposed_timeout(nbytes // 2), sw.averaging_timeout)}
@@ -201,7 +205,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                 if not retry:
                     end = noticed
                     break
-                reformed = decide(retry, sw.matchmaking_time)
+                reformed = opened = decide(retry, sw.matchmaking_time)
                 members, deadline = reformed.members, reformed.deadline(sw.averaging_timeout)
                 late = [p for p in late if p not in members]
                 start = reform + 0.5 + rng.uniform(0, 0.3)
@@ -209,6 +213,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         for p in live:
             frozen = cfg.experts - len(p.experts)
             refresh.append(moved.get(p.id, 0) + frozen * expert_wire)
+        fails = {pid: f for pid, f in fails.items() if f[0] < end}  # later ones belong to the next round's draw
         for pid, (_, kill) in fails.items():
             if kill:
                 by_id[pid].dead_until = r + cfg.restart_rounds

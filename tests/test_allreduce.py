@@ -9,6 +9,7 @@ import torch
 from helpers import Dies, Peers
 from hivemind.proto import averaging_pb2
 
+from p2p_spes import allreduce
 from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import HOLD, GroupAllReduce, weighted_mean
 from p2p_spes.compression import Codec
@@ -328,6 +329,32 @@ def test_a_late_peer_joins_the_retry_of_the_group_it_missed(dhts):
     assert tensor_digest([first.tensor]) == tensor_digest([late.tensor])
     torch.testing.assert_close(first.tensor, (tensors[0] + 3 * tensors[2]) / 4)
     assert late.lateness and max(late.lateness.values()) > WINDOW, "member 2 was not late for the first attempt"
+
+
+@pytest.mark.slow
+def test_the_retry_waits_for_a_member_that_read_the_decision_late(dhts, monkeypatch):
+    """Members 0 and 1 form the group, member 2 comes late. Member 1 freezes, so member 0 fails at its
+    deadline, which it counts from when it read the decision: 2.5 s after the others could have (a
+    loaded machine). The late member knows only the decision's DHT times; the retry must still wait
+    for member 0, and both end with their mean. When the retry formed one HOLD after the deadline the
+    late member computed, member 0 came after it closed (12 of 17 peers of a 24-peer churn round)."""
+    slow = dhts.nodes[0].peer_id.to_base58()
+    joined_at = allreduce.join_group
+
+    async def reads_late(dht, key, peer_id, *args, **kwargs):
+        joined = await joined_at(dht, key, peer_id, *args, **kwargs)
+        if peer_id == slow and not key.endswith("~2"):
+            await asyncio.sleep(2.5)
+        return joined
+    monkeypatch.setattr(allreduce, "join_group", reads_late)
+    tensors = [torch.randn(5_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
+    results = run_group(dhts, tensors, [1.0, 1.0, 3.0], "none", run_id="t-late-decision", kinds={1: Freezes},
+                        delays={2: WINDOW + 1.5})
+    first, late = results[0], results[2]
+    assert first.ok and late.ok, [first.error, late.error]
+    assert first.attempts == late.attempts == 2 and first.members == late.members and len(first.members) == 2
+    assert tensor_digest([first.tensor]) == tensor_digest([late.tensor])
+    torch.testing.assert_close(first.tensor, (tensors[0] + 3 * tensors[2]) / 4)
 
 
 @pytest.mark.slow

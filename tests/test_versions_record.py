@@ -11,7 +11,7 @@ from hivemind.utils import get_dht_time
 from dht.keys import config_key, peers_key, run_config_key, version_key
 from dht.node import start_dht
 from dht.records import RunSchema, VersionRecord, signed_values
-from p2p_spes.swarm.agreement import adoptable, wait_versions
+from p2p_spes.swarm.agreement import adoptable, all_published, wait_versions
 
 D1, D2, D3 = "a" * 64, "b" * 64, "c" * 64
 
@@ -115,16 +115,33 @@ def test_an_adopter_stops_waiting_once_it_has_a_result():
     assert set(versions) == {"A"}
 
 
-def test_an_adopter_that_knows_the_group_takes_the_first_result_of_a_member():
-    """Members of the attempt that succeeded applied the same bits: the first result one of them
-    publishes is enough, at once (waiting longer made the adopter late for the next round too). A
-    result from a peer outside the group it missed is not taken."""
+def test_an_adopter_that_knows_the_group_ends_its_wait_with_the_members():
+    """Members of the attempt that succeeded hold the same bits and wait for each other's records: an
+    adopter waits for the records of that many of them (each says how many members its group had), so
+    it ends the round when they do, neither a window later nor before them. A result from a peer
+    outside the group it missed is not taken."""
     members = {"A", "B", "C"}
     assert set(adoptable({"A": rec("A", ok=False), "B": rec("B"), "X": rec("X"), "me": rec("me")}, "me", members)) == {"B"}
     assert set(adoptable({"B": rec("B"), "X": rec("X"), "me": rec("me")}, "me")) == {"B", "X"}
-    runtime = ScriptedReads([{"X": rec("X")}, {"X": rec("X"), "A": rec("A", ok=False)}, {"B": rec("B")}])
+    b, c = (VersionRecord(p, True, D1, {}, group=2) for p in "BC")  # A was lost before the retry of B and C
+    runtime = ScriptedReads([{"X": rec("X")}, {"B": b}, {"C": c}, {"A": rec("A", ok=False)}])
     start = time.monotonic()
-    versions = wait_versions(runtime, 3, members, window=20.0, after=0.0,
-                             enough=lambda vs: bool(adoptable(vs, "me", members)))
-    assert time.monotonic() - start < 2.0 and runtime.count == 3, "stopped at B's result, not before"
-    assert set(versions) == {"X", "A", "B"}
+    versions = wait_versions(runtime, 3, members, window=20.0, after=20.0,
+                             enough=lambda vs: bool(adoptable(vs, "me", members)),
+                             complete=lambda vs: all_published(adoptable(vs, "me", members)))
+    assert time.monotonic() - start < 2.0 and runtime.count == 3, "ended once B and C had both published"
+    assert set(versions) == {"X", "B", "C"}
+    start = time.monotonic()  # records of an earlier version say nothing of their group: the wait is bounded
+    versions = wait_versions(ScriptedReads([{"B": rec("B")}]), 3, members, window=20.0, after=0.5,
+                             enough=lambda vs: bool(adoptable(vs, "me", members)),
+                             complete=lambda vs: all_published(adoptable(vs, "me", members)))
+    assert 0.5 <= time.monotonic() - start < 2.0 and set(versions) == {"B"}
+
+
+def test_the_group_size_rides_on_the_record():
+    record = VersionRecord("QmPeer", True, D1, {0: D2}, group=5)
+    assert record.to_value()["n"] == 5 and VersionRecord.from_value("QmPeer", record.to_value()) == record
+    assert "n" not in VersionRecord("QmPeer", False, D1, {}).to_value(), "nothing to say: the old wire format"
+    assert VersionRecord.from_value("QmPeer", wire()).group == 0, "a record of an earlier version"
+    for bad in (True, -1, 2.0, "5"):
+        assert VersionRecord.from_value("QmPeer", wire(n=bad)) is None, bad

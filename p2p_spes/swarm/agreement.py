@@ -56,22 +56,39 @@ def adoptable(versions: dict[str, VersionRecord], peer_id: str,
     return {p: v for p, v in versions.items() if p != peer_id and v.ok and (among is None or p in among)}
 
 
+def all_published(results: dict[str, VersionRecord]) -> bool:
+    """Whether every member of the group behind the most published shared result has published it
+    (each record says how many members its group had; 0, a peer of an earlier version, says nothing)."""
+    best = majority(v.shared for v in results.values())
+    if best is None:
+        return False
+    holders = [v for v in results.values() if v.shared == best]
+    return len(holders) >= max(v.group for v in holders) > 0
+
+
 def wait_versions(runtime: Runtime, round_no: int, peers: set[str], window: float,
                   enough: Callable[[dict[str, VersionRecord]], bool] | None = None,
-                  after: float = 0.0) -> dict[str, VersionRecord]:
+                  after: float = 0.0,
+                  complete: Callable[[dict[str, VersionRecord]], bool] | None = None) -> dict[str, VersionRecord]:
     """Version records of ``round_no``, waiting up to ``window`` seconds for every one of ``peers``.
 
     Every record read is kept (a member that published early may lapse before a late member
-    publishes). With ``enough``, the wait also ends once ``after`` seconds have passed and
-    ``enough(records)`` holds: a peer adopting the others' result needs one of their digests, not all.
+    publishes). With ``enough``, the wait also ends ``after`` seconds after ``enough(records)`` first
+    held, and at once when ``complete(records)`` holds: a peer adopting the others' result needs one
+    of their digests, and ends its round with them when it has all of theirs.
     """
     start = time.monotonic()
+    since: float | None = None  # when enough() first held
     seen: dict[str, VersionRecord] = {}
     while True:
         seen.update(read_versions(runtime, round_no))
-        waited = time.monotonic() - start
-        if set(peers) <= set(seen) or waited > window or (enough is not None and waited >= after and enough(seen)):
+        now = time.monotonic()
+        if set(peers) <= set(seen) or now - start > window:
             return seen
+        if enough is not None and enough(seen):
+            since = now if since is None else since
+            if now - since >= after or (complete is not None and complete(seen)):
+                return seen
         time.sleep(0.2)
 
 

@@ -33,7 +33,7 @@ from p2p_spes.config import SwarmConfig
 from p2p_spes.matchmaking import Base, arrival_delays
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.model import MoETransformer, copy_into
-from p2p_spes.swarm.agreement import Refresher, adoptable, group_id, majority, wait_versions
+from p2p_spes.swarm.agreement import Refresher, adoptable, all_published, group_id, majority, wait_versions
 from p2p_spes.swarm.membership import Membership
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten, split_like
 from p2p_spes.swarm.pacing import Deadlines
@@ -150,20 +150,25 @@ class RoundRunner:
             self.peer_id, report.shared.ok, self.server.current("shared")["digest"],
             {e: self.server.current(f"expert:{e}")["digest"] for e in model.local_experts},
             {e: tensor_digest(model.expert_tensors(e)) for e in orphaned if e in held},
+            group=report.shared.members if report.shared.ok else 0,
         )
         call(self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=version_ttl(sw)))
         # wait for the digests of the peers that took part in this round; a peer that did not join the
         # shared group is dead or late, and waiting for it would only slow everyone down
         adopting = not report.shared.ok and not report.shared.refused
-        # adopting, with the group's membership known: the members of its attempt that succeeded applied
-        # the same bits, so the first result one of them publishes is the result. Waiting the normal
-        # window for more made the adopter start its next round late, miss that group too, and adopt
-        # again (rounds 10-15 of a 24-peer churn run: 12-15 adopters per round behind groups of 2-5)
+        # adopting, with the group's membership known: its members that applied an attempt hold the same
+        # bits, so the first result one of them publishes is the result; we end the round when they do
+        # (once each has published, as they wait for each other), at most a version window after the
+        # first. Ending later made the adopter late for the next round, to adopt again (rounds 10-15 of
+        # a 24-peer churn run: 12-15 adopters behind groups of 2-5); ending at the first result made it
+        # open the next round before the members came, to a group of adopters
         candidates = shared_members if decided else None
         versions = wait_versions(self.runtime, round_no, shared_members,
                                  adopt_window(sw) if adopting else version_window(sw),
                                  enough=(lambda vs: bool(adoptable(vs, self.peer_id, candidates))) if adopting else None,
-                                 after=0.0 if decided else version_window(sw))
+                                 after=version_window(sw),
+                                 complete=(lambda vs: all_published(adoptable(vs, self.peer_id, candidates)))
+                                 if decided else None)
         report.versions_missing = len(shared_members - set(versions))
         if adopting:
             report.adopted_shared_from = self._adopt_shared(model, round_no, versions, candidates)
