@@ -5,8 +5,9 @@
 
 Sizes are spes-1b's (shared 261M parameters, 16 experts of 56.6M), top-k compression, links uniform in
 10-100 Mbit/s, step times log-normal around 1 s (sigma 0.3), a round every 50 steps, each live peer
-failing in a round with probability ``--fail-prob`` (half killed and restarted 3 rounds later, half
-frozen for the round). Group formation, pacing, deadlines, message sizes, placement and healing are
+failing at a constant rate, ``--fail-prob`` times per failure-free round on average (so a round
+stretched by a retry meets more failures; half killed and restarted 3 rounds later, half frozen for
+the round). Group formation, pacing, deadlines, message sizes, placement and healing are
 the project's own functions; time and the network are modelled (the module docstring says how).
 Per configuration: the share of rounds whose shared average was applied (mean and range over seeds),
 the share of peer-rounds applied among peers that did not fail, the share of the members' contributions
