@@ -7,7 +7,6 @@ import json
 import logging
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +53,7 @@ class SwarmSync:
 
     Rounds are paced by the swarm (``swarm/pacing.py``): round r is due when this peer reaches step
     ``r * sync_steps``, and it also starts as soon as another peer has opened it, at the end of the
-    step in progress; a peer that reaches its boundary while most others are still inside the last
-    round trains on until they are done (at most ``hold`` seconds) rather than open the round without
-    them. Each peer contributes the tokens it processed since its last round (the average
+    step in progress. Each peer contributes the tokens it processed since its last round (the average
     is token-weighted), and after the round takes the round's place in the schedule (step ``r *
     sync_steps``), so a slower peer or one back from a long download meets the same rounds as the
     others and no step it computed is thrown away.
@@ -71,11 +68,8 @@ class SwarmSync:
     """
 
     def __init__(self, swarm: Swarm, sync_steps: int, tokens: int = 0, overlap: bool = False,
-                 next_round: int = 1, hold: float = 0.0) -> None:
+                 next_round: int = 1) -> None:
         self.swarm, self.sync_steps, self.overlap = swarm, sync_steps, overlap
-        self.hold = hold  # the longest we train on past our boundary while the others finish the last round
-        self._held_since: float | None = None  # when we started training on past our boundary
-        self._released: int | None = None  # the round we stopped holding for
         self.tokens_at_last_sync = tokens  # a resumed peer weighs only what it trained since
         self._pending: tuple[_Background, torch.nn.Module, list[torch.Tensor], int] | None = None
         self.rounds_applied = 0  # rounds whose result reached the live weights (NodeSync watches it)
@@ -89,29 +83,6 @@ class SwarmSync:
             return False  # no round past the end of the run
         return trainer.step >= self.next_round * self.sync_steps or self.swarm.round_opened(self.next_round)
 
-    def _ahead(self, trainer: Trainer, last: bool) -> bool:
-        """Whether to train on past our boundary instead of opening the round: nobody has opened it and
-        most other live peers are still inside the round before it (bounded by ``hold`` seconds).
-
-        A peer that ended the last round early (it adopted the result, or caught up after a restart)
-        would open this one while the others are still syncing, and a join window later the group
-        closes without them: they adopt, end early in turn, and open the next round without the
-        rest (24-peer churn runs: groups of 5-6 with 12 adopters). The steps trained meanwhile count
-        in the round like any others (it is token-weighted)."""
-        if last or not self.hold or self._released == self.next_round or self.swarm.round_opened(self.next_round):
-            self._held_since = None
-            return False
-        now = time.monotonic()
-        if self._held_since is None or now - self._held_since < self.hold:
-            inside, others = self.swarm.inside_round(self.next_round - 1)
-            if 2 * inside > others:
-                if self._held_since is None:
-                    self._held_since = now
-                    self.swarm.stats["boundaries_held"] += 1
-                return True
-        self._held_since, self._released = None, self.next_round  # held long enough (or not ahead): open it
-        return False
-
     def __call__(self, trainer: Trainer) -> None:
         m = trainer.last_metrics
         self.swarm.update_status(step=trainer.step, loss=round(m.get("loss", float("nan")), 4),
@@ -119,7 +90,7 @@ class SwarmSync:
         last = trainer.step >= trainer.cfg.train.max_steps
         if self._pending is not None and (self._due(trainer) or last or self._pending[0].done()):
             self.finish(trainer)
-        if not self._due(trainer) or self._ahead(trainer, last):
+        if not self._due(trainer):
             return
         self.swarm.reach_others()  # nobody answers at a boundary: reconnect before running a round alone
         if self._passed(trainer):
@@ -325,8 +296,7 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
         print(f"training experts {experts} of {cfg.moe.num_experts}, data partition {partition}", flush=True)
         # the first round after the one we took (a run that has not synced yet is before round 1)
         next_round = max(int(meta["round"]) if meta is not None else trainer.step // cfg.swarm.sync_steps, 0) + 1
-        sync = SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens, overlap=cfg.swarm.overlap, next_round=next_round,
-                         hold=cfg.swarm.matchmaking_time)
+        sync = SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens, overlap=cfg.swarm.overlap, next_round=next_round)
         trainer.hooks.append(sync)
         if node is not None:
             NodeSync.attach(node, trainer, changes=lambda: sync.rounds_applied)

@@ -130,8 +130,6 @@ class _Swarm:
         self.others_after_sync: int | None = None  # ... once our round is over (we were frozen inside it)
         self.caught_up: list[int | None] = []
         self.reached = 0
-        self.inside: tuple[int, int] = (0, 1)  # others still inside a round, others
-        self.inside_asked: list[int] = []
 
     def update_status(self, **fields) -> None:
         pass
@@ -147,10 +145,6 @@ class _Swarm:
 
     def swarm_round(self) -> int | None:
         return self.others_round
-
-    def inside_round(self, round_no: int) -> tuple[int, int]:
-        self.inside_asked.append(round_no)
-        return self.inside
 
     def reach_others(self) -> bool:
         self.reached += 1  # called at every due boundary, before the round
@@ -193,45 +187,6 @@ def test_a_slow_peer_joins_the_round_another_peer_opened_and_keeps_its_tokens():
     assert trainer.step == 10, "and takes the round's place in the schedule"
     assert hook.next_round == 2 and hook.tokens_averaged == 500
     assert swarm.stats["schedule_steps_advanced"] == 5 and swarm.stats["steps_skipped"] == 0
-
-
-def test_a_peer_ahead_trains_on_while_most_others_are_still_inside_the_last_round(monkeypatch):
-    """It ended round 1 early (it adopted): at its boundary 3 of the 4 others are still syncing round 1,
-    so it trains on, its extra tokens counted in round 2, until they are done; then it opens round 2.
-    It never holds longer than ``hold``, nor once another peer opened the round, nor at the last step."""
-    clock = [100.0]
-    monkeypatch.setattr("p2p_spes.peer.time.monotonic", lambda: clock[0])
-    swarm, trainer = _Swarm(), _trainer(max_steps=50)
-    hook = SwarmSync(swarm, sync_steps=10, next_round=2, hold=10.0)
-
-    def step(n=1):
-        for _ in range(n):
-            trainer.step += 1
-            trainer.tokens += 100
-            clock[0] += 1.0
-            hook(trainer)
-
-    trainer.step = 10
-    swarm.inside = (3, 4)
-    step(13)
-    assert swarm.calls == [] and trainer.step == 23 and swarm.inside_asked[0] == 1
-    swarm.inside = (1, 4)  # they are done: open it
-    step()
-    assert swarm.calls == [(2, 20, 1400)] and swarm.stats["boundaries_held"] == 1
-    assert trainer.step == 24, "no jump back: the schedule only moves forward"
-    swarm.inside = (4, 4)  # round 3: they are all still inside round 2 ... but not for longer than hold
-    step(6)
-    assert swarm.calls[-1][0] == 2
-    step(10)
-    assert [c[0] for c in swarm.calls] == [2, 3] and swarm.stats["boundaries_held"] == 2
-    assert trainer.step == 40, "held 10 s (one step a second) past step 30"
-    swarm.opened.add(4)  # another peer opened round 4: joined at once, whoever is still inside
-    step()
-    assert [c[0] for c in swarm.calls] == [2, 3, 4]
-    swarm.opened.clear()
-    trainer.step = 49
-    step()  # the last step: the last round is run, not held
-    assert [c[0] for c in swarm.calls] == [2, 3, 4, 5]
 
 
 def test_a_peer_runs_its_own_boundary_and_no_round_past_the_end():

@@ -134,12 +134,6 @@ class Swarm:
         rounds = [r.round for r in self.membership.others().values()]
         return max(rounds) if rounds else None
 
-    def inside_round(self, round_no: int) -> tuple[int, int]:
-        """How many other live peers are still inside ``round_no`` (their last finished round is the one
-        before it), and how many other live peers there are."""
-        others = self.membership.others()
-        return sum(1 for r in others.values() if r.round == round_no - 1), len(others)
-
     # Pacing (pacing.py) --------------------------------------------------------------------------
     def expect_round(self, round_no: int) -> None:
         """Watch for ``round_no`` to open, so we join it when another peer starts it."""
