@@ -325,7 +325,6 @@ def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: st
                 "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),
                 "dht_redials": int(swarm.stats["dht_redials"]),  # its DHT had lost every neighbour
                 "reconnects": int(swarm.stats["reconnects"]),  # it read nobody at a boundary, then found the run
-                "boundaries_held": int(swarm.stats["boundaries_held"]),  # trained on while the others finished a round
                 "residency": cfg.swarm.residency,
                 "compression": cfg.swarm.compression,
                 "overlap": cfg.swarm.overlap,
