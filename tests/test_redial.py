@@ -216,3 +216,41 @@ def test_two_peers_cut_off_together_meet_the_rest_again(swarm):
     assert {swarm[0].peer_id, swarm[1].peer_id} <= set(me.neighbours())
     announce_all(swarm, step=2)
     assert reads_the_rest(swarm, step=2)
+
+
+class CountingRuntime:
+    """A runtime whose DHT reads of the peers key are counted (and find nobody)."""
+
+    run_id, peer_id = RUN, "QmMe"
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def call(self, coro):
+        coro.close()  # never awaited: the read is answered here
+        self.reads += 1
+        return {}
+
+    def get(self, key: str):
+        async def nothing() -> dict:
+            return {}
+        return nothing()
+
+
+def test_a_recent_read_of_the_live_peers_stands_in_for_a_new_one_when_asked(monkeypatch):
+    """At a boundary the reconnect check reads the live peers, then the are-we-behind check and the
+    round would read them again before the peer arrives in its group: a read younger than ``max_age``
+    is reused; without ``max_age`` every call reads."""
+    clock = [100.0]
+    monkeypatch.setattr("p2p_spes.swarm.membership.time.monotonic", lambda: clock[0])
+    runtime = CountingRuntime()
+    membership = Membership(runtime, load_config(None, []), Counter(), experts=lambda: [0])
+    membership.live_peers()
+    membership.others(max_age=2.0)
+    membership.live_peers(max_age=2.0)
+    assert runtime.reads == 1
+    membership.others()
+    assert runtime.reads == 2, "no max_age: a new read"
+    clock[0] += 2.5
+    membership.live_peers(max_age=2.0)
+    assert runtime.reads == 3, "too old: a new read"

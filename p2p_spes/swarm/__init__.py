@@ -33,7 +33,7 @@ from p2p_spes.memory import SyncMemory
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.agreement import Refresher
 from p2p_spes.swarm.coverage import Coverage
-from p2p_spes.swarm.membership import Membership
+from p2p_spes.swarm.membership import FRESH, Membership
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard
 from p2p_spes.swarm.pacing import Deadlines, RoundWatch
 from p2p_spes.swarm.report import GroupReport, RoundReport
@@ -131,7 +131,7 @@ class Swarm:
 
     def swarm_round(self) -> int | None:
         """The newest round another live peer has finished, or None when we are alone."""
-        rounds = [r.round for r in self.membership.others().values()]
+        rounds = [r.round for r in self.membership.others(FRESH).values()]
         return max(rounds) if rounds else None
 
     # Pacing (pacing.py) --------------------------------------------------------------------------

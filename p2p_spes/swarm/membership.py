@@ -31,6 +31,9 @@ from p2p_spes.swarm.runtime import Runtime
 log = logging.getLogger(__name__)
 MAX_SEEN = 32  # peers remembered for a redial
 PROBES = 3  # peers the DHT lacks that a heartbeat pings (a group cut off from the rest meets it again)
+# seconds a read of the live peers stands in for a new one at a round boundary: the reconnect check reads
+# them, then the are-we-behind check and the round would read them again before the peer arrives
+FRESH = 2.0
 SYNC_PROTOCOL = 2  # 1: groups averaged weights; 2: pseudo-gradients through a codec (compression.py)
 
 
@@ -81,10 +84,15 @@ class Membership:
         self._isolated = False
         self._redial: asyncio.Task | None = None
         self.run_config = run_config_record(cfg)  # published once the model check passed
+        self._last_read: tuple[float, dict[str, PeerRecord]] | None = None  # (monotonic time, live peers)
 
     # Views of the others ---------------------------------------------------------------------
-    def live_peers(self) -> dict[str, PeerRecord]:
-        """Peers with a current record for this model that have not announced leaving (us included)."""
+    def live_peers(self, max_age: float = 0.0) -> dict[str, PeerRecord]:
+        """Peers with a current record for this model that have not announced leaving (us included);
+        with ``max_age``, our last read if it is that recent (each read costs a DHT lookup)."""
+        last = self._last_read
+        if max_age > 0 and last is not None and time.monotonic() - last[0] < max_age:
+            return dict(last[1])
         records = self.runtime.call(self.runtime.get(peers_key(self.runtime.run_id)))
         out = {}
         for peer, value in records.items():
@@ -92,6 +100,7 @@ class Membership:
             if record is not None and record.fingerprint == self.fingerprint and not value.get("left"):
                 out[peer] = record
         self.remember(p for p in out if p != self.peer_id)
+        self._last_read = (time.monotonic(), dict(out))
         return out
 
     def remember(self, peers: Any) -> None:
@@ -103,8 +112,8 @@ class Membership:
             for peer in list(self.seen)[:-MAX_SEEN]:
                 del self.seen[peer]
 
-    def others(self) -> dict[str, PeerRecord]:
-        return {p: r for p, r in self.live_peers().items() if p != self.peer_id}
+    def others(self, max_age: float = 0.0) -> dict[str, PeerRecord]:
+        return {p: r for p, r in self.live_peers(max_age).items() if p != self.peer_id}
 
     def reach_others(self, within: float) -> bool:
         """Whether another live peer answers; when none does although we read some before, redial them and

@@ -34,7 +34,7 @@ from p2p_spes.matchmaking import Base, arrival_delays
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.model import MoETransformer, copy_into
 from p2p_spes.swarm.agreement import Refresher, adoptable, all_published, group_id, majority, wait_versions
-from p2p_spes.swarm.membership import Membership
+from p2p_spes.swarm.membership import FRESH, Membership
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten, split_like
 from p2p_spes.swarm.pacing import Deadlines
 from p2p_spes.swarm.report import GroupReport, RoundReport
@@ -98,7 +98,7 @@ class RoundRunner:
         downloaded0, served0 = self.stats["bytes_received"], self.stats["bytes_served"]
         reduced_in0, reduced_out0 = self.reducer.served_in, self.reducer.served_out
         sw, call = self.sw, self.runtime.call
-        peers = self.membership.live_peers()
+        peers = self.membership.live_peers(FRESH)  # the boundary's checks read them a moment ago
         peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self.membership.record())
         report = RoundReport(round=round_no, step=step, tokens=int(weight))
         weight = max(float(weight), 1e-6)
