@@ -13,6 +13,7 @@ from p2p_spes import allreduce
 from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import HOLD, GroupAllReduce, weighted_mean
 from p2p_spes.compression import Codec
+from p2p_spes.matchmaking import DECISION_LAG
 from p2p_spes.reducer import PartServer
 from p2p_spes.transport import TransportError, TruncatedStream, parse_tensor, serialize_parts, tensor_digest
 
@@ -240,9 +241,10 @@ def test_a_member_lost_mid_round_costs_the_others_a_retry_not_the_round(dhts, fa
         [(r.attempts, r.lost, r.members) for r in survivors]
     assert len({tensor_digest([r.tensor]) for r in survivors}) == 1, "the survivors' copies differ"
     torch.testing.assert_close(survivors[0].tensor, (tensors[0] + 3 * tensors[1]) / 4)
-    # the retry forms once the first attempt's 10 s deadline has passed (a member that finished it would
-    # have said so by then; HOLD more), then takes one more join window and its transfers
-    limit = 10.0 + HOLD + 3 * WINDOW + 3.0
+    # the retry forms once the first attempt's 10 s deadline has passed for every member (counted from
+    # up to DECISION_LAG after the window; a member that finished it would have said so by then; HOLD
+    # more), then takes one more join window and its transfers
+    limit = WINDOW + DECISION_LAG + 10.0 + HOLD + 2 * WINDOW + 3.0
     assert max(r.seconds for r in survivors) < limit, [round(r.seconds, 1) for r in survivors]
 
 

@@ -43,6 +43,7 @@ def wait_for_round(swarm: LocalSwarm, peers: list[int], round_no: int, timeout: 
     raise AssertionError(f"peers {peers} did not reach round {round_no} within {timeout}s")
 
 
+@pytest.mark.long
 def test_swarm_survives_kill_in_sync_freeze_and_restart(tmp_path):
     swarm = LocalSwarm(None, CHAOS + ["train.max_steps=150"], peers=4, run_dir=tmp_path, run_id="chaos")
     deadline = sync_deadline(load_config(None, CHAOS).swarm, peers=4)

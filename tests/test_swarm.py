@@ -28,7 +28,7 @@ from helpers import (
 from p2p_spes.allreduce import HOLD
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
-from p2p_spes.matchmaking import SETTLE
+from p2p_spes.matchmaking import DECISION_LAG
 from p2p_spes.swarm import GroupReport, RoundReport
 from p2p_spes.swarm.outer import OuterOptimizer
 from p2p_spes.swarm.state import Downloader
@@ -245,12 +245,11 @@ def test_peer_joins_mid_run_and_a_killed_peer_blocks_nobody(tmp_path):
     assert "joined the run at round" in log
     for i in (0, 1):
         after = [r for r in rounds(tmp_path / f"peer{i}").values() if r["sync_seconds"] and r["step"] > 10]
-        # the round the victim died in costs at most: its first attempt (the join window, SETTLE more if
-        # the victim arrived first and never published the membership, the averaging deadline), HOLD,
-        # then the retry's window with the newcomer (late for the first attempt, it joins the retry) and
-        # 10 s for its transfers, expert groups and digests; a peer blocked by the victim would wait the
-        # whole sync deadline instead
-        assert max(r["sync_seconds"] for r in after) < 8 + SETTLE + 15 + HOLD + 8 + 10
+        # the round the victim died in costs at most: its first attempt (the join window, DECISION_LAG for
+        # the members to read the decision, the averaging deadline), HOLD, then the retry's window with the
+        # newcomer (late for the first attempt, it joins the retry) and 10 s for its transfers, expert
+        # groups and digests; a peer blocked by the victim would wait the whole sync deadline instead
+        assert max(r["sync_seconds"] for r in after) < 8 + DECISION_LAG + 15 + HOLD + 8 + 10
     assert time.monotonic() - killed_at < 300
     assert_identical_after_rounds([tmp_path / "peer0", tmp_path / "peer1", tmp_path / "peer3"], min_common=1)
     # no survivor applied part of a group's result: the members a group succeeded for hold the same values,

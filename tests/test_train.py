@@ -37,6 +37,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow  # 300 steps of the tiny config in a process: minutes on 2 cores
 @pytest.mark.timeout(1200)  # 3-5 min alone; a loaded machine doubles it
+@pytest.mark.long
 def test_tiny_config_loss_falls_well_below_start(tmp_path):
     """The README's main job: the tiny config through the CLI, on the embedded corpus."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -213,6 +213,7 @@ def describe(report: SwarmReport) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_peers_on_slow_links_average_every_round_after_the_join(tmp_path):
     ok, reason = Lab.available()
     if not ok:
