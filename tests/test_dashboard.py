@@ -132,10 +132,12 @@ def test_the_dashboard_in_a_browser_shows_a_live_run_and_explains_a_wrong_addres
         peer_id = maddrs[0].rsplit("/", 1)[1]
         gone, gone_url = start_dashboard(tmp_path, "unreachable", [f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id}"], "dash")
         procs = [live, wrong, gone]
-        # both peers publish their experts and have averaged a round
+        # both peers publish their experts and have averaged a round together (the first peer may have
+        # run round 1 alone while the second was starting)
         def both_peers_and_a_round() -> dict | None:
             s = state(live_url)
-            return s if s["snapshot"] and len(s["snapshot"]["peers"]) == 2 and s["rounds"] else None
+            together = any(r["participants"] == 2 for r in s["rounds"] or [])
+            return s if s["snapshot"] and len(s["snapshot"]["peers"]) == 2 and together else None
         ready = wait_for(both_peers_and_a_round, 180, "both peers and a round in the dashboard's state", live)
         peers = {p["peer_id"]: p["experts"] for p in ready["snapshot"]["peers"]}
         experts = len(ready["snapshot"]["coverage"])
