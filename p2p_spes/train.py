@@ -60,6 +60,22 @@ def resolve_data(cfg: Config) -> tuple[str, str, str]:
     return data.train, data.validation, data.tokenizer
 
 
+def write_report(path: Path, text: str, attempts: int = 5, wait: float = 1.0) -> bool:
+    """Write ``text`` to ``path``; whether it was written. A failed write (a full disk) is tried again
+    ``attempts`` times ``wait`` seconds apart, then logged, not raised: the weights are in the run's
+    checkpoints, and a run must not fail at its very end over its report."""
+    for attempt in range(attempts):
+        try:
+            path.write_text(text)
+            return True
+        except OSError as exc:
+            if attempt + 1 == attempts:
+                log.error("could not write %s: %s (is the disk full?); the run itself is done", path, exc)
+                return False
+            time.sleep(wait)
+    return False
+
+
 class Trainer:
     """One peer's model, optimizer and data, stepping until ``train.max_steps``."""
 
@@ -328,5 +344,5 @@ class Trainer:
             (self.run_dir / f"node-rank{self.node.rank}.json").write_text(json.dumps(node))
             summary["node"] = node
         if self.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_report(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary

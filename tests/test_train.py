@@ -209,3 +209,26 @@ def test_a_full_disk_during_a_checkpoint_costs_that_checkpoint_not_the_run(tmp_p
     with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint.*Free space"):
         again.run(progress=False)
     assert not any(p.name.startswith(".tmp") for p in (tmp_path / "again" / "checkpoints").iterdir())
+
+
+def test_a_full_disk_at_the_end_costs_the_report_not_the_run(tmp_path, monkeypatch, caplog):
+    """A run whose disk is full as it writes summary.json tries again (the disk may be freed), then
+    says so and ends normally: its weights are in its checkpoints."""
+    import errno
+
+    from p2p_spes import train
+
+    monkeypatch.setattr(train.time, "sleep", lambda s: None)
+    real, fails = Path.write_text, {"left": 2}
+
+    def full_disk(self, text, *args, **kwargs):
+        if self.name == "summary.json" and fails["left"]:
+            fails["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert train.write_report(tmp_path / "summary.json", "{}") and (tmp_path / "summary.json").read_text() == "{}"
+    fails["left"] = 99
+    assert not train.write_report(tmp_path / "other" / "summary.json", "{}", attempts=3)
+    assert fails["left"] == 96 and "could not write" in caplog.text
