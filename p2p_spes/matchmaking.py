@@ -246,5 +246,5 @@ def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
     members = sorted(p for p, t in times.items() if t <= first + agreed)
     bases = {p: Base(records[p]["b"], records[p]["br"]) for p in members
              if isinstance(records[p].get("b"), str) and type(records[p].get("br")) is int}
-    return Joined(members, {p: t - first for p, t in times.items()}, agreed, bases,
+    return Joined(members, arrival_delays(records), agreed, bases,
                   timeout=agreed_timeout(records, members), first=first)
