@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -198,7 +199,8 @@ class GroupAllReduce:
     async def run(self, round_no: int, group: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
                   weight: float, expected: set[str], on_members: Callable[[], None] | None = None,
                   window: float | None = None, timeout: float | None = None,
-                  base: Base | None = None, rebase: Rebase | None = None, bounded: bool = False) -> GroupResult:
+                  base: Base | None = None, rebase: Rebase | None = None, bounded: bool = False,
+                  quorum: float = 0.0) -> GroupResult:
         """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``.
 
         ``on_members`` is called once the membership is decided (or matchmaking failed). ``window`` is the
@@ -209,11 +211,14 @@ class GroupAllReduce:
         group agrees on another base, ``rebase(digest, members holding it)`` is awaited first (it must
         take that base or raise); ``tensor`` may then be a function, called after it. A ``bounded``
         group with more members than ``group_size`` runs in rows and columns (``grid_allreduce.py``) and
-        is not formed again: a member lost there costs its row's contribution, not the round.
+        is not formed again: a member lost there costs its row's contribution, not the round. ``quorum``
+        (a share of ``expected``) holds the first attempt open past its window until that many have come
+        (``matchmaking.closing_time``); a retry's members arrive together and need none.
         """
         t0 = time.monotonic()
         result = await self._attempt(round_no, group, group, tensor, weight, expected, on_members, window,
-                                     timeout, base, rebase, bounded=bounded)
+                                     timeout, base, rebase, bounded=bounded,
+                                     quorum=math.ceil(quorum * len(set(expected) | {self.peer_id})))
         first = result
         while not result.ok and result.retryable and result.attempts <= self.retries:
             attempt = result.attempts + 1
@@ -261,7 +266,8 @@ class GroupAllReduce:
     async def _attempt(self, round_no: int, group: str, key: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
                        weight: float, expected: set[str], on_members: Callable[[], None] | None,
                        window: float | None, timeout: float | None, base: Base | None,
-                       rebase: Rebase | None, hold_until: float | None = None, bounded: bool = False) -> GroupResult:
+                       rebase: Rebase | None, hold_until: float | None = None, bounded: bool = False,
+                       quorum: int = 0) -> GroupResult:
         """One formation of ``group`` under DHT key ``key`` and its transfers (see :meth:`run`)."""
         t0 = time.monotonic()
         window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
@@ -271,7 +277,7 @@ class GroupAllReduce:
                 self.dht, group_key(self.run_id, round_no, key), self.peer_id, self.owner,
                 set(expected) | {self.peer_id}, weight, window, base,
                 matchmaking_time=self.matchmaking_time, ttl=self.matchmaking_time + self.timeout + 30,
-                hold_until=hold_until, timeout=proposal)
+                hold_until=hold_until, timeout=proposal, quorum=quorum)
             members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
             timeout = joined.deadline(self.timeout)  # the longest a member proposed (matchmaking.py)
             # when the attempt's transfers have ended for every member (each counts its deadline from when it

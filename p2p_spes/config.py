@@ -172,6 +172,10 @@ class SwarmConfig:
     overlap: bool = field(default=False, metadata=LOCAL)
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
+    # share of the live peers a round's shared group waits for past its join window, up to 3x
+    # matchmaking_time (p2p_spes/matchmaking.py): a round opened early must not close before most
+    # peers finish their step, or they all adopt the few members' result. 0: the window alone
+    quorum: float = 0.5
     # a group whose transfers failed (a member died or froze mid-round) forms again among the members
     # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost.
     # Two: on a 24-peer churn run a second member died inside the retry and everyone lost the round
@@ -385,6 +389,8 @@ def validate(config: Config) -> None:
                           f"{sw.merge_interval}): it needs every expert; set swarm.merge_interval=0, or swarm.residency=full")
     if sw.residency == "partial" and moe.impl == "megablocks":
         raise ConfigError("swarm.residency=partial needs moe.impl=torch (or auto): the MegaBlocks adapter keeps every expert")
+    if not 0 <= sw.quorum <= 1:
+        raise ConfigError(f"swarm.quorum must be in [0, 1] (a share of the live peers), got {sw.quorum}")
     if not 0 < sw.topk_fraction <= 1:
         raise ConfigError(f"swarm.topk_fraction must be in (0, 1], got {sw.topk_fraction}")
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:

@@ -4,7 +4,14 @@ Each member writes ``(weight, arrival time, proposed window, proposed transfer d
 the group's DHT key (a signed subkey: nobody joins in another's name). The group is everyone who
 arrived within the first arrival's proposed window (at most ``matchmaking_time``) of it; a member
 stops waiting early once every peer it expects has arrived, and re-reads once after a grace period so
-that records landing just before the cutoff are seen by everyone. Every member computes the same
+that records landing just before the cutoff are seen by everyone.
+
+**A quorum holds the group open past its window** (:func:`closing_time`). The first arrival also says how
+many arrivals it waits for (``q``: a share of the live peers it saw, ``swarm.quorum``); a group that has
+fewer when its window ends stays open until the arrival that makes them, at most ``STRETCH`` x
+``matchmaking_time`` after the first. Without it, a round opened by a peer that left the last one early
+(it ran it alone, or caught up) closed before the others had finished their step: on a 24-peer churn run
+groups of 2-5 decided and the other 12-19 peers adopted their result, their own progress replaced. Every member computes the same
 members, window, transfer deadline and agreed base from the same records, and the first arrival
 publishes what it computed for the others to adopt.
 
@@ -30,6 +37,7 @@ SETTLE = 5.0  # seconds past the join window a member waits for the first arriva
 # seconds past the join window (DHT clock) by which members have read the decision, as a rule: each counts
 # its transfer deadline from then, so the group's attempt may end this much later for some than for others
 DECISION_LAG = SETTLE + 1.0
+STRETCH = 3.0  # a group short of its quorum stays open up to this many matchmaking_time after its first arrival
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,32 @@ def arrival_delays(records: dict[str, dict]) -> dict[str, float]:
     return {p: t - first for p, t in times.items()}
 
 
+def quorum_of(records: dict[str, dict]) -> int:
+    """The arrivals the first arrival's record asks the group to wait for (0: none, also when malformed)."""
+    q = records[first_arrival(records)].get("q")
+    return q if type(q) is int and q > 0 else 0
+
+
+def longest_wait(matchmaking_time: float) -> float:
+    """The longest a group stays open after its first arrival (its quorum missing)."""
+    return STRETCH * matchmaking_time
+
+
+def closing_time(records: dict[str, dict], matchmaking_time: float) -> float | None:
+    """When the group closes (DHT clock), the same for every member reading the same records: its agreed
+    window after the first arrival when its quorum has arrived by then, else the arrival that makes the
+    quorum (at most :func:`longest_wait` after the first); None while it still waits for that arrival."""
+    times = sorted(v["t"] for v in records.values())
+    first, need = times[0], quorum_of(records)
+    end = first + agreed_window(records, matchmaking_time)
+    if need <= 1 or sum(t <= end for t in times) >= need:
+        return end
+    cap = first + longest_wait(matchmaking_time)
+    if len(times) >= need and times[need - 1] <= cap:
+        return times[need - 1]
+    return None
+
+
 def agreed_timeout(records: dict[str, dict], members: list[str]) -> float:
     """The transfer deadline of a group: the longest the members proposed (0.0 when none did, as peers
     of an earlier version do not; each then keeps its own)."""
@@ -109,14 +143,15 @@ class Joined:
 
 async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[str], weight: float, window: float,
                      base: Base | None, *, matchmaking_time: float, ttl: float, hold_until: float | None = None,
-                     timeout: float | None = None) -> Joined:
+                     timeout: float | None = None, quorum: int = 0) -> Joined:
     """Join the group under ``key`` and return its decided membership (see the module docstring).
 
     A retry's key may also hold ``done`` records (:func:`announce_done`): peers that applied the attempt
     before. Seeing one ends the wait (the retry must not form: its result would differ from theirs).
     ``hold_until`` (monotonic time) keeps the wait going until then even once every expected peer has
     arrived, so that a member still finishing the earlier attempt can say it applied it. ``timeout`` is
-    the transfer deadline this member proposes (the group's is the longest proposed).
+    the transfer deadline this member proposes (the group's is the longest proposed), ``quorum`` the
+    arrivals it asks the group to wait for should it arrive first (:func:`closing_time`).
     Every DHT request is bounded: one that never answers raises ``asyncio.TimeoutError``.
     """
     arrival = get_dht_time()
@@ -126,8 +161,10 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
         # the hold ends, not before those that waited the deadline out came (counted from when the first
         # noticed, 17 of 21 survivors arrived "late" at 24 peers) nor a window after it
         arrival += max(hold_until - window - time.monotonic(), 0.0)
-    give_up = time.monotonic() + matchmaking_time + 10
+    give_up = time.monotonic() + (longest_wait(matchmaking_time) if quorum > 1 else matchmaking_time) + 10
     mine = {"peer_id": peer_id, "w": float(weight), "t": arrival, "m": float(window)}
+    if quorum > 1:
+        mine["q"] = int(quorum)
     if base is not None:
         mine.update(b=base.digest, br=int(base.round))
     if timeout is not None:
@@ -139,7 +176,7 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
     records: dict[str, dict] = {}
     done: set[str] = set()
 
-    async def read() -> tuple[dict[str, float], float]:
+    async def read() -> tuple[set[str], float]:
         nonlocal records
         found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True),
                                        max(give_up - time.monotonic(), 0.0) + 5)
@@ -147,12 +184,15 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
         done.update(p for p, v in signed.items() if isinstance(v, dict) and v.get("done") is True)
         records = {p: v for p, v in signed.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
         records.setdefault(peer_id, mine)
-        return {p: v["t"] for p, v in records.items()}, agreed_window(records, matchmaking_time)
+        closes = closing_time(records, matchmaking_time)
+        if closes is None:
+            closes = min(v["t"] for v in records.values()) + longest_wait(matchmaking_time)
+        return set(records), closes
 
     while True:
-        times, agreed = await read()
+        arrived, closes = await read()
         held = hold_until is not None and time.monotonic() < hold_until
-        closed = expected <= set(times) or get_dht_time() >= min(times.values()) + agreed
+        closed = expected <= arrived or get_dht_time() >= closes
         if done or (closed and not held) or time.monotonic() > give_up:
             break
         await asyncio.sleep(0.2)
@@ -237,13 +277,17 @@ async def announce_done(dht, key: str, peer_id: str, owner: bytes, ttl: float) -
 
 def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
     """The membership every member computes from the same arrival records (``{peer: {"t": arrival,
-    "m": proposed window, "d": proposed deadline, "b"/"br": base}}``): everyone who arrived within the
-    first arrival's window, with the longest deadline they proposed.
+    "m": proposed window, "q": quorum, "d": proposed deadline, "b"/"br": base}}``): everyone who arrived
+    before the group closed (:func:`closing_time`; with its quorum still missing, everyone who came up to
+    now), with the longest deadline they proposed.
     Also what ``p2p_spes/simulation.py`` runs, so the model forms groups as peers do."""
-    agreed = agreed_window(records, matchmaking_time)
     times = {p: v["t"] for p, v in records.items()}
     first = min(times.values())
-    members = sorted(p for p, t in times.items() if t <= first + agreed)
+    closes = closing_time(records, matchmaking_time)
+    if closes is None:
+        closes = first + longest_wait(matchmaking_time)
+    agreed = closes - first
+    members = sorted(p for p, t in times.items() if t <= closes)
     bases = {p: Base(records[p]["b"], records[p]["br"]) for p in members
              if isinstance(records[p].get("b"), str) and type(records[p].get("br")) is int}
     return Joined(members, arrival_delays(records), agreed, bases,

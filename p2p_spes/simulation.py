@@ -156,7 +156,9 @@ def simulate(cfg: SimConfig) -> SimResult:
         by_id = {p.id: p for p in live}
         # each proposes the deadline it measured for an all-reduce among everyone present, as sync_round does
         _, expected_bytes = _all_reduce_seconds(codec, cfg.shared_params, [p.rate for p in present])
-        records = {p.id: {"t": arrival[p.id], "m": p.deadlines.join_window(),
+        # each asks for its quorum of the live peers it sees (the first arrival's counts: matchmaking.py)
+        quorum = math.ceil(sw.quorum * len(live))
+        records = {p.id: {"t": arrival[p.id], "m": p.deadlines.join_window(), "q": quorum,
                           "d": p.deadlines.proposed_timeout(expected_bytes // 2)} for p in present}
         applied, attempts, moved, end, counted = False, 0, {}, t_open, 0.0
         members: list[str] = []

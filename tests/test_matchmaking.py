@@ -13,7 +13,17 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from dht.identity import peer_id_of_owner
 from dht.keys import group_key
 from p2p_spes import matchmaking
-from p2p_spes.matchmaking import Base, Joined, adopted, arrival_delays, decide, decision, join_group
+from p2p_spes.matchmaking import (
+    Base,
+    Joined,
+    adopted,
+    arrival_delays,
+    closing_time,
+    decide,
+    decision,
+    join_group,
+    longest_wait,
+)
 
 WINDOW = 2.0
 
@@ -45,11 +55,12 @@ class Blind:
 
 def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] | None = None,
          present: list[int] | None = None, timeouts: list[float] | None = None,
-         hold: float | None = None) -> list[Joined]:
+         hold: float | None = None, quorum: int = 0, expected: set[str] | None = None) -> list[Joined]:
     """Every member in ``present`` joins the same group, member i ``delays[i]`` seconds after the first
     (proposing the transfer deadline ``timeouts[i]``); member i reads the arrivals without member
     ``blind[i]``'s record. With ``hold``, it is a retry that forms ``hold`` seconds after the first
-    member starts joining (the failed attempt's deadline)."""
+    member starts joining (the failed attempt's deadline). Each asks for ``quorum`` arrivals and expects
+    ``expected`` (every node when None)."""
     ids = [node.peer_id.to_base58() for node in peers.nodes]
     present = list(range(len(ids))) if present is None else present
     key = group_key(run_id, 0, "shared")
@@ -59,9 +70,10 @@ def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] |
     async def member(i: int) -> Joined:
         await asyncio.sleep(delays[i])
         dht = Blind(peers.nodes[i], ids[blind[i]]) if blind and i in blind else peers.nodes[i]
-        return await join_group(dht, key, ids[i], peers.owners[i], set(ids), 1.0, WINDOW, None,
-                                matchmaking_time=WINDOW, ttl=30.0, timeout=timeouts[i] if timeouts else None,
-                                hold_until=None if hold is None else start + hold)
+        return await join_group(dht, key, ids[i], peers.owners[i], set(ids) if expected is None else expected,
+                                1.0, WINDOW, None, matchmaking_time=WINDOW, ttl=30.0,
+                                timeout=timeouts[i] if timeouts else None,
+                                hold_until=None if hold is None else start + hold, quorum=quorum)
 
     async def everyone() -> list[Joined]:
         return list(await asyncio.gather(*(member(i) for i in present)))
@@ -118,6 +130,38 @@ def test_without_a_decision_members_go_by_their_own_reading_after_a_bounded_wait
     joined = form(dhts, "mm-dead-leader", [0.0, 0.2, 0.2], present=[1, 2])
     assert [j.members for j in joined] == [sorted(ids)] * 2
     assert time.monotonic() - t0 >= 1.0  # waited for the decision before going it alone
+
+
+@pytest.mark.slow
+def test_a_group_short_of_its_quorum_waits_for_the_arrival_that_makes_it(dhts):
+    """Member 0 opens the round and asks for 3 arrivals; members 1 and 2 come 3 and 4 s later, past the
+    2 s window (they were finishing their step). Everyone also expects a dead peer, so nobody sees all
+    it expects. All three are members, and the group closed at the third arrival, not at the longest
+    wait."""
+    ids = [node.peer_id.to_base58() for node in dhts.nodes]
+    expected = set(ids) | {"QmDeadPeer"}
+    joined = form(dhts, "mm-quorum", [0.0, 3.0, 4.0], quorum=3, expected=expected)
+    assert [j.members for j in joined] == [sorted(ids)] * 3
+    assert all(3.5 <= j.window < longest_wait(WINDOW) for j in joined), [j.window for j in joined]
+    # without a quorum the same arrivals leave the two late ones out
+    late = form(dhts, "mm-no-quorum", [0.0, 3.0, 4.0], expected=expected)
+    assert [j.members for j in late] == [[ids[0]]] * 3
+
+
+def test_a_quorum_holds_the_window_open_up_to_the_longest_wait():
+    records = {"a": {"t": 10.0, "m": 2.0, "q": 3}, "b": {"t": 11.0}, "c": {"t": 14.0}, "d": {"t": 14.5}}
+    assert closing_time(records, 5.0) == 14.0  # the third arrival, past the 2 s window
+    assert decide(records, 5.0).members == ["a", "b", "c"] and decide(records, 5.0).window == 4.0
+    del records["c"], records["d"]
+    assert closing_time(records, 5.0) is None  # still short: it waits
+    assert decide(records, 5.0).members == ["a", "b"] and decide(records, 5.0).window == longest_wait(5.0)
+    records["late"] = {"t": 10.0 + longest_wait(5.0) + 1}
+    assert closing_time(records, 5.0) is None and "late" not in decide(records, 5.0).members  # after the longest wait
+    records = {"a": {"t": 10.0, "m": 2.0, "q": 2}, "b": {"t": 11.0}, "c": {"t": 14.0}}
+    assert closing_time(records, 5.0) == 12.0 and decide(records, 5.0).members == ["a", "b"]  # met in the window
+    for bad in (True, 2.5, "3", -1):  # only the first arrival's whole count is a quorum
+        records = {"a": {"t": 10.0, "m": 2.0, "q": bad}, "b": {"t": 14.0, "q": 5}}
+        assert closing_time(records, 5.0) == 12.0, bad
 
 
 def test_the_deadline_is_the_longest_a_decided_member_proposed():

@@ -30,7 +30,7 @@ from dht.records import PeerRecord, VersionRecord
 from p2p_spes.allreduce import HOLD, GroupAllReduce, GroupResult
 from p2p_spes.compression import ErrorFeedback
 from p2p_spes.config import SwarmConfig
-from p2p_spes.matchmaking import DECISION_LAG, Base, arrival_delays
+from p2p_spes.matchmaking import DECISION_LAG, Base, arrival_delays, longest_wait
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.model import MoETransformer, copy_into
 from p2p_spes.swarm.agreement import Refresher, adoptable, all_published, group_id, majority, wait_versions
@@ -65,14 +65,15 @@ def version_ttl(sw: SwarmConfig) -> float:
 
 
 def sync_deadline(sw: SwarmConfig, peers: int | None = None) -> float:
-    """The longest a sync round can hold a peer up, whatever the others do: join window and averaging
-    timeout, once more per group retry (which forms ``HOLD`` after the failed attempt's deadline has passed
-    for every member, ``DECISION_LAG`` after it has for the first), then
-    the wait for the others' digests, which is longest when adopting their result (downloads of refreshed
-    experts come on top, bounded by size). A shared group
-    run as a grid (more than ``group_size`` of the swarm's ``peers``, or any number when not given) has
+    """The longest a sync round can hold a peer up, whatever the others do: join window (held open for
+    its quorum up to ``longest_wait``) and averaging timeout, then a join window and a timeout once more
+    per group retry (which forms ``HOLD`` after the failed attempt's deadline has passed for every
+    member, ``DECISION_LAG`` after it has for the first), then the wait for the others' digests, which
+    is longest when adopting their result (downloads of refreshed experts come on top, bounded by
+    size). A shared group run as a grid (more than ``group_size`` of the swarm's ``peers``, or any number when not given) has
     its rows' deadline, a column's (and its retries') and the results' on top."""
-    flat = (1 + sw.group_retries) * (sw.matchmaking_time + sw.averaging_timeout) + sw.group_retries * (HOLD + DECISION_LAG)
+    flat = (longest_wait(sw.matchmaking_time) if sw.quorum else sw.matchmaking_time) + sw.averaging_timeout
+    flat += sw.group_retries * (sw.matchmaking_time + sw.averaging_timeout + HOLD + DECISION_LAG)
     if sw.group_size and (peers is None or peers > sw.group_size):
         flat += 2 * sw.averaging_timeout + sw.matchmaking_time
     return flat + adopt_window(sw)
@@ -111,7 +112,8 @@ class RoundRunner:
         shared_res = call(self.reducer.run(
             round_no, "shared", self._contribution("shared", flat, sending), weight, set(peers),
             on_members=on_joined, window=window, timeout=self._group_timeout(flat, len(peers)),
-            base=self.outer.base("shared"), rebase=self._rebase("shared", flat.numel()), bounded=True))
+            base=self.outer.base("shared"), rebase=self._rebase("shared", flat.numel()), bounded=True,
+            quorum=sw.quorum))
         report.groups["shared"] = self._apply(shared_res, shared, "shared", flat, sending, round_no)
         report.join_window = shared_res.window
 
