@@ -159,9 +159,8 @@ class SwarmConfig:
     # "full": every expert in memory (SPES); "partial": only the peer's own experts (tokens routed
     # elsewhere skip them, see p2p_spes/moe/router.py). A per-peer choice: a swarm may mix both.
     residency: Literal["full", "partial"] = field(default="full", metadata=LOCAL)
-    # Self-healing: the most experts this peer trains, counting those it takes over from peers that
-    # left (None: no limit but moe.num_experts). Each one costs gradient + AdamW memory (full
-    # residency) or that plus its weights (partial).
+    # Self-healing: the most experts this peer trains, takeovers included (None: no limit). Each costs
+    # gradient + AdamW memory, and under partial residency its weights too.
     max_experts_per_peer: int | None = field(default=None, metadata=LOCAL)
     # how groups encode pseudo-gradients (p2p_spes/compression.py): none | fp16 | int8 | int4 | topk,
     # with error feedback; run-wide (peers with another setting refuse to join)
@@ -172,13 +171,11 @@ class SwarmConfig:
     overlap: bool = field(default=False, metadata=LOCAL)
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
-    # share of the live peers a round's shared group waits for past its join window, up to 3x
-    # matchmaking_time (p2p_spes/matchmaking.py): a round opened early must not close before most
-    # peers finish their step, or they all adopt the few members' result. 0: the window alone
+    # share of the live peers a round's shared group waits for past its join window (up to 3x
+    # matchmaking_time; p2p_spes/matchmaking.py), so that it does not close before most arrive. 0: off
     quorum: float = 0.5
     # a group whose transfers failed (a member died or froze mid-round) forms again among the members
-    # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost.
-    # Two: on a 24-peer churn run a second member died inside the retry and everyone lost the round
+    # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost
     group_retries: int = 2
     # >= 2: a shared group of more peers runs in rows of at most this many and as many columns, each
     # column a group of one holder per row (p2p_spes/grid.py); a lost peer costs its row's part. 0: flat
@@ -237,16 +234,14 @@ class Config:
         if self.experts.placement == "explicit":
             return sorted(self.experts.local or [])
         if self.experts.placement == "coverage":
-            raise ConfigError(
-                "experts.placement=coverage is chosen by the swarm at join time; use `p2p-spes train --initial-peers`"
-            )
+            raise ConfigError("experts.placement=coverage is chosen by the swarm at join time; "
+                              "use `p2p-spes train --initial-peers`")
         index = self.peer.index if partition is None else partition
         return spes_block(index, self.peer.count, self.moe.num_experts)
 
     def experts_per_peer(self, partition: int | None = None) -> int:
-        """How many experts least-covered placement gives a peer: ``swarm.experts_per_peer``, else the
-        size of its partition's SPES block (partition 0's is the smallest), raised to the share that
-        ``swarm.replicas`` holders per expert take among ``peer.count`` peers (at most every expert)."""
+        """How many experts least-covered placement gives a peer: ``swarm.experts_per_peer``, else its
+        partition's SPES block (partition 0's is the smallest), raised to ``swarm.replicas``' share."""
         if self.swarm.experts_per_peer:
             return self.swarm.experts_per_peer
         index = self.peer.index if partition is None else partition
@@ -389,10 +384,9 @@ def validate(config: Config) -> None:
                           f"{sw.merge_interval}): it needs every expert; set swarm.merge_interval=0, or swarm.residency=full")
     if sw.residency == "partial" and moe.impl == "megablocks":
         raise ConfigError("swarm.residency=partial needs moe.impl=torch (or auto): the MegaBlocks adapter keeps every expert")
-    if not 0 <= sw.quorum <= 1:
-        raise ConfigError(f"swarm.quorum must be in [0, 1] (a share of the live peers), got {sw.quorum}")
-    if not 0 < sw.topk_fraction <= 1:
-        raise ConfigError(f"swarm.topk_fraction must be in (0, 1], got {sw.topk_fraction}")
+    if not 0 < sw.topk_fraction <= 1 or not 0 <= sw.quorum <= 1:
+        raise ConfigError(f"swarm.topk_fraction must be in (0, 1] (got {sw.topk_fraction}) and swarm.quorum in [0, 1] "
+                          f"(a share of the live peers; got {sw.quorum})")
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:
         raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")
     if sw.merge_interval < 0 or not 0 <= sw.merge_alpha_start < 1:
