@@ -25,7 +25,10 @@ shared weights with others or took the result its group agreed on), rounds in wh
 ran the round applied an average (a peer that came back to find the swarm two rounds past its own
 takes the swarm's state and skips those rounds: they are counted apart, as ``peer_rounds_skipped``),
 the same among the peers not stopped (SIGSTOP) during the round (a stopped peer cannot take part; it
-takes the swarm's state once thawed; ``peer_rounds_frozen`` counts its rounds),
+takes the swarm's state once thawed; ``peer_rounds_frozen`` counts its rounds) and not run after every
+other peer had ended (a peer thawed after the others finished the run has nobody to average with:
+``peer_rounds_after_others`` counts those rounds, ``ended_after_others`` such survivors, whose
+weights are left out of the count of sets at the end),
 the median seconds per round, bytes sent + received + downloaded per
 peer per round, how many different shared weights the surviving peers hold at the end (at the last round any of them
 ran or took; ``ended_behind`` counts survivors whose last round is an earlier one), groups that needed a retry and members lost from them, the peak proportional memory (PSS) of a
@@ -133,11 +136,19 @@ def summarize(run_dir: Path, peers: int, survivors: list[int], faults: list[Faul
     # not stopped applied an average are counted apart (the stopped one takes the swarm's state when thawed)
     freezes = {i: [f for f in faults if f.kind == "freeze" and f.peer == i] for i in range(peers)}
     frozen = {id(r) for i in range(peers) for r in lines[i] if "sync_round" in r and frozen_during(r, freezes[i])}
+    # a round a peer began when every other peer had ended or was stopped (thawed once the others
+    # finished the run): nobody was left to average with
+    ended = {i: max((r["time"] for r in lines[i]), default=0.0) for i in range(peers)}
+
+    def nobody_else(i: int, t: float) -> bool:
+        return not any(ended[j] > t and not any(f.start <= t < f.end for f in freezes[j]) for j in range(peers) if j != i)
+    after = {id(r) for i in range(peers) for r in lines[i] if "sync_round" in r and nobody_else(i, r["time"] - r["sync_seconds"])}
     everyone_running = [n for n, rs in by_round.items()
-                        if all(r["outcome"] in ("averaged", "adopted") or id(r) in frozen for r in rs)]
+                        if all(r["outcome"] in ("averaged", "adopted") or id(r) in frozen | after for r in rs)]
     # each survivor's last shared weights: its last round's, or the state it took when it skipped rounds
     last: dict[int, tuple[int, str]] = {}
-    for i in survivors:
+    late = [i for i in survivors if any(id(r) in after for r in lines[i])]
+    for i in (i for i in survivors if i not in late):
         for r in lines[i]:
             if "sync_round" in r:
                 last[i] = (r["sync_round"], r.get("shared_digest", ""))
@@ -154,7 +165,7 @@ def summarize(run_dir: Path, peers: int, survivors: list[int], faults: list[Faul
         "peer_rounds_skipped": skipped,
         "rounds": len(by_round), "rounds_everyone_applied": len(everyone),
         "everyone_share": len(everyone) / len(by_round) if by_round else None,
-        "peer_rounds_frozen": len(frozen),
+        "peer_rounds_frozen": len(frozen), "peer_rounds_after_others": len(after), "ended_after_others": len(late),
         "rounds_everyone_running_applied": len(everyone_running),
         "seconds_per_round": statistics.median(r["sync_seconds"] for r in rows) if rows else None,
         "mb_per_peer_round": statistics.fmean((r["bytes_sent"] + r["bytes_received"] + r["downloaded_bytes"]) / 1e6
@@ -261,11 +272,14 @@ def main() -> int:
         table.add_row(
             str(r["peers"]), f"{r['peer_rounds_applied']}/{r['peer_rounds']} ({100 * (r['applied_share'] or 0):.0f}%)",
             f"{r['rounds_everyone_applied']}/{r['rounds']} ({100 * (r['everyone_share'] or 0):.0f}%)",
-            f"{r['rounds_everyone_running_applied']}/{r['rounds']} ({r['peer_rounds_frozen']} peer-rounds stopped)",
+            f"{r['rounds_everyone_running_applied']}/{r['rounds']} ({r['peer_rounds_frozen']} peer-rounds stopped, "
+            f"{r.get('peer_rounds_after_others', 0)} after the others ended)",
             f"{r['seconds_per_round']:.1f}" if r["seconds_per_round"] is not None else "-",
             f"{mb:.2f}" if mb is not None else "-", f"{mb / base:.2f}x" if mb and base else "-",
             f"{r['groups_retried']} ({r['members_lost']})",
-            f"{r['final_weights']} of {r['survivors']} peers", f"{r['peak_pss_peer_mb']} ({r['peak_pss_swarm_mb']})",
+            f"{r['final_weights']} of {r['survivors'] - r.get('ended_after_others', 0)} peers"
+            + (f" (+{r['ended_after_others']} after the others)" if r.get("ended_after_others") else ""),
+            f"{r['peak_pss_peer_mb']} ({r['peak_pss_swarm_mb']})",
             str(r["processes_left"]))
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -173,7 +173,7 @@ class SwarmConfig:
     averaging_timeout: float = 30.0
     # share of the live peers a round's shared group waits for past its join window (up to 3x
     # matchmaking_time; p2p_spes/matchmaking.py), so that it does not close before most arrive. 0: off
-    quorum: float = 0.5
+    quorum: float = 0.75
     # a group whose transfers failed (a member died or froze mid-round) forms again among the members
     # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost
     group_retries: int = 2
