@@ -15,9 +15,10 @@ bytes per peer compare across N. Faults (``p2p_spes/chaos.py``):
   the way into the run; it does not come back;
 * ``churn``: from the first round on, faults aimed at one per measured round time: a kill (at a
   random moment or inside a round) or a freeze of a whole process group for longer than the sync
-  deadline (thawed in the background, so the next fault does not wait for it); between them, killed
-  peers restart from their own checkpoints (a restart does not take a fault's turn). Peers log every
-  step, so a kill inside a round finds one;
+  deadline (thawed in the background, so the next fault does not wait for it; no freeze once the
+  swarm would finish before the peer thaws); between them, killed peers restart from their own
+  checkpoints (a restart does not take a fault's turn). Peers log every step, so a kill inside a
+  round finds one;
 * ``none``.
 
 Reported per N: peer-rounds applied / attempted (a peer-round is applied when the peer averaged the
@@ -217,8 +218,12 @@ def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work:
                 time.sleep(max(due - time.monotonic(), 0.0))
                 if sum(chaos.last_step(i) >= steps - 2 * SYNC_STEPS for i in chaos.live()) >= len(chaos.live()) // 2:
                     break  # near the end: let the survivors finish
+                # a peer stopped for the freeze's length must come back before the others finish the run,
+                # or it has nobody left to average with (on a seed-1 run, 3 peers thawed after the end
+                # and ended with weights of their own): near the end, the faults are kills
+                left = (steps - statistics.median(chaos.last_step(i) for i in chaos.live())) / SYNC_STEPS * round_time
                 for _ in range(peers):  # restarts come between faults, then one kill or freeze
-                    fault = chaos.random_fault()
+                    fault = chaos.random_fault(freeze=left > chaos.freeze_seconds + 2 * round_time)
                     if fault:
                         console.print(f"  [{time.monotonic() - t0:5.0f}s] {fault.kind} peer {fault.peer} {fault.note}")
                     if fault is None or fault.kind != "restart":

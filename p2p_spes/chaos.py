@@ -215,16 +215,16 @@ class Chaos:
         self.faults.append(fault)
         return fault
 
-    def random_fault(self, extra: dict[str, Callable[[int], Fault]] | None = None) -> Fault | None:
-        """One random fault: restart a downed peer, or kill / kill-in-sync / freeze a live one, or one
-        of ``extra`` (kind -> a function of a live peer's index)."""
+    def random_fault(self, extra: dict[str, Callable[[int], Fault]] | None = None, freeze: bool = True) -> Fault | None:
+        """One random fault: restart a downed peer, or kill / kill-in-sync / freeze (unless not ``freeze``)
+        a live one, or one of ``extra`` (kind -> a function of a live peer's index)."""
         live = self.live()
         if self.down and (len(live) <= self.min_live or self.rng.random() < 0.5):
             return self.restart(self.rng.choice(sorted(self.down)))
         if len(live) <= self.min_live:
             return None
         extra = extra or {}
-        kind = self.rng.choice(["kill", "kill-in-sync", "freeze", *extra])
+        kind = self.rng.choice(["kill", "kill-in-sync", *(["freeze"] if freeze else []), *extra])
         awake = [i for i in live if i not in self.frozen]
         if not awake:
             return None
