@@ -4,16 +4,16 @@ Each member writes ``(weight, arrival time, proposed window, proposed transfer d
 the group's DHT key (a signed subkey: nobody joins in another's name). The group is everyone who
 arrived within the first arrival's proposed window (at most ``matchmaking_time``) of it; a member
 stops waiting early once every peer it expects has arrived, and re-reads once after a grace period so
-that records landing just before the cutoff are seen by everyone.
+that records landing just before the cutoff are seen by everyone. Every member computes the same
+members, window, transfer deadline and agreed base from the same records, and the first arrival
+publishes what it computed for the others to adopt.
 
 **A quorum holds the group open past its window** (:func:`closing_time`). The first arrival also says how
 many arrivals it waits for (``q``: a share of the live peers it saw, ``swarm.quorum``); a group that has
 fewer when its window ends stays open until the arrival that makes them, at most ``STRETCH`` x
 ``matchmaking_time`` after the first. Without it, a round opened by a peer that left the last one early
 (it ran it alone, or caught up) closed before the others had finished their step: on a 24-peer churn run
-groups of 2-5 decided and the other 12-19 peers adopted their result, their own progress replaced. Every member computes the same
-members, window, transfer deadline and agreed base from the same records, and the first arrival
-publishes what it computed for the others to adopt.
+groups of 2-5 decided and the other 12-19 peers adopted their result, their own progress replaced.
 
 The transfer deadline is the longest any member proposed: each member measures its own from the
 rates it saw, and a member that gave up at its own 5 s while another still sent for its 23 s would
@@ -95,19 +95,17 @@ def longest_wait(matchmaking_time: float) -> float:
     return STRETCH * matchmaking_time
 
 
-def closing_time(records: dict[str, dict], matchmaking_time: float) -> float | None:
+def closing_time(records: dict[str, dict], matchmaking_time: float) -> float:
     """When the group closes (DHT clock), the same for every member reading the same records: its agreed
     window after the first arrival when its quorum has arrived by then, else the arrival that makes the
-    quorum (at most :func:`longest_wait` after the first); None while it still waits for that arrival."""
+    quorum, at most :func:`longest_wait` after the first (that, while the arrival has not come)."""
     times = sorted(v["t"] for v in records.values())
     first, need = times[0], quorum_of(records)
     end = first + agreed_window(records, matchmaking_time)
     if need <= 1 or sum(t <= end for t in times) >= need:
         return end
     cap = first + longest_wait(matchmaking_time)
-    if len(times) >= need and times[need - 1] <= cap:
-        return times[need - 1]
-    return None
+    return min(times[need - 1], cap) if len(times) >= need else cap
 
 
 def agreed_timeout(records: dict[str, dict], members: list[str]) -> float:
@@ -184,10 +182,7 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
         done.update(p for p, v in signed.items() if isinstance(v, dict) and v.get("done") is True)
         records = {p: v for p, v in signed.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
         records.setdefault(peer_id, mine)
-        closes = closing_time(records, matchmaking_time)
-        if closes is None:
-            closes = min(v["t"] for v in records.values()) + longest_wait(matchmaking_time)
-        return set(records), closes
+        return set(records), closing_time(records, matchmaking_time)
 
     while True:
         arrived, closes = await read()
@@ -284,8 +279,6 @@ def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
     times = {p: v["t"] for p, v in records.items()}
     first = min(times.values())
     closes = closing_time(records, matchmaking_time)
-    if closes is None:
-        closes = first + longest_wait(matchmaking_time)
     agreed = closes - first
     members = sorted(p for p, t in times.items() if t <= closes)
     bases = {p: Base(records[p]["b"], records[p]["br"]) for p in members

@@ -153,10 +153,11 @@ def test_a_quorum_holds_the_window_open_up_to_the_longest_wait():
     assert closing_time(records, 5.0) == 14.0  # the third arrival, past the 2 s window
     assert decide(records, 5.0).members == ["a", "b", "c"] and decide(records, 5.0).window == 4.0
     del records["c"], records["d"]
-    assert closing_time(records, 5.0) is None  # still short: it waits
+    assert closing_time(records, 5.0) == 10.0 + longest_wait(5.0)  # still short: it waits the longest
     assert decide(records, 5.0).members == ["a", "b"] and decide(records, 5.0).window == longest_wait(5.0)
     records["late"] = {"t": 10.0 + longest_wait(5.0) + 1}
-    assert closing_time(records, 5.0) is None and "late" not in decide(records, 5.0).members  # after the longest wait
+    assert closing_time(records, 5.0) == 10.0 + longest_wait(5.0)
+    assert "late" not in decide(records, 5.0).members  # after the longest wait
     records = {"a": {"t": 10.0, "m": 2.0, "q": 2}, "b": {"t": 11.0}, "c": {"t": 14.0}}
     assert closing_time(records, 5.0) == 12.0 and decide(records, 5.0).members == ["a", "b"]  # met in the window
     for bad in (True, 2.5, "3", -1):  # only the first arrival's whole count is a quorum

@@ -70,8 +70,8 @@ def sync_deadline(sw: SwarmConfig, peers: int | None = None) -> float:
     per group retry (which forms ``HOLD`` after the failed attempt's deadline has passed for every
     member, ``DECISION_LAG`` after it has for the first), then the wait for the others' digests, which
     is longest when adopting their result (downloads of refreshed experts come on top, bounded by
-    size). A shared group run as a grid (more than ``group_size`` of the swarm's ``peers``, or any number when not given) has
-    its rows' deadline, a column's (and its retries') and the results' on top."""
+    size). A shared group run as a grid (more than ``group_size`` of the swarm's ``peers``, or any
+    number when not given) has its rows' deadline, a column's (and its retries') and the results' on top."""
     flat = (longest_wait(sw.matchmaking_time) if sw.quorum else sw.matchmaking_time) + sw.averaging_timeout
     flat += sw.group_retries * (sw.matchmaking_time + sw.averaging_timeout + HOLD + DECISION_LAG)
     if sw.group_size and (peers is None or peers > sw.group_size):
