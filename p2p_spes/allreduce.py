@@ -26,21 +26,21 @@ Any missing contribution or part before the deadline fails the attempt *for the 
 reducer either serves one result to everybody or none, and a member applies nothing unless it has
 every part. A member lost mid-round then costs the others a retry, not the round: every member whose
 attempt failed in the transfers joins the group again under the attempt's own key (``group~2``, ...,
-up to ``retries`` more times within the round), with the same tensor, and the members that come
-average among themselves. A dead member does not come; a slow one that does is welcome. A member whose
-attempt succeeded says so under the next attempt's key (``announce_done``), and the next attempt forms
-no earlier than the failed one's deadline for every member (the first arrival's time + window +
-``DECISION_LAG`` + deadline, by the DHT clock, plus ``HOLD``): a member that sees such a record does not
-form the group again, since its result would differ from what that member applied, and takes the
-agreed result instead (the round's adopt path). A peer that arrived after the group closed joins its
-next attempt the same way (it computes the failed one's deadline from the decision), so when a small
-early group fails, the late majority is in the retry rather than losing the round with it. Each attempt is all-or-nothing, so no partial average is ever applied; the members of the attempt that succeeds
-end bit-identical, and the lost members are reported (``GroupResult.lost``). A member alone at a
-retry fails instead (the others may have applied the first attempt). Views of the membership that
-differ give different group ids and fail loudly. A stream cut short (hivemind ends one silently when
-its connection closes) is not a failure yet: the part is sent or fetched again, up to ``part_client.ATTEMPTS``
-times within the deadline, and a reducer that already holds a contribution whose reply was lost says
-so (``TAKEN``) instead of refusing it.
+up to ``retries`` more times), with the same tensor, and those that come (a dead member does not, a slow
+one is welcome) average among themselves. The retry forms no earlier than the failed attempt's deadline
+for every member (first arrival + window + ``DECISION_LAG`` + deadline, by the DHT clock, + ``HOLD``), so
+that a member that succeeded has said so under the retry's key (``announce_done``): a member that sees
+that does not form the group again (its result would differ) and takes the agreed result instead (the
+round's adopt path). It forms at once (``matchmaking.ABORT_HOLD``) when a member's contribution certainly
+never reached a reducer (``part_client.Undelivered``: the reducer is gone): nobody can have finished. A
+peer that arrived after the group closed joins the retry too (it computes the deadline from the
+decision), so the late majority is not lost with a small early group. Each attempt is all-or-nothing,
+so no partial average is ever applied; the members of the one that succeeds end bit-identical and report
+the lost members (``GroupResult.lost``). A member alone at a retry fails (the others may have applied
+the first attempt). Views of the membership that differ give different group ids and fail loudly. A
+stream cut short (hivemind ends one silently when its connection closes) is sent or fetched again, up to
+``part_client.ATTEMPTS`` times within the deadline, and a reducer that already holds a contribution
+whose reply was lost says so (``TAKEN``) instead of refusing it.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from p2p_spes.compression import Codec
 from p2p_spes.grid import Grid, make_grid
 from p2p_spes.grid_allreduce import ColumnResult, GridRound
 from p2p_spes.matchmaking import DECISION_LAG, Base, agreed_base, announce_done, join_group
-from p2p_spes.part_client import PartClient, PartMissing
+from p2p_spes.part_client import PartClient, PartMissing, Undelivered
 from p2p_spes.reducer import Part, PartServer
 from p2p_spes.transport import TransportError, TruncatedStream, pack
 
@@ -101,6 +101,7 @@ class GroupResult:
     retryable: bool = False  # failed in the transfers (not in matchmaking): the survivors may form again
     deadline_at: float = 0.0  # monotonic time by which the transfers had to end: any member done by then says so
     rows: int = 0  # rows of a bounded group run as a grid (0: one flat group)
+    doomed: bool = False  # failed for every member (a reducer lacks our contribution): retry without waiting
 
     @property
     def ok(self) -> bool:
@@ -127,17 +128,6 @@ class GroupAllReduce:
         self.client = PartClient(p2p, run_id)
         self.group_size = group_size  # a bounded group larger than this runs in rows and columns (grid.py)
         self.grid = GridRound(peer_id, self.codec, self.server, self.client)
-
-
-    @property
-    def served_in(self) -> int:
-        """Bytes of contributions we received as a reducer."""
-        return self.server.served_in
-
-    @property
-    def served_out(self) -> int:
-        """Bytes of averaged parts we served as a reducer."""
-        return self.server.served_out
 
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(
@@ -228,7 +218,7 @@ class GroupAllReduce:
                      attempt, len(survivors), ", if they form it" if late else "", result.error)
             retry = await self._attempt(round_no, group, f"{group}~{attempt}", tensor, weight, survivors, None,
                                         None, relaxed_timeout(timeout, self.timeout), base, rebase,
-                                        hold_until=result.deadline_at + HOLD)
+                                        hold_until=result.deadline_at + HOLD, abort=result.doomed)
             if late and not retry.ok and not (retry.retryable and self.peer_id not in retry.members):
                 # it did not form again (its members applied the attempt we missed) or failed too: we
                 # report the group we missed, whose result the caller may adopt, as one attempt of ours
@@ -267,7 +257,7 @@ class GroupAllReduce:
                        weight: float, expected: set[str], on_members: Callable[[], None] | None,
                        window: float | None, timeout: float | None, base: Base | None,
                        rebase: Rebase | None, hold_until: float | None = None, bounded: bool = False,
-                       quorum: int = 0) -> GroupResult:
+                       quorum: int = 0, abort: bool = False) -> GroupResult:
         """One formation of ``group`` under DHT key ``key`` and its transfers (see :meth:`run`)."""
         t0 = time.monotonic()
         window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
@@ -277,7 +267,7 @@ class GroupAllReduce:
                 self.dht, group_key(self.run_id, round_no, key), self.peer_id, self.owner,
                 set(expected) | {self.peer_id}, weight, window, base,
                 matchmaking_time=self.matchmaking_time, ttl=self.matchmaking_time + self.timeout + 30,
-                hold_until=hold_until, timeout=proposal, quorum=quorum)
+                hold_until=hold_until, timeout=proposal, quorum=quorum, abort=abort)
             members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
             timeout = joined.deadline(self.timeout)  # the longest a member proposed (matchmaking.py)
             # when the attempt's transfers have ended for every member (each counts its deadline from when it
@@ -361,8 +351,9 @@ class GroupAllReduce:
                     contributed.add(peer)
             except TruncatedStream:
                 raise
-            except TransportError:
+            except TransportError as exc:
                 suspects.add(peer)
+                result.doomed |= isinstance(exc, Undelivered)  # its part can never be served
                 raise
 
         async def fetch(i: int, peer: str) -> torch.Tensor:
@@ -379,7 +370,11 @@ class GroupAllReduce:
             return self.codec.decode(received[i], sizes[i])
 
         try:
-            messages_out[:] = await asyncio.wait_for(prepare(), timeout)
+            try:
+                messages_out[:] = await asyncio.wait_for(prepare(), timeout)
+            except Exception:
+                result.doomed = True  # we contribute to no part: none can be served
+                raise
             await asyncio.wait_for(asyncio.gather(*(contribute(i, p) for i, p in enumerate(members))),
                                    max(deadline - time.monotonic(), 0.1))
             remaining = max(deadline - time.monotonic(), 0.1)

@@ -15,6 +15,12 @@ fewer when its window ends stays open until the arrival that makes them, at most
 (it ran it alone, or caught up) closed before the others had finished their step: on a 24-peer churn run
 groups of 2-5 decided and the other 12-19 peers adopted their result, their own progress replaced.
 
+**A retry forms at once when its attempt cannot have succeeded** (``ABORT_HOLD``). Normally a retry waits out
+the failed attempt's deadline, so that a member that finished it can say so first (:func:`announce_done`).
+A member whose contribution certainly never reached a reducer (``part_client.Undelivered``: a killed peer
+refuses every dial) knows nobody can have finished; its arrival record says when it learned that (``x``),
+and everyone reading it forms the retry ``ABORT_HOLD`` later instead.
+
 The transfer deadline is the longest any member proposed: each member measures its own from the
 rates it saw, and a member that gave up at its own 5 s while another still sent for its 23 s would
 fail an attempt the slower one could finish, then retry it while that one is still inside it.
@@ -37,6 +43,9 @@ SETTLE = 5.0  # seconds past the join window a member waits for the first arriva
 # seconds past the join window (DHT clock) by which members have read the decision, as a rule: each counts
 # its transfer deadline from then, so the group's attempt may end this much later for some than for others
 DECISION_LAG = SETTLE + 1.0
+# seconds past a record saying the attempt failed for everyone (``x``) its retry forms: members start their
+# transfers up to DECISION_LAG apart, and each meets the lost reducer as it starts them
+ABORT_HOLD = DECISION_LAG + 1.0
 STRETCH = 3.0  # a group short of its quorum stays open up to this many matchmaking_time after its first arrival
 
 
@@ -141,40 +150,50 @@ class Joined:
 
 async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[str], weight: float, window: float,
                      base: Base | None, *, matchmaking_time: float, ttl: float, hold_until: float | None = None,
-                     timeout: float | None = None, quorum: int = 0) -> Joined:
+                     timeout: float | None = None, quorum: int = 0, abort: bool = False) -> Joined:
     """Join the group under ``key`` and return its decided membership (see the module docstring).
 
     A retry's key may also hold ``done`` records (:func:`announce_done`): peers that applied the attempt
     before. Seeing one ends the wait (the retry must not form: its result would differ from theirs).
     ``hold_until`` (monotonic time) keeps the wait going until then even once every expected peer has
-    arrived, so that a member still finishing the earlier attempt can say it applied it. ``timeout`` is
-    the transfer deadline this member proposes (the group's is the longest proposed), ``quorum`` the
-    arrivals it asks the group to wait for should it arrive first (:func:`closing_time`).
+    arrived, so that a member still finishing the earlier attempt can say it applied it; a record saying
+    that attempt failed for everyone (ours with ``abort``) ends the hold ``ABORT_HOLD`` after it.
+    ``timeout`` is the transfer deadline this member proposes (the group's is the longest proposed),
+    ``quorum`` the arrivals it asks the group to wait for should it arrive first (:func:`closing_time`).
     Every DHT request is bounded: one that never answers raises ``asyncio.TimeoutError``.
     """
-    arrival = get_dht_time()
-    if hold_until is not None:
-        # a retry forms at hold_until (the failed attempt's deadline): a member that saw the failure at
-        # once (a refused dial) counts as arriving one window before it, so that the window closes when
-        # the hold ends, not before those that waited the deadline out came (counted from when the first
-        # noticed, 17 of 21 survivors arrived "late" at 24 peers) nor a window after it
-        arrival += max(hold_until - window - time.monotonic(), 0.0)
+    now = get_dht_time()
+    held_to = None if hold_until is None else now + hold_until - time.monotonic()  # (DHT clock)
+    if abort and held_to is not None:
+        held_to = min(held_to, now + ABORT_HOLD)
+    # a retry forms when the hold ends: a member that saw the failure at once (a refused dial) counts as
+    # arriving one window before it, so that the window closes when the hold ends, not before those that
+    # waited the deadline out came (counted from when the first noticed, 17 of 21 survivors arrived "late"
+    # at 24 peers) nor a window after it
+    arrival = now if held_to is None else max(now, held_to - window)
     give_up = time.monotonic() + (longest_wait(matchmaking_time) if quorum > 1 else matchmaking_time) + 10
     mine = {"peer_id": peer_id, "w": float(weight), "t": arrival, "m": float(window)}
     if quorum > 1:
         mine["q"] = int(quorum)
+    if abort:
+        mine["x"] = now
     if base is not None:
         mine.update(b=base.digest, br=int(base.round))
     if timeout is not None:
         mine["d"] = float(timeout)
-    await asyncio.wait_for(dht.store(key, mine, expiration_time=arrival + ttl, subkey=owner, return_future=True),
-                           matchmaking_time + 10)
+    expires = arrival + ttl
+
+    async def publish() -> None:
+        await asyncio.wait_for(dht.store(key, mine, expiration_time=expires, subkey=owner, return_future=True),
+                               matchmaking_time + 10)
+
+    await publish()
     if hold_until is not None:
         give_up = max(give_up, hold_until + 1)
     records: dict[str, dict] = {}
     done: set[str] = set()
 
-    async def read() -> tuple[set[str], float]:
+    async def read() -> tuple[set[str], float, float | None]:
         nonlocal records
         found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True),
                                        max(give_up - time.monotonic(), 0.0) + 5)
@@ -182,11 +201,16 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
         done.update(p for p, v in signed.items() if isinstance(v, dict) and v.get("done") is True)
         records = {p: v for p, v in signed.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
         records.setdefault(peer_id, mine)
-        return set(records), closing_time(records, matchmaking_time)
+        return set(records), closing_time(records, matchmaking_time), aborted(records, now - ttl)
 
     while True:
-        arrived, closes = await read()
-        held = hold_until is not None and time.monotonic() < hold_until
+        arrived, closes, failed_at = await read()
+        if held_to is not None and failed_at is not None and failed_at + ABORT_HOLD < held_to:
+            held_to = failed_at + ABORT_HOLD  # the attempt failed for everyone: no member can say it applied it
+            if max(get_dht_time(), held_to - window) < mine["t"]:  # arrive with the others, not a deadline later
+                mine["t"], expires = max(get_dht_time(), held_to - window), expires + 1  # (a later expiry replaces)
+                await publish()
+        held = held_to is not None and get_dht_time() < held_to
         closed = expected <= arrived or get_dht_time() >= closes
         if done or (closed and not held) or time.monotonic() > give_up:
             break
@@ -198,6 +222,13 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
     if done:
         return joined
     return await settle(dht, key, peer_id, owner, records, joined, ttl)
+
+
+def aborted(records: dict[str, dict], since: float) -> float | None:
+    """The earliest time (DHT clock, after ``since``) a member's record says the attempt before failed
+    for everyone, if one does."""
+    times = [x for v in records.values() if type(x := v.get("x")) is float and since <= x <= get_dht_time() + 1]
+    return min(times, default=None)
 
 
 async def settle(dht, key: str, peer_id: str, owner: bytes, records: dict[str, dict], own: Joined,

@@ -4,6 +4,10 @@ A stream cut short (hivemind ends one silently when its connection closes) is no
 call goes again, up to ``ATTEMPTS`` times, and a reducer that already holds a contribution whose
 reply was lost says so (``TAKEN``) instead of refusing it. What is counted (bytes, calls repeated)
 goes to the caller's tally (a ``GroupResult``).
+
+A contribution that certainly never reached its reducer (the first dial failed: the peer is gone, or the
+reducer refused it) raises :class:`Undelivered`: that reducer's part can then never be served, so the
+attempt cannot succeed for any member, which lets its retry form at once (``allreduce.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 from typing import Protocol
 
 import torch
-from hivemind.p2p import P2PHandlerError, PeerID
+from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2
 
 from p2p_spes.reducer import AGAIN, MISSING, OK, TAKEN
@@ -24,6 +28,10 @@ ATTEMPTS = 3  # sends and fetches of one part, within the group's deadline
 
 class PartMissing(TransportError):
     """A reducer answered but had no averaged part to serve: a contribution it needed never came."""
+
+
+class Undelivered(TransportError):
+    """A reducer certainly lacks our contribution (it refused it, or the stream to it never opened)."""
 
 
 class Tally(Protocol):
@@ -43,8 +51,8 @@ class PartClient:
 
     async def send(self, peer: str, key: bytes, message: torch.Tensor, weight: float, tally: Tally) -> bool:
         """Send our encoded contribution to the part ``key`` that ``peer`` reduces. True once it took it;
-        False when no reply came (it may have it: its result will tell). Raises ``TransportError`` when
-        it refuses, ``TruncatedStream`` when every try was cut short."""
+        False when no reply came (it may have it: its result will tell). Raises ``Undelivered`` when
+        it refuses or cannot be dialled first time, ``TruncatedStream`` when every try was cut short."""
         chunk_parts = serialize_parts(message)
         size = sum(c.ByteSize() for c in chunk_parts)
 
@@ -62,6 +70,10 @@ class PartClient:
             try:
                 reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self.contribute_name,
                                                              messages(), averaging_pb2.AveragingData)
+            except P2PDaemonError as exc:  # no stream opened: nothing of this try reached it
+                if attempt == 0:
+                    raise Undelivered(f"could not reach {peer}: {exc}") from None
+                raise TransportError(f"could not reach {peer} again: {exc}") from None  # an earlier try may have
             except (ValueError, P2PHandlerError) as exc:
                 # the stream closed before the reply: the reducer answers TAKEN if our part got there
                 if attempt == ATTEMPTS - 1:
@@ -70,8 +82,8 @@ class PartClient:
                 reply = averaging_pb2.AveragingData(code=AGAIN)
             if reply.code in (OK, TAKEN):
                 return True
-            if reply.code != AGAIN:
-                raise TransportError(f"{peer} refused our contribution (code {reply.code})")
+            if reply.code != AGAIN:  # (it would answer TAKEN had an earlier try got there)
+                raise Undelivered(f"{peer} refused our contribution (code {reply.code})")
         raise TruncatedStream(f"our contribution to {peer} was cut short {ATTEMPTS} times")
 
     async def fetch(self, peer: str, key: bytes, tally: Tally, column: bool = False) -> list[torch.Tensor]:

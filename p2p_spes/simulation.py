@@ -5,11 +5,13 @@
 ``pacing.Deadlines`` proposes from the arrivals it saw), the group's transfer deadline (the longest its
 members propose, each ``Deadlines.transfer_timeout`` from the rates it observed), the size of every message
 (``compression.Codec.wire_bytes``), where experts go (``placement.spes_block``; a restarted peer
-resumes its own) and who takes over an expert whose holders died (``healing.plan_takeover``), and the rule that a group attempt is all-or-nothing and is retried once
-among the members that survive it and the peers that arrived after it closed, formed after the failed attempt's deadline (``allreduce.GroupAllReduce``,
-``allreduce.HOLD``, ``swarm.group_retries``), and, for a shared group of more than ``swarm.group_size``,
-its rows and columns (``grid.make_grid``, ``grid.column_bounds``: who reduces which column and who holds
-it in each row).
+resumes its own) and who takes over an expert whose holders died (``healing.plan_takeover``), and the
+rule that a group attempt is all-or-nothing and is retried (``swarm.group_retries``) among the members
+that survive it and the peers that arrived after it closed, formed after the failed attempt's deadline
+(``allreduce.GroupAllReduce``, ``allreduce.HOLD``), or ``matchmaking.ABORT_HOLD`` after a kill that left
+a reducer without a contribution; and, for a shared group of more than ``swarm.group_size``, its rows
+and columns (``grid.make_grid``, ``grid.column_bounds``: who reduces which column and who holds it in
+each row).
 
 **What is modelled** instead of run: time. Each peer has a step time (log-normal around
 ``step_seconds``) and a symmetric link (uniform in ``mbit``); a round opens when the fastest live peer
@@ -19,8 +21,9 @@ encoded tensor up and down at the slowest member's rate, plus 50 ms per phase; a
 the encoded updates of the experts it holds frozen at its own rate. Each live peer fails at a
 constant rate, on average ``fail_prob`` times per failure-free round (its steps, a join window and one
 all-reduce among everyone), so a round stretched by a retry meets more failures: killed (restarts from
-its checkpoint ``restart_rounds`` rounds later) or frozen (back the next round). A kill inside a group's transfers is
-noticed at once, a freeze at the deadline. Not modelled: the expert groups' own failures (their holders
+its checkpoint ``restart_rounds`` rounds later) or frozen (back the next round). A member that fails after it
+arrived fails the attempt: a kill is noticed at once (at the transfers' start at the earliest), a freeze at
+the deadline; a kill before the reduce-scatter's end (half the transfers) dooms the attempt for everyone. Not modelled: the expert groups' own failures (their holders
 are the shared group's members), the version exchange, merges, CPU contention, latency beyond the fixed
 per-phase cost, and the two-boundary confirmation healing waits for (takeovers happen at once).
 In a grid, a row that loses a member before its transfers end waits for it until the rows' deadline
@@ -41,7 +44,7 @@ from p2p_spes.compression import Codec
 from p2p_spes.config import SwarmConfig
 from p2p_spes.grid import Grid, column_bounds, make_grid
 from p2p_spes.healing import plan_takeover
-from p2p_spes.matchmaking import DECISION_LAG, decide
+from p2p_spes.matchmaking import ABORT_HOLD, DECISION_LAG, decide
 from p2p_spes.placement import spes_block
 from p2p_spes.swarm.pacing import Deadlines
 
@@ -144,6 +147,8 @@ def simulate(cfg: SimConfig) -> SimResult:
     for r in range(1, cfg.rounds + 1):
         # a killed peer restarts from its checkpoint at round dead_until, with its experts (--resume)
         live = [p for p in peers if p.dead_until <= r]
+        if not live:
+            continue  # every peer is down (restarting): no round happens
         coverage = len(_holders(live, r)) / cfg.experts
         t_open = min(p.step for p in live) * cfg.sync_steps
         # each live peer fails at a constant rate, fail_prob times per failure-free round on average (its
@@ -183,14 +188,19 @@ def simulate(cfg: SimConfig) -> SimResult:
                 seconds, nbytes = _all_reduce_seconds(codec, cfg.shared_params, [by_id[m].rate for m in members])
                 for m in members:
                     moved[m] = moved.get(m, 0) + nbytes
-                lost = {m: fails[m] for m in members if m in fails and start <= fails[m][0] < start + min(seconds, deadline)}
+                # (a member that died after it arrived, in the join window too: it was in, its part is missing)
+                lost = {m: fails[m] for m in members if m in fails and fails[m][0] < start + min(seconds, deadline)}
                 if not lost and seconds <= deadline:
                     applied, end, counted = True, start + seconds, 1.0
                     for m in members:
                         by_id[m].deadlines.observe_transfer(nbytes // 2, seconds)
                     break
-                # a kill is noticed at once, a freeze (or a link too slow) at the deadline
-                noticed = min([t for t, kill in lost.values() if kill] or [start + deadline])
+                # a kill is noticed at once (a dial at the transfers' start at the earliest), a freeze (or a link
+                # too slow) at the deadline; one before the reduce-scatter ended left a reducer without a
+                # contribution, so nobody can have finished and the retry forms at once (allreduce.py)
+                kills = [max(t, start) for t, kill in lost.values() if kill]
+                noticed = min(kills or [start + deadline])
+                doomed = bool(kills) and noticed < start + seconds / 2
                 if attempts > sw.group_retries:
                     end = noticed
                     break
@@ -199,7 +209,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                              if not (m in fails and fails[m][0] <= noticed)]
                 # the retry forms once the failed attempt has ended for every member: its deadline counted
                 # from the latest the members read the decision (allreduce.py), + HOLD
-                reform = max(noticed, opened.first + opened.window + DECISION_LAG + deadline + HOLD)
+                reform = noticed + ABORT_HOLD if doomed else max(noticed, opened.first + opened.window + DECISION_LAG + deadline + HOLD)
                 # each proposes twice the deadline it measured (at most the configured one), as allreduce does
                 retry = {m: {"t": noticed + rng.uniform(0, 0.3), "m": sw.matchmaking_time,
                              "d": relaxed_timeout(by_id[m].deadlines.proposed_timeout(nbytes // 2), sw.averaging_timeout)}

@@ -13,7 +13,7 @@ from p2p_spes import allreduce
 from p2p_spes.aggregation import build_aggregator
 from p2p_spes.allreduce import HOLD, GroupAllReduce, weighted_mean
 from p2p_spes.compression import Codec
-from p2p_spes.matchmaking import DECISION_LAG
+from p2p_spes.matchmaking import ABORT_HOLD, DECISION_LAG
 from p2p_spes.reducer import PartServer
 from p2p_spes.transport import TransportError, TruncatedStream, parse_tensor, serialize_parts, tensor_digest
 
@@ -246,6 +246,51 @@ def test_a_member_lost_mid_round_costs_the_others_a_retry_not_the_round(dhts, fa
     # more), then takes one more join window and its transfers
     limit = WINDOW + DECISION_LAG + 10.0 + HOLD + 2 * WINDOW + 3.0
     assert max(r.seconds for r in survivors) < limit, [round(r.seconds, 1) for r in survivors]
+
+
+class KilledAfterJoining(GroupAllReduce):
+    """A member whose process is gone (DHT, daemon and handlers) right after it wrote its arrival record:
+    every dial to it then fails, as a SIGKILLed peer's would."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        node = self.dht
+
+        class Dying:
+            async def store(self, *args, **kwargs):
+                await node.store(*args, **kwargs)
+                await asyncio.get_running_loop().run_in_executor(None, node.shutdown)
+                raise ConnectionAbortedError("killed after joining")
+        self.dht = Dying()
+
+    async def run(self, *args, **kwargs) -> allreduce.GroupResult:
+        try:
+            return await super().run(*args, **kwargs)
+        except ConnectionAbortedError as exc:
+            return allreduce.GroupResult(None, [], error=str(exc))
+
+
+@pytest.mark.slow
+def test_a_member_killed_before_the_transfers_costs_a_retry_that_does_not_wait_out_the_deadline():
+    """Members 0 and 1 wait out the join window for a fourth peer that never comes; member 2 joins and
+    its process is then gone. Their dials to it fail, so they know nobody can have finished the attempt:
+    they form the retry ABORT_HOLD later, not after the 10 s deadline, and end with their own mean."""
+    peers = Peers(4)
+    try:
+        tensors = [torch.randn(2_001, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        results = run_group(peers, tensors, [1.0, 3.0, 1.0], "none", run_id="t-killed", present=[0, 1, 2],
+                            kinds={2: KilledAfterJoining}, delays={2: 0.3})
+        survivors = results[:2]
+        assert all(r.ok and r.attempts == 2 and len(r.members) == 2 for r in survivors), \
+            [(r.ok, r.attempts, r.members, r.error) for r in survivors]
+        assert all(r.lost == [peers.nodes[2].peer_id.to_base58()] for r in survivors)
+        assert tensor_digest([survivors[0].tensor]) == tensor_digest([survivors[1].tensor])
+        torch.testing.assert_close(survivors[0].tensor, (tensors[0] + 3 * tensors[1]) / 4)
+        # waiting out the attempt would take its window, DECISION_LAG, the 10 s deadline and HOLD (19 s):
+        # here the window, the decision, ABORT_HOLD, the retry's own decision and transfers
+        assert max(r.seconds for r in survivors) < WINDOW + ABORT_HOLD + 5.0, [round(r.seconds, 1) for r in survivors]
+    finally:
+        peers.close()
 
 
 class SlowToTake(PartServer):

@@ -14,8 +14,10 @@ from dht.identity import peer_id_of_owner
 from dht.keys import group_key
 from p2p_spes import matchmaking
 from p2p_spes.matchmaking import (
+    ABORT_HOLD,
     Base,
     Joined,
+    aborted,
     adopted,
     arrival_delays,
     closing_time,
@@ -55,12 +57,13 @@ class Blind:
 
 def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] | None = None,
          present: list[int] | None = None, timeouts: list[float] | None = None,
-         hold: float | None = None, quorum: int = 0, expected: set[str] | None = None) -> list[Joined]:
+         hold: float | None = None, quorum: int = 0, expected: set[str] | None = None,
+         aborts: frozenset[int] = frozenset()) -> list[Joined]:
     """Every member in ``present`` joins the same group, member i ``delays[i]`` seconds after the first
     (proposing the transfer deadline ``timeouts[i]``); member i reads the arrivals without member
     ``blind[i]``'s record. With ``hold``, it is a retry that forms ``hold`` seconds after the first
     member starts joining (the failed attempt's deadline). Each asks for ``quorum`` arrivals and expects
-    ``expected`` (every node when None)."""
+    ``expected`` (every node when None); the members in ``aborts`` saw the failed attempt fail for everyone."""
     ids = [node.peer_id.to_base58() for node in peers.nodes]
     present = list(range(len(ids))) if present is None else present
     key = group_key(run_id, 0, "shared")
@@ -73,7 +76,8 @@ def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] |
         return await join_group(dht, key, ids[i], peers.owners[i], set(ids) if expected is None else expected,
                                 1.0, WINDOW, None, matchmaking_time=WINDOW, ttl=30.0,
                                 timeout=timeouts[i] if timeouts else None,
-                                hold_until=None if hold is None else start + hold, quorum=quorum)
+                                hold_until=None if hold is None else start + hold, quorum=quorum,
+                                abort=i in aborts)
 
     async def everyone() -> list[Joined]:
         return list(await asyncio.gather(*(member(i) for i in present)))
@@ -104,6 +108,29 @@ def test_a_retry_counts_arrivals_from_when_it_can_form_not_from_the_first_to_not
     ids = [node.peer_id.to_base58() for node in dhts.nodes]
     joined = form(dhts, "mm-retry", [0.0, 3.5, 3.5], hold=4.0)
     assert [j.members for j in joined] == [sorted(ids)] * 3
+
+
+@pytest.mark.slow
+def test_a_retry_forms_at_once_after_a_member_saw_its_attempt_fail_for_everyone(dhts):
+    """The failed attempt's deadline is 25 s away. Members 1 and 2 join its retry first, holding for it;
+    member 0 then says the attempt failed for everyone (a reducer never got its contribution). All three
+    form the retry ABORT_HOLD after that, moving their arrivals forward, not 25 s later."""
+    ids = [node.peer_id.to_base58() for node in dhts.nodes]
+    start = time.monotonic()
+    joined = form(dhts, "mm-abort", [1.0, 0.0, 0.5], hold=25.0, aborts=frozenset({0}))
+    seconds = time.monotonic() - start
+    assert [j.members for j in joined] == [sorted(ids)] * 3
+    # member 0's record at ~1 s, then ABORT_HOLD, the 0.5 s re-read and the decision's DHT round trips
+    assert seconds < 1.0 + ABORT_HOLD + 4.0, seconds
+
+
+def test_only_a_well_formed_recent_abort_time_counts():
+    now = get_dht_time()
+    records = {"a": {"t": now}, "b": {"t": now, "x": now - 5.0}, "c": {"t": now, "x": now - 2.0},
+               "d": {"t": now, "x": True}, "e": {"t": now, "x": "soon"}, "f": {"t": now, "x": now - 100.0},
+               "g": {"t": now, "x": now + 60.0}}
+    assert aborted(records, since=now - 30.0) == now - 5.0  # the earliest, from b
+    assert aborted({p: records[p] for p in "adefg"}, since=now - 30.0) is None
 
 
 @pytest.mark.slow

@@ -98,7 +98,7 @@ class RoundRunner:
         group's membership is decided."""
         t0 = time.monotonic()
         downloaded0, served0 = self.stats["bytes_received"], self.stats["bytes_served"]
-        reduced_in0, reduced_out0 = self.reducer.served_in, self.reducer.served_out
+        reduced_in0, reduced_out0 = self.reducer.server.served_in, self.reducer.server.served_out
         sw, call = self.sw, self.runtime.call
         peers = self.membership.live_peers(FRESH)  # the boundary's checks read them a moment ago
         peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self.membership.record())
@@ -212,8 +212,8 @@ class RoundRunner:
         self.stats[{"averaged": "rounds_joined", "alone": "rounds_alone"}.get(report.outcome, "rounds_failed")] += 1
         report.downloaded_bytes = self.stats["bytes_received"] - downloaded0
         report.served_bytes = self.stats["bytes_served"] - served0
-        report.reducer_in_bytes = self.reducer.served_in - reduced_in0
-        report.reducer_out_bytes = self.reducer.served_out - reduced_out0
+        report.reducer_in_bytes = self.reducer.server.served_in - reduced_in0
+        report.reducer_out_bytes = self.reducer.server.served_out - reduced_out0
         self.stats["bytes_sent"] += report.bytes_sent
         self.stats["bytes_received"] += report.bytes_received
         return report
