@@ -177,9 +177,15 @@ class GroupAllReduce:
         result.bytes_sent, result.bytes_received, result.retries = out.bytes_sent, out.bytes_received, out.retries
         result.lost = out.missing
 
+    @property
+    def records_ttl(self) -> float:
+        """How long a group's records (arrivals, decision, "done") stay in the DHT: through its round and
+        the next, so a peer one round behind (restarted) finds them and adopts the group's result (gone
+        with the round, they sent such a peer, 80 s late at 24 peers, to a group of its own)."""
+        return 2 * (self.matchmaking_time + self.timeout) + 30
+
     def solo(self, tensor: torch.Tensor, result: GroupResult | None = None) -> GroupResult:
-        """A group of one: its result is our own tensor as the codec carries it (what a peer that
-        rebuilds it from the encoded message gets too)."""
+        """A group of one: its result is our own tensor as the codec carries it (what a rebuild gets)."""
         result = result or GroupResult(None, [self.peer_id])
         message = self.codec.encode(tensor)
         result.tensor = result.sent = self.codec.decode(message, tensor.numel())
@@ -194,15 +200,14 @@ class GroupAllReduce:
         """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``.
 
         ``on_members`` is called once the membership is decided (or matchmaking failed). ``window`` is the
-        join window this peer proposes and ``timeout`` the deadline for the transfers it proposes (both
-        measured by the caller, None if it has not measured them; at most the configured
-        ``matchmaking_time`` and ``timeout``); the group keeps the longest deadline its members proposed,
-        the configured one if none did. With ``base``, when the
-        group agrees on another base, ``rebase(digest, members holding it)`` is awaited first (it must
-        take that base or raise); ``tensor`` may then be a function, called after it. A ``bounded``
-        group with more members than ``group_size`` runs in rows and columns (``grid_allreduce.py``) and
-        is not formed again: a member lost there costs its row's contribution, not the round. ``quorum``
-        (a share of ``expected``) holds the first attempt open past its window until that many have come
+        join window this peer proposes and ``timeout`` the transfer deadline (both measured by the caller,
+        None if not yet; at most the configured ones); the group keeps the longest deadline its members
+        proposed, the configured one if none did. With ``base``, when the group agrees on another base,
+        ``rebase(digest, members holding it)`` is awaited first (it must take that base or raise);
+        ``tensor`` may then be a function, called after it. A ``bounded`` group with more members than
+        ``group_size`` runs in rows and columns (``grid_allreduce.py``) and is not formed again: a member
+        lost there costs its row's contribution, not the round. ``quorum`` (a share of ``expected``)
+        holds the first attempt open past its window until that many have come
         (``matchmaking.closing_time``); a retry's members arrive together and need none.
         """
         t0 = time.monotonic()
@@ -242,7 +247,7 @@ class GroupAllReduce:
                 # members whose attempt failed may be forming it again: they must not, we applied this one
                 key = group_key(self.run_id, round_no, f"{group}~{result.attempts + 1}")
                 task = asyncio.ensure_future(
-                    announce_done(self.dht, key, self.peer_id, self.owner, self.matchmaking_time + self.timeout + 30))
+                    announce_done(self.dht, key, self.peer_id, self.owner, self.records_ttl))
                 self._announcing.add(task)
                 task.add_done_callback(self._announced)
         result.seconds = time.monotonic() - t0
@@ -266,7 +271,7 @@ class GroupAllReduce:
             joined = await join_group(
                 self.dht, group_key(self.run_id, round_no, key), self.peer_id, self.owner,
                 set(expected) | {self.peer_id}, weight, window, base,
-                matchmaking_time=self.matchmaking_time, ttl=self.matchmaking_time + self.timeout + 30,
+                matchmaking_time=self.matchmaking_time, ttl=self.records_ttl,
                 hold_until=hold_until, timeout=proposal, quorum=quorum, abort=abort)
             members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
             timeout = joined.deadline(self.timeout)  # the longest a member proposed (matchmaking.py)

@@ -405,11 +405,13 @@ def test_the_retry_waits_for_a_member_that_read_the_decision_late(dhts, monkeypa
 
 
 @pytest.mark.slow
-def test_a_late_peer_of_a_group_that_succeeds_reports_it_without_forming_another(dhts):
-    """Members 0 and 1 complete the group; member 2, late, waits for the retry that never forms (they
-    said they applied the attempt) and reports the group it missed, whose result it may adopt."""
+@pytest.mark.parametrize("late_by", [WINDOW + 1.5, pytest.param(WINDOW + 10.0 + 30 + 3.0, marks=pytest.mark.long)])
+def test_a_late_peer_of_a_group_that_succeeds_reports_it_without_forming_another(dhts, late_by):
+    """Members 0 and 1 complete the group; member 2, late (also by more than the window, the 10 s
+    deadline and 30 s: a peer a round behind), waits for the retry that never forms (they said they
+    applied the attempt) and reports the group it missed, whose result it may adopt."""
     tensors = [torch.randn(5_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
-    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-late-done", delays={2: WINDOW + 1.5})
+    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id=f"t-late-done-{late_by:.0f}", delays={2: late_by})
     assert all(r.ok and len(r.members) == 2 for r in results[:2]), [r.error for r in results[:2]]
     late = results[2]
     late_id = dhts.nodes[2].peer_id.to_base58()
