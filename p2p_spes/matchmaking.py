@@ -207,8 +207,9 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
         arrived, closes, failed_at = await read()
         if held_to is not None and failed_at is not None and failed_at + ABORT_HOLD < held_to:
             held_to = failed_at + ABORT_HOLD  # the attempt failed for everyone: no member can say it applied it
-            if max(get_dht_time(), held_to - window) < mine["t"]:  # arrive with the others, not a deadline later
-                mine["t"], expires = max(get_dht_time(), held_to - window), expires + 1  # (a later expiry replaces)
+            moved = max(get_dht_time(), held_to - window)
+            if moved < mine["t"]:  # arrive with the others, not a deadline later (a later expiry replaces)
+                mine["t"], expires = moved, expires + 1
                 await publish()
         held = held_to is not None and get_dht_time() < held_to
         closed = expected <= arrived or get_dht_time() >= closes
