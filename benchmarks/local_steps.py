@@ -32,7 +32,14 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   A probe of a method change; at seed 0 it moved h1 from +8.1% to +7.2% and made h50 worse (+13.3%
   against +11.6%), so the trainer does not use it;
 * ``h50-nesterov``: h50 with the swarm's Nesterov outer step (``swarm/outer.py``, DiLoCo's lr 0.7 and
-  momentum 0.9) on the averaged pseudo-gradient instead of taking the mean.
+  momentum 0.9) on the averaged pseudo-gradient instead of taking the mean;
+* ``h1-moments-pooled``: h1-moments with ``PooledNoiseAdamW``: if the second moment is all that separates
+  h1-moments from ``dp``, this closes it;
+* ``h50-lr05``, ``h1-lr05``, ``centralized-lr05``: the learning rate halved (a batch of 8 may want a
+  smaller one than the batch of 32 the schedule was set for);
+* ``h50-beta2``: h50 with AdamW's beta2 0.99 instead of 0.95 (a longer memory of a noisier square);
+* ``h50-dp100``: data parallel for the first 100 steps, then h50 (how much of the gap the early steps
+  make: "post-local SGD").
 
 ``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
 never mixes with the stored 400-step runs.
@@ -82,6 +89,8 @@ class Probe:
     grads: bool = False  # average the gradients before every step: data parallel, one AdamW state in effect
     pooled: bool = False  # PooledNoiseAdamW (below) with peers = replicas
     nesterov: bool = False  # the swarm's Nesterov outer step (lr 0.7, momentum 0.9) instead of the plain mean
+    beta2: float | None = None  # AdamW's beta2 instead of the config's
+    dp_steps: int = 0  # data parallel (gradients averaged) for this many first steps, then every `sync`
 
 
 PROBES = {
@@ -93,6 +102,10 @@ PROBES = {
     "dp": Probe(PEERS, 1, grads=True),
     "h1-pooled": Probe(PEERS, 1, pooled=True), "h50-pooled": Probe(PEERS, 50, pooled=True),
     "h50-nesterov": Probe(PEERS, 50, nesterov=True),
+    "h1-moments-pooled": Probe(PEERS, 1, True, pooled=True),
+    "h50-lr05": Probe(PEERS, 50, lr_scale=0.5), "h1-lr05": Probe(PEERS, 1, lr_scale=0.5),
+    "centralized-lr05": Probe(1, 0, lr_scale=0.5),
+    "h50-beta2": Probe(PEERS, 50, beta2=0.99), "h50-dp100": Probe(PEERS, 50, dp_steps=100),
 }
 NESTEROV = SwarmConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, and quality.py's
 
@@ -162,6 +175,10 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
     for m in models[1:]:
         m.load_state_dict(first.state_dict())
     optimizers = [make_optimizer(m, cfg, probe) for m in models]
+    if probe.beta2 is not None:
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["betas"] = (group["betas"][0], probe.beta2)
     loaders = [BatchLoader(data, cfg.model.max_seq_len, batch, seed=seed, peer_index=i, num_peers=probe.replicas)
                for i in range(probe.replicas)]
     tr = cfg.train
@@ -173,7 +190,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             model.train()
             x, y = loader.next_batch()
             model.loss(x, y, z_loss_weight=tr.z_loss_weight).loss.backward()
-        if probe.grads:
+        if probe.grads or step < probe.dp_steps:
             average_grads(models)
         for model, opt in zip(models, optimizers):
             set_lr(opt, lr_at(step, tr) * probe.lr_scale)
