@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -97,7 +98,9 @@ def main() -> None:
     report = analyse(run_dir, args.peers, chaos.faults, deadline)
     report.orphans = orphaned(swarm)
     lost = checkpoints_lost(run_dir, swarm, ended)
-    for mount in mounts:  # after the analysis: it reads the peers' metrics there
+    for mount in mounts:  # after the analysis: it reads the peers' metrics there; a copy outlives the tmpfs
+        if (mount / "metrics.jsonl").exists():
+            shutil.copy(mount / "metrics.jsonl", mount.with_name(f"{mount.name}.metrics.jsonl"))
         subprocess.run(["umount", str(mount)], check=False)
 
     table = Table(title=f"chaos: {args.peers} peers, {args.minutes:g} min, seed {args.seed}")

@@ -321,11 +321,14 @@ def analyse(run_dir: Path, num_peers: int, faults: list[Fault], deadline: float,
         checks += 1
         if len({r["shared_digest"] for _, r in members}) != 1:
             failures.append(f"round {round_no}: members of shared group {gid} hold different shared parameters")
-        clean = [r for _, r in members if not (r["groups_failed"] or r["refresh_missed"] or r.get("versions_missing"))]
+        clean = [(i, r) for i, r in members if not (r["groups_failed"] or r["refresh_missed"] or r.get("versions_missing"))]
         if len(clean) >= 2:
             checks += 1
-            if len({json.dumps(r["expert_digests"], sort_keys=True) for r in clean}) != 1:
-                failures.append(f"round {round_no}: clean members of group {gid} hold different expert versions")
+            if len({json.dumps(r["expert_digests"], sort_keys=True) for _, r in clean}) != 1:
+                experts = sorted({e for _, r in clean for e in r["expert_digests"]}, key=int)
+                differ = [e for e in experts if len({r["expert_digests"].get(e) for _, r in clean}) > 1]
+                failures.append(f"round {round_no}: clean members of group {gid} (peers {sorted(i for i, _ in clean)}) "
+                                f"hold different versions of experts {differ}")
     round_time = statistics.median(round_times) if round_times else 0.0
     kinds: dict[str, int] = defaultdict(int)
     for f in faults:

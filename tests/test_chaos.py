@@ -6,9 +6,11 @@ the averaging deadline, and a restart from a checkpoint, and must come out consi
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helpers import free_port
@@ -114,3 +116,19 @@ def test_a_run_outlives_its_bootstrap_and_a_full_disk_during_a_checkpoint(tmp_pa
         assert any(r["shared_ok"] and r["shared_members"] == 2 for r in after)  # both still average together
     finally:
         subprocess.run(["umount", str(tmp_path / "peer1")], check=False)
+
+
+def test_analyse_names_the_experts_and_peers_whose_versions_differ(tmp_path: Path) -> None:
+    """Pure: two clean members of one shared group that hold different versions of expert 3 fail the
+    check, and the failure says which expert and which peers; the round before, with equal versions, passes."""
+    def row(rnd: int, digests: dict[str, str]) -> dict:
+        return {"time": 100.0 + rnd, "step": 10 * rnd, "sync_round": rnd, "shared_ok": True, "groups_failed": [],
+                "refresh_missed": [], "shared_group": "g", "shared_digest": "s", "expert_digests": digests}
+    same = {"1": "a", "3": "b"}
+    for i, third in enumerate(("b", "c")):
+        (tmp_path / f"peer{i}").mkdir()
+        lines = [row(1, same), row(2, {"1": "a", "3": third})]
+        (tmp_path / f"peer{i}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    report = analyse(tmp_path, 2, [], deadline=10.0)
+    assert report.consistency_checks == 4
+    assert report.consistency_failures == ["round 2: clean members of group g (peers [0, 1]) hold different versions of experts ['3']"]
