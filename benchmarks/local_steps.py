@@ -38,8 +38,10 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
 * ``h50-lr05``, ``h1-lr05``, ``centralized-lr05``: the learning rate halved (a batch of 8 may want a
   smaller one than the batch of 32 the schedule was set for);
 * ``h50-beta2``: h50 with AdamW's beta2 0.99 instead of 0.95 (a longer memory of a noisier square);
-* ``h50-dp100``: data parallel for the first 100 steps, then h50 (how much of the gap the early steps
-  make: "post-local SGD").
+* ``h50-dp100``, ``h50-dp30``: data parallel for the first 100 / 30 steps, then h50 (how much of the
+  gap the early steps make: "post-local SGD");
+* ``h50-ramp``: averaged after steps 1, 2, 4, 8, 16 and 32 (intervals doubling from one step), then
+  every 50: six more averages than h50, all at the start.
 
 ``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
 never mixes with the stored 400-step runs.
@@ -91,6 +93,7 @@ class Probe:
     nesterov: bool = False  # the swarm's Nesterov outer step (lr 0.7, momentum 0.9) instead of the plain mean
     beta2: float | None = None  # AdamW's beta2 instead of the config's
     dp_steps: int = 0  # data parallel (gradients averaged) for this many first steps, then every `sync`
+    ramp: bool = False  # average after steps 1, 2, 4, ... (doubling) while below `sync`, then every `sync`
 
 
 PROBES = {
@@ -106,6 +109,7 @@ PROBES = {
     "h50-lr05": Probe(PEERS, 50, lr_scale=0.5), "h1-lr05": Probe(PEERS, 1, lr_scale=0.5),
     "centralized-lr05": Probe(1, 0, lr_scale=0.5),
     "h50-beta2": Probe(PEERS, 50, beta2=0.99), "h50-dp100": Probe(PEERS, 50, dp_steps=100),
+    "h50-dp30": Probe(PEERS, 50, dp_steps=30), "h50-ramp": Probe(PEERS, 50, ramp=True),
 }
 NESTEROV = SwarmConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, and quality.py's
 
@@ -198,7 +202,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             torch.nn.utils.clip_grad_norm_(params, tr.grad_clip * probe.clip_scale)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if probe.replicas > 1 and (step + 1) % probe.sync == 0:
+        if probe.replicas > 1 and averages_after(step + 1, probe):
             average(models, optimizers, probe.moments)
             if outer is not None:  # from the anchor, the averaged pseudo-gradient through the outer step
                 with torch.no_grad():
@@ -207,6 +211,14 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
                         for p in column:
                             p.copy_(anchors[i])
     return models[0]
+
+
+def averages_after(steps_done: int, probe: Probe) -> bool:
+    """Whether the replicas average after ``steps_done`` steps: every ``probe.sync``, and with
+    ``probe.ramp`` also after 1, 2, 4, ... steps while those are below ``probe.sync``."""
+    if probe.ramp and steps_done < probe.sync and steps_done & (steps_done - 1) == 0:
+        return True
+    return steps_done % probe.sync == 0
 
 
 @torch.no_grad()
