@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -79,6 +79,27 @@ def sync_deadline(sw: SwarmConfig, peers: int | None = None) -> float:
     return flat + adopt_window(sw)
 
 
+def with_current_records(peers: dict[str, PeerRecord], membership: Membership, me: str) -> dict[str, PeerRecord]:
+    """``peers`` (read at our boundary) updated with the records as they are once the shared group is
+    decided. A peer that ended the last round after we began this one, and took over an expert then,
+    announced it before it joined the shared group; read at our boundary, it is not yet a holder, and
+    each of us would average that expert alone (a chaos run: two holders of experts 1 and 6 kept
+    different versions for a round). Our own record stays ours; if the DHT does not answer, the
+    boundary's view stands."""
+    try:
+        current = membership.live_peers()
+    except Exception as exc:
+        log.info("could not re-read the peers' records (%s): the expert groups follow our boundary's", exc)
+        return peers
+    return {**peers, **{p: r for p, r in current.items() if p != me}}
+
+
+def holder_groups(peers: dict[str, PeerRecord], present: set[str], me: str, experts: Iterable[int]) -> dict[int, set[str]]:
+    """Whom we average each of our ``experts`` with: the peers of ``present`` whose record says they
+    train it, and us."""
+    return {e: {p for p, r in peers.items() if e in r.experts and p in present} | {me} for e in experts}
+
+
 class RoundRunner:
     """Runs sync rounds with the parts of a :class:`~p2p_spes.swarm.Swarm`."""
 
@@ -124,10 +145,12 @@ class RoundRunner:
         decided = shared_res.ok or late  # the shared group's membership is the round's, with or without us
         shared_members = set(shared_res.members) if decided else set(peers)
         present = {self.peer_id} if late else shared_members
+        if decided:
+            peers = with_current_records(peers, self.membership, self.peer_id)
         # all expert groups at once: they share one join window and one deadline, where one after
         # another a member that froze mid-round would cost a window or a timeout per expert
         flats = {e: flatten(model.expert_tensors(e)) for e in model.local_experts}
-        groups = {e: {p for p, r in peers.items() if e in r.experts and p in present} | {self.peer_id} for e in flats}
+        groups = holder_groups(peers, present, self.peer_id, flats)
         pooled = [e for e in flats if len(groups[e]) > 1]  # a lone holder's copy is the truth
 
         async def expert_groups() -> list[GroupResult]:
