@@ -24,8 +24,9 @@ all-reduce among everyone), so a round stretched by a retry meets more failures:
 its checkpoint ``restart_rounds`` rounds later) or frozen (back the next round). A member that fails
 after it arrived fails the attempt: a kill is noticed at once (at the transfers' start at the earliest),
 a freeze at the deadline; a kill before the reduce-scatter's end (half the transfers) dooms the attempt
-for everyone. Not modelled: the expert groups' own failures (their holders are the shared group's members), the version exchange, merges, CPU contention, latency beyond the fixed
-per-phase cost, and the two-boundary confirmation healing waits for (takeovers happen at once).
+for everyone. Not modelled: the expert groups' own failures (their holders are the shared group's
+members), the version exchange, merges, CPU contention, latency beyond the fixed per-phase cost, and
+the two-boundary confirmation healing waits for (takeovers happen at once).
 In a grid, a row that loses a member before its transfers end waits for it until the rows' deadline
 (and so misses the columns that closed earlier); a column's holders form a flat group with its retry;
 a member whose row's holder died fetches the column from another row at no extra cost; the results'
