@@ -87,6 +87,8 @@ class VersionValue(_Signed):
     experts: dict[ExpertKey, pydantic.StrictStr]
     copies: dict[ExpertKey, pydantic.StrictStr] = {}
     n: pydantic.conint(strict=True, ge=0) = 0  # members of the group whose shared result it holds (0: none)
+    # experts it trains whose group failed this round: it kept its own values, which its group did not agree on
+    failed: list[ExpertKey] = []
 
 
 class RunSchema(pydantic.BaseModel):
@@ -152,6 +154,9 @@ class VersionRecord:
     # members of the group whose shared result it holds (0: none, or a peer of an earlier version): a peer
     # adopting that result knows how many of their records to expect
     group: int = 0
+    # experts it trains whose group failed this round (it kept its own values): a frozen copy follows a
+    # holder whose group succeeded when there is one, so every peer picks the version its group agreed on
+    failed: frozenset[int] = frozenset()
 
     def to_value(self) -> dict[str, Any]:
         """The value to store (the wire format: expert indices as strings)."""
@@ -162,6 +167,8 @@ class VersionRecord:
         }
         if self.group:
             value["n"] = self.group
+        if self.failed:
+            value["failed"] = [str(e) for e in sorted(self.failed)]
         return value
 
     @classmethod
@@ -174,7 +181,7 @@ class VersionRecord:
         except pydantic.ValidationError:
             return None
         return cls(peer_id, parsed.ok, parsed.shared, {int(e): d for e, d in parsed.experts.items()},
-                   {int(e): d for e, d in parsed.copies.items()}, parsed.n)
+                   {int(e): d for e, d in parsed.copies.items()}, parsed.n, frozenset(int(e) for e in parsed.failed))
 
 
 def signed_values(result: Any) -> dict[str, dict[str, Any]]:

@@ -27,7 +27,7 @@ from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
 from p2p_spes.export import export_hf
 from p2p_spes.model import MoETransformer
-from p2p_spes.swarm.agreement import majority, read_versions
+from p2p_spes.swarm.agreement import expert_version, majority, read_versions
 from p2p_spes.swarm.membership import Membership
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader
@@ -70,7 +70,7 @@ def assemble_from_swarm(initial_peers: Sequence[str], run_id: str,
         missing = []
         for e in range(cfg.moe.num_experts):
             holders = [p for p in order if e in peers[p].experts]
-            digest = majority(versions[p].experts.get(e) for p in holders if p in versions)
+            digest = expert_version({p: versions[p] for p in holders if p in versions}, e)
             like = [t.detach() for t in model.expert_tensors(e)]
             found, kind = None, "holder"
             if holders:

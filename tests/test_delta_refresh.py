@@ -115,3 +115,21 @@ def test_nesterov_needs_the_momentum_before_a_delta_refresh():
     refresher.outer.fetch_momentum = lambda *args: None  # the holder serves no momentum here
     assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
     assert downloader.calls["whole"] == 1
+
+
+def test_a_copy_follows_the_holder_whose_group_succeeded():
+    """The chaos run's second case: expert 1's holders are A, whose group failed (it kept values nobody
+    agreed on), and B, whose group succeeded alone. A's digest is the larger, which a 1-1 tie would
+    pick; every frozen copy must follow B's, the version its group agreed on."""
+    codec = Codec("none")
+    _, model, downloader, _, _, digest = setup(codec)
+    failed_digest = "f" * 64  # larger than any hex digest of B's
+    peers = {p: PeerRecord(p, [EXPERT], 40, 4, "fp", []) for p in ("A", "B")}
+    versions = {"A": VersionRecord("A", True, "s", {EXPERT: failed_digest}, failed=frozenset({EXPERT})),
+                "B": VersionRecord("B", True, "s", {EXPERT: digest})}
+    asked = []
+    download = downloader.download
+    downloader.download = lambda peer, uid, like, attempts=4: asked.append((peer, uid)) or download(peer, uid, like)
+    assert Refresher("me", downloader, Counter()).refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
+    assert asked == [("B", f"expert:{EXPERT}@{digest}")], "the copy followed the holder whose group failed"
+    assert tensor_digest(model.expert_tensors(EXPERT)) == digest

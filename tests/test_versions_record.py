@@ -11,7 +11,7 @@ from hivemind.utils import get_dht_time
 from dht.keys import config_key, peers_key, run_config_key, version_key
 from dht.node import start_dht
 from dht.records import RunSchema, VersionRecord, signed_values
-from p2p_spes.swarm.agreement import adoptable, all_published, wait_versions
+from p2p_spes.swarm.agreement import adoptable, all_published, expert_version, wait_versions
 
 D1, D2, D3 = "a" * 64, "b" * 64, "c" * 64
 
@@ -145,3 +145,24 @@ def test_the_group_size_rides_on_the_record():
     assert VersionRecord.from_value("QmPeer", wire()).group == 0, "a record of an earlier version"
     for bad in (True, -1, 2.0, "5"):
         assert VersionRecord.from_value("QmPeer", wire(n=bad)) is None, bad
+
+
+def test_failed_experts_ride_on_the_record():
+    record = VersionRecord("QmPeer", True, D1, {0: D2, 3: D3}, failed=frozenset({3}))
+    assert record.to_value()["failed"] == ["3"] and VersionRecord.from_value("QmPeer", record.to_value()) == record
+    assert "failed" not in VersionRecord("QmPeer", True, D1, {0: D2}).to_value(), "nothing to say: the old wire format"
+    assert VersionRecord.from_value("QmPeer", wire()).failed == frozenset(), "a record of an earlier version"
+    for bad in ([3], ["03"], ["-1"], "3", [True]):
+        assert VersionRecord.from_value("QmPeer", wire(failed=bad)) is None, bad
+
+
+def test_the_agreed_version_counts_holders_whose_group_succeeded_first():
+    failed = VersionRecord("A", True, D1, {0: D3}, failed=frozenset({0}))
+    ok = VersionRecord("B", True, D1, {0: D2})
+    assert expert_version({"A": failed, "B": ok}, 0) == D2, "a 1-1 tie went to the failed holder's larger digest"
+    assert expert_version({"A": failed}, 0) == D3, "with no other holder, the failed one's version stands"
+    assert expert_version({"A": failed, "B": ok}, 0, exclude="B") == D3
+    two_failed = {p: VersionRecord(p, True, D1, {0: D3}, failed=frozenset({0})) for p in "AC"}
+    assert expert_version({**two_failed, "B": ok}, 0) == D2, "failed holders outvoted the one that succeeded"
+    assert expert_version({"A": failed, "B": ok}, 1) is None
+    assert expert_version({"A": VersionRecord("A", True, D1, {0: D2}, failed=frozenset({1})), "B": ok}, 0) == D2

@@ -3,8 +3,8 @@
 After its groups, every peer publishes a :class:`~dht.records.VersionRecord` for the round: the digest
 of its shared parameters, of each expert it trains and of its copy of each expert nobody trains. Every
 peer then brings the experts it does not train to the version the others name most often (ties to
-the larger digest), so all peers pick the same one from the same records, and downloads are asked
-for by that digest. A peer whose copy is the anchor the version was computed from takes the group's
+the larger digest; a holder whose group failed counts only when no other holder names a version), so
+all peers pick the same one from the same records, and downloads are asked for by that digest. A peer whose copy is the anchor the version was computed from takes the group's
 encoded average instead (``update:expert:E@digest``, a few percent of the expert under top-k) and
 applies the outer step the members applied; the result must hash to the agreed digest, else the
 expert is downloaded whole, once.
@@ -35,6 +35,14 @@ def majority(digests: Iterable[Any]) -> str | None:
     """The digest named most often (ties to the larger one, so every peer picks the same); None if none."""
     counts = Counter(d for d in digests if isinstance(d, str))
     return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0] if counts else None
+
+
+def expert_version(versions: Mapping[str, VersionRecord], e: int, exclude: str | None = None) -> str | None:
+    """The version of expert ``e`` its holders' records (but ``exclude``'s) name most often, counting
+    first the holders whose group succeeded: one whose group failed kept values nobody agreed on, and
+    a tie between its digest and its group's other holder would otherwise go to the larger digest."""
+    named = {p: v.experts[e] for p, v in versions.items() if p != exclude and e in v.experts}
+    return majority(d for p, d in named.items() if e not in versions[p].failed) or majority(named.values())
 
 
 def group_id(members: Iterable[str]) -> str:
@@ -156,7 +164,7 @@ class Refresher:
             if versions is not None:
                 best = None
                 for pool in (preferred or {}, versions):  # holders as the versions name them: the same for everyone
-                    best = majority(v.experts.get(e) for p, v in pool.items() if p != self.peer_id)
+                    best = expert_version(pool, e, self.peer_id)
                     if best is not None:
                         break
                 if best is None:

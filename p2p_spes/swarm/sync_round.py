@@ -177,6 +177,7 @@ class RoundRunner:
             {e: self.server.current(f"expert:{e}")["digest"] for e in model.local_experts},
             {e: tensor_digest(model.expert_tensors(e)) for e in orphaned if e in held},
             group=report.shared.members if report.shared.ok else 0,
+            failed=frozenset(e for e in model.local_experts if not report.groups[f"expert{e}"].ok),
         )
         call(self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=version_ttl(sw)))
         # wait for the digests of the peers that took part in this round; a peer that did not join the
