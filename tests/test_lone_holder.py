@@ -20,8 +20,9 @@ from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.outer import OuterOptimizer, flatten
 
 
-def outer(optimizer: str = "average") -> OuterOptimizer:
-    return OuterOptimizer(load_config(None, SMALL_MODEL + [f"swarm.outer_optimizer={optimizer}"]).swarm)
+def outer(optimizer: str = "average", keep: bool = False) -> OuterOptimizer:
+    return OuterOptimizer(load_config(None, SMALL_MODEL + [f"swarm.outer_optimizer={optimizer}",
+                                                            f"swarm.keep_local_progress={keep}"]).swarm)
 
 
 def test_only_a_lone_holder_averaging_under_a_lossy_codec_keeps_its_weights():
@@ -29,6 +30,39 @@ def test_only_a_lone_holder_averaging_under_a_lossy_codec_keeps_its_weights():
     assert not outer().keeps_own(members=1, lossy=False)  # uncompressed: the result is our weights anyway
     assert not outer().keeps_own(members=2, lossy=True)  # a group: every member takes the same result
     assert not outer("nesterov").keeps_own(members=1, lossy=True)  # the outer step is not our weights
+    # swarm.keep_local_progress: a member of a group keeps what its message has not carried yet...
+    assert outer(keep=True).keeps_own(members=2, lossy=True)
+    assert not outer(keep=True).keeps_own(members=2, lossy=True, carried=False)  # ...when the result counted it
+    assert not outer(keep=True).keeps_own(members=3, lossy=False)
+    assert not outer("nesterov", keep=True).keeps_own(members=2, lossy=True)
+
+
+def test_members_keeping_their_progress_share_the_anchor_and_converge_to_the_mean():
+    """With ``swarm.keep_local_progress`` each member's weights become the group's result plus what its
+    top-k message left out (``value - (sent - decoded)``, as ``RoundRunner._apply`` writes them). Their
+    anchors stay identical and the mean of their weights never moves, so when they stop training the
+    anchor and every member close in on the plain average of what they had trained."""
+    codec = Codec("topk", 1 / 64)
+    torch.manual_seed(0)
+    anchor = torch.randn(4096)
+    weights = [anchor + torch.randn(4096) * 1e-2 for _ in range(3)]
+    target = torch.stack(weights).mean(0)
+    opts = [outer(keep=True) for _ in weights]
+    for opt in opts:
+        opt.set_anchor("shared", anchor.clone(), 0)
+    gaps = []
+    for k in range(1, 129):
+        sent = [opt.pseudo_gradient("shared", w) for opt, w in zip(opts, weights)]
+        decoded = [codec.decode(codec.encode(g), g.numel()) for g in sent]
+        average = torch.stack(decoded).mean(0)
+        assert all(opt.keeps_own(len(opts), lossy=True) for opt in opts)
+        values = [opt.step("shared", average, k) for opt in opts]
+        weights = [v - (g - d) for v, g, d in zip(values, sent, decoded)]
+        assert all(torch.equal(opt.anchor["shared"], opts[0].anchor["shared"]) for opt in opts)
+        torch.testing.assert_close(torch.stack(weights).mean(0), target, rtol=0, atol=1e-6)
+        gaps.append(max(float((w - opts[0].anchor["shared"]).norm()) for w in weights))
+    assert gaps[-1] < 0.05 * gaps[0], gaps[::16]
+    torch.testing.assert_close(opts[0].anchor["shared"], target, rtol=0, atol=1e-3 * float(target.abs().max()))
 
 
 @pytest.mark.parametrize(("codec", "rounds", "left"), [(Codec("int8"), 1, 0.01), (Codec("topk", 1 / 64), 64, 0.05)])

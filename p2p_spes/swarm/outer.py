@@ -50,9 +50,9 @@ class OuterOptimizer:
         self.anchor_round: dict[str, int] = {}
         self._digests: dict[str, str] = {}
         self.momentum: dict[str, torch.Tensor] = {}  # Nesterov outer momentum per group uid
-        # groups whose weights run ahead of their anchor: a lone holder under a lossy codec keeps
-        # what it trained, and its anchor (what it serves, and what frozen copies follow by encoded
-        # deltas) trails it by what the codec has not carried yet
+        # groups whose weights run ahead of their anchor: a lone holder under a lossy codec (any member
+        # with swarm.keep_local_progress) keeps what it trained, and its anchor (what it serves, and what
+        # frozen copies follow by encoded deltas) trails it by what the codec has not carried yet
         self.ahead: set[str] = set()
 
     @property
@@ -72,11 +72,15 @@ class OuterOptimizer:
         self._digests.pop(uid, None)
         self.ahead.discard(uid)
 
-    def keeps_own(self, members: int, lossy: bool) -> bool:
-        """Whether a group's result leaves our weights as they are: a lone holder (``members == 1``)
-        under a lossy codec, with the plain average (whose result would be our own weights, but for
-        what the codec dropped). Its anchor still takes the result: the value others can follow."""
-        return members == 1 and lossy and not self.stateful
+    def keeps_own(self, members: int, lossy: bool, carried: bool = True) -> bool:
+        """Whether our weights keep what our message has not carried (the group's result plus our
+        residual) while the anchor, the value others follow, takes the result: under a lossy codec with
+        the plain average, for a lone holder (whose result would be its own weights but for what the
+        codec dropped) and, with ``swarm.keep_local_progress``, for every group whose result counted
+        our whole contribution (``carried``)."""
+        if not lossy or self.stateful:
+            return False
+        return members == 1 or (self.sw.keep_local_progress and carried)
 
     def public(self, uid: str, targets: list[torch.Tensor]) -> list[torch.Tensor]:
         """``uid``'s anchor shaped (and typed) like ``targets``: the value we serve and publish."""

@@ -305,9 +305,13 @@ class RoundRunner:
                 return info
         base = self.outer.base(uid)
         value = self.outer.step(uid, res.tensor, round_no)
-        if self.outer.keeps_own(len(res.members), not self.reducer.codec.lossless):
-            # our weights stay what we trained; the anchor, what we serve, took the encoded value, and
-            # the next pseudo-gradient (anchor - weights) carries what this message dropped: no residual
+        if self.outer.keeps_own(len(res.members), not self.reducer.codec.lossless, carried=res.sent is not None):
+            # our weights keep what we trained; the anchor, what we serve, took the encoded value, and
+            # the next pseudo-gradient (anchor - weights) carries what this message dropped: no residual.
+            # Alone, that is our weights as they are; in a group, its result plus what we sent and it
+            # did not carry (what we sent is relative to the anchor the result moved from)
+            if len(res.members) > 1:
+                copy_into(targets, split_like(value - (sending[uid] - res.sent), targets))
             self.outer.ahead.add(uid)
             self.feedback.drop(uid)
             digest = tensor_digest(self.outer.public(uid, targets))
