@@ -162,15 +162,10 @@ class SwarmConfig:
     # Self-healing: the most experts this peer trains, takeovers included (None: no limit). Each costs
     # gradient + AdamW memory, and under partial residency its weights too.
     max_experts_per_peer: int | None = field(default=None, metadata=LOCAL)
-    # how groups encode pseudo-gradients (p2p_spes/compression.py): none | fp16 | int8 | int4 | topk,
-    # with error feedback; run-wide (peers with another setting refuse to join)
+    # pseudo-gradient codec, with error feedback (compression.py); run-wide: peers set otherwise refuse to join
     compression: Literal["none", "fp16", "int8", "int4", "topk"] = "none"
     topk_fraction: float = 1 / 64  # share of each block of 256 values that topk sends
-    # under a lossy codec with the plain average, each member of a group keeps in its weights what its
-    # message has not carried yet (the group's result plus its residual) instead of resetting to the
-    # result and sending the residual later: members' anchors (what they serve) stay identical, their
-    # weights differ by those residuals (p2p_spes/swarm/outer.py keeps_own)
-    keep_local_progress: bool = False
+    keep_local_progress: bool = False  # lossy codecs: weights keep what messages have not carried (outer.py)
     # run each sync round in the background while training goes on (two extra weight copies);
     # the round's change is added to the live weights when it ends (p2p_spes/peer.py SwarmSync)
     overlap: bool = field(default=False, metadata=LOCAL)

@@ -12,12 +12,14 @@ from p2p_spes.model import MoETransformer
 from p2p_spes.transport import tensor_digest
 
 
-def checkpoint_experts(run_dir, local: list[int]) -> dict[str, str]:
-    """The digest of every expert in a peer's newest checkpoint (its own ones and its frozen copies)."""
+def checkpoint_digests(run_dir, local: list[int]) -> dict[str, str]:
+    """The digest of every expert in a peer's newest checkpoint (its own ones and its frozen copies),
+    and of its shared parameters (``shared``)."""
     cfg = load_config(None, SMALL)
     model = MoETransformer(cfg.model, cfg.moe, local_experts=local)
     load_checkpoint(find_checkpoint(run_dir), model)
-    return {str(e): tensor_digest(model.expert_tensors(e)) for e in range(cfg.moe.num_experts)}
+    digests = {str(e): tensor_digest(model.expert_tensors(e)) for e in range(cfg.moe.num_experts)}
+    return {**digests, "shared": tensor_digest([p.detach() for _, p in model.shared_parameters()])}
 
 
 def expert_bytes() -> int:
@@ -28,15 +30,18 @@ def expert_bytes() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["topk", "int8"])
+@pytest.mark.parametrize("compression", ["topk", "int8", "topk-keep"])
 def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta(tmp_path, compression):
+    # "-keep": swarm.keep_local_progress, each member's weights keep what its messages have not carried
+    compression, keep = compression.removesuffix("-keep"), compression.endswith("-keep")
     # warm-up merges at steps 20, 40 and 60: every peer merges the values all of them hold, and a lone
     # holder keeps its lead over them. Each peer trains its 3 of the 6 experts and no more: on a loaded
     # machine a peer whose record came late at two boundaries looked gone, and the other took over
     # one of its experts (then 2 holders averaged it, and the test's premise no longer held). 70 steps give
     # 7 boundaries: a peer that starts late under CI load still joins at least 4 rounds
     swarm = LocalSwarm(None, SMALL + ["train.max_steps=70", "swarm.merge_interval=20", "swarm.max_experts_per_peer=3",
-                                      f"swarm.compression={compression}"], peers=2, run_dir=tmp_path)
+                                      f"swarm.compression={compression}", f"swarm.keep_local_progress={keep}"],
+                       peers=2, run_dir=tmp_path)
     try:
         swarm.start()
         codes = swarm.wait(timeout=300)
@@ -45,6 +50,7 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
     assert codes == [0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in range(2)]
     dirs = [tmp_path / f"peer{i}" for i in range(2)]
     # every member applies the same decoded average to the same anchor: bit-identical, checked by SHA-256
+    # (what each publishes and serves: with keep_local_progress its weights run ahead of that anchor)
     assert_identical_after_rounds(dirs, min_common=3)
     summaries = swarm.summaries()
     for s, d in zip(summaries, dirs):
@@ -65,11 +71,15 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
         # CPU; the experts each peer holds alone keep none: their anchors trail the weights instead
         memory = s["sync_memory"]
         assert memory["device"] == "cpu" and memory["anchors"] > 3 * expert_bytes()
-        assert memory["residuals"] == memory["anchors"] - 3 * expert_bytes()
+        # keeping its progress, a member carries what its shared messages dropped in its weights instead
+        assert memory["residuals"] == (0 if keep else memory["anchors"] - 3 * expert_bytes())
     # a lone holder trains on its own weights, never on what the codec carried of them: its checkpoint
     # holds experts ahead of the copies the other peer follows, which are the version it published
     last = [rounds(d)[max(rounds(d))] for d in dirs]
-    held = [checkpoint_experts(d, s["local_experts"]) for d, s in zip(dirs, summaries)]
+    held = [checkpoint_digests(d, s["local_experts"]) for d, s in zip(dirs, summaries)]
+    # the shared parameters: one published anchor; with keep_local_progress, two sets of weights
+    assert last[0]["shared_digest"] == last[1]["shared_digest"]
+    assert (held[0]["shared"] != held[1]["shared"]) == keep
     for me, other in ((0, 1), (1, 0)):
         for e in map(str, summaries[me]["local_experts"]):
             assert held[other][e] == last[me]["expert_digests"][e] == last[other]["expert_digests"][e]
