@@ -15,6 +15,8 @@ P x b x seq_len tokens per step for ``--steps`` steps, with the same seeds):
   (``swarm.outer_optimizer=nesterov``, outer lr 0.7, outer momentum 0.9, as in the DiLoCo paper);
 * ``spes-fp16``, ``spes-int8``, ``spes-int4``, ``spes-topk``: ``spes`` with that ``swarm.compression``
   (topk: ``swarm.topk_fraction``, 1/64 by default, of each block of 256 values, with error feedback);
+* ``spes-topk-keep`` (not run by default): ``spes-topk`` with ``swarm.keep_local_progress`` (members keep
+  in their weights what their messages have not carried);
 * ``spes-no-merge`` (not run by default): ``spes`` without the warm-up merge.
 
 The partial-residency arm of earlier versions is gone: its peers' checkpoints hold only their own
@@ -109,9 +111,10 @@ ARMS: dict[str, list[str] | None] = {
     "spes-int8": [*SPES[:-1], "swarm.compression=int8"],
     "spes-int4": [*SPES[:-1], "swarm.compression=int4"],
     "spes-topk": [*SPES[:-1], "swarm.compression=topk"],
+    "spes-topk-keep": [*SPES[:-1], "swarm.compression=topk", "swarm.keep_local_progress=true"],
     "spes-no-merge": ["experts.placement=spes", "swarm.merge_interval=0", "swarm.outer_optimizer=average", "swarm.compression=none"],
 }
-DEFAULT_ARMS = [a for a in ARMS if a != "spes-no-merge"]
+DEFAULT_ARMS = [a for a in ARMS if a not in ("spes-no-merge", "spes-topk-keep")]
 SUMMARY_KEYS = ("step", "tokens", "local_experts", "rounds_joined", "rounds_alone", "rounds_failed", "tokens_averaged",
                 "schedule_steps_advanced", "steps_skipped", "updates_refused", "refresh_missed", "delta_refreshes",
                 "anchors_rebased", "compression", "bytes_sent",
