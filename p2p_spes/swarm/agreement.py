@@ -4,10 +4,10 @@ After its groups, every peer publishes a :class:`~dht.records.VersionRecord` for
 of its shared parameters, of each expert it trains and of its copy of each expert nobody trains. Every
 peer then brings the experts it does not train to the version the others name most often (ties to
 the larger digest; a holder whose group failed counts only when no other holder names a version), so
-all peers pick the same one from the same records, and downloads are asked for by that digest. A peer whose copy is the anchor the version was computed from takes the group's
-encoded average instead (``update:expert:E@digest``, a few percent of the expert under top-k) and
-applies the outer step the members applied; the result must hash to the agreed digest, else the
-expert is downloaded whole, once.
+all peers pick the same one from the same records, and downloads are asked for by that digest. A peer
+whose copy is the anchor the version was computed from takes the group's encoded average instead
+(``update:expert:E@digest``, a few percent of the expert under top-k) and applies the outer step the
+members applied; the result must hash to the agreed digest, else the expert is downloaded whole, once.
 """
 
 from __future__ import annotations
