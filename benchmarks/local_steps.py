@@ -41,10 +41,16 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
 * ``h50-dp100``, ``h50-dp30``: data parallel for the first 100 / 30 steps, then h50 (how much of the
   gap the early steps make: "post-local SGD");
 * ``h50-ramp``: averaged after steps 1, 2, 4, 8, 16 and 32 (intervals doubling from one step), then
-  every 50: six more averages than h50, all at the start.
+  every 50: six more averages than h50, all at the start;
+* ``h50-outer08``, ``h50-outer06``: the new value is the anchor minus 0.8 / 0.6 times the averaged
+  pseudo-gradient (outer SGD with a step below the plain average's 1; the quality benchmark's
+  ``outer-sgd-2`` took 2 and lost 13 points);
+* ``h1-rows``, ``h50-rows``: the input embedding's rows are averaged weighted by how often each
+  replica saw that token since the last average (a row only one replica saw keeps that replica's
+  change, where the plain mean divides it by P); every other parameter as h1 / h50.
 
 ``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
-never mixes with the stored 400-step runs.
+never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) needs ``--out``.
 
 Scored by ``convergence.Validation`` (the same 1,024 validation windows as every quality arm). Prints a
 table and writes ``benchmarks/results/local_steps.json``.
@@ -94,6 +100,8 @@ class Probe:
     beta2: float | None = None  # AdamW's beta2 instead of the config's
     dp_steps: int = 0  # data parallel (gradients averaged) for this many first steps, then every `sync`
     ramp: bool = False  # average after steps 1, 2, 4, ... (doubling) while below `sync`, then every `sync`
+    outer_lr: float | None = None  # the new value is the anchor minus this times the averaged pseudo-gradient
+    rows: bool = False  # input embedding rows: each replica's change weighted by how often it saw the token
 
 
 PROBES = {
@@ -110,6 +118,8 @@ PROBES = {
     "centralized-lr05": Probe(1, 0, lr_scale=0.5),
     "h50-beta2": Probe(PEERS, 50, beta2=0.99), "h50-dp100": Probe(PEERS, 50, dp_steps=100),
     "h50-dp30": Probe(PEERS, 50, dp_steps=30), "h50-ramp": Probe(PEERS, 50, ramp=True),
+    "h50-outer08": Probe(PEERS, 50, outer_lr=0.8), "h50-outer06": Probe(PEERS, 50, outer_lr=0.6),
+    "h1-rows": Probe(PEERS, 1, rows=True), "h50-rows": Probe(PEERS, 50, rows=True),
 }
 NESTEROV = SwarmConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, and quality.py's
 
@@ -187,12 +197,17 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
                for i in range(probe.replicas)]
     tr = cfg.train
     outer = OuterOptimizer(NESTEROV) if probe.nesterov else None
+    if probe.outer_lr is not None:  # outer SGD: Nesterov's step with no momentum
+        outer = OuterOptimizer(SwarmConfig(outer_optimizer="nesterov", outer_lr=probe.outer_lr, outer_momentum=0.0))
     anchors = [p.detach().clone() for _, p in trainable_parameters(first)]
     momenta: list[torch.Tensor | None] = [None] * len(anchors)
+    seen = torch.zeros(probe.replicas, cfg.model.vocab_size)  # tokens each replica read since the last average
+    embedding = first.embed_tokens.weight.detach().clone()  # its value at the last average
     for step in range(tr.max_steps):
-        for model, loader in zip(models, loaders):
+        for i, (model, loader) in enumerate(zip(models, loaders)):
             model.train()
             x, y = loader.next_batch()
+            seen[i] += torch.bincount(x.reshape(-1), minlength=cfg.model.vocab_size)
             model.loss(x, y, z_loss_weight=tr.z_loss_weight).loss.backward()
         if probe.grads or step < probe.dp_steps:
             average_grads(models)
@@ -203,7 +218,12 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             opt.step()
             opt.zero_grad(set_to_none=True)
         if probe.replicas > 1 and averages_after(step + 1, probe):
+            rows = [m.embed_tokens.weight.detach().clone() for m in models] if probe.rows else None
             average(models, optimizers, probe.moments)
+            if rows is not None:
+                average_rows(models, rows, embedding, seen)
+            embedding = first.embed_tokens.weight.detach().clone()
+            seen.zero_()
             if outer is not None:  # from the anchor, the averaged pseudo-gradient through the outer step
                 with torch.no_grad():
                     for i, column in enumerate(zip(*[[p for _, p in trainable_parameters(m)] for m in models])):
@@ -233,6 +253,18 @@ def average_grads(models: list[MoETransformer]) -> None:
 
 
 @torch.no_grad()
+def average_rows(models: list[MoETransformer], rows: list[torch.Tensor], anchor: torch.Tensor, seen: torch.Tensor) -> None:
+    """The input embedding from ``anchor`` plus each replica's change since then (``rows``), each row
+    weighted by how often that replica read the token (``seen``); rows no replica read keep the mean."""
+    changes = torch.stack([r - anchor for r in rows])  # replicas x vocab x d
+    total = seen.sum(0)
+    weighted = (changes * seen[:, :, None]).sum(0) / total.clamp(min=1)[:, None]
+    value = torch.where((total > 0)[:, None], anchor + weighted, models[0].embed_tokens.weight)
+    for m in models:
+        m.embed_tokens.weight.copy_(value)
+
+
+@torch.no_grad()
 def average(models: list[MoETransformer], optimizers: list[torch.optim.Optimizer], moments: bool) -> None:
     params = [[p for _, p in trainable_parameters(m)] for m in models]
     for column in zip(*params):
@@ -251,9 +283,9 @@ def previous_finals(args: argparse.Namespace) -> tuple[dict[str, dict[int, float
     """The stored final losses by arm and seed (for ``--add``) and the commands that produced them;
     refused when they were measured with other steps or batch."""
     previous = json.loads(args.out.read_text())
-    if (previous["steps"], previous["batch"]) != (args.steps, args.batch):
-        raise SystemExit(f"{args.out} holds {previous['steps']} steps of batch {previous['batch']}: "
-                         "run without --add, or with --out elsewhere")
+    if (previous["steps"], previous["batch"], previous.get("overrides", [])) != (args.steps, args.batch, args.extra):
+        raise SystemExit(f"{args.out} holds {previous['steps']} steps of batch {previous['batch']} with overrides "
+                         f"{previous.get('overrides', [])}: run without --add, or with --out elsewhere")
     finals = {arm: {int(s): v for s, v in row["finals"].items()} for arm, row in previous["arms"].items()}
     return finals, previous.get("commands", [previous["command"]])
 
@@ -268,11 +300,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="default: results/local_steps.json at 400 steps, results/local_steps_<steps>.json otherwise")
     parser.add_argument("--add", action="store_true", help="merge into the stored runs of the same steps and batch")
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V",
+                        help="a config override on top of the quality benchmark's model (a wider model, say); needs --out")
     args = parser.parse_args()
+    if args.extra and args.out is None:
+        parser.error("--set changes what is measured: give --out, so it never mixes with the stored runs")
     if args.out is None:
         args.out = RESULTS if args.steps == 400 else RESULTS.with_name(f"local_steps_{args.steps}.json")
     torch.set_num_threads(1)
-    common = [*convergence.CONFIG, *convergence.schedule(args.steps)]
+    common = [*convergence.CONFIG, *convergence.schedule(args.steps), *args.extra]
     data = TokenDataset(prepare_embedded_data()["train"], verify=True)
     validation = convergence.Validation(load_config(None, common).model.max_seq_len, 1024)
     console = Console(width=160)
@@ -289,7 +325,8 @@ def main() -> None:
             console.print(f"{arm} seed {seed}: {finals[arm][seed]:.4f} ({(time.monotonic() - t0) / 60:.1f} min so far)")
     base = finals.get("centralized", {})
     seeds = sorted({s for by_seed in finals.values() for s in by_seed})
-    table = Table(title=f"full replicas averaged in one process, {args.steps} steps, seeds {seeds}")
+    table = Table(title=f"full replicas averaged in one process, {args.steps} steps, seeds {seeds}"
+                        + (f", {' '.join(args.extra)}" if args.extra else ""))
     for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "clip x", "final loss (mean)", "vs centralized (per seed)"):
         table.add_column(col, justify="left" if col == "arm" else "right")
     rows = {}
@@ -307,7 +344,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/local_steps.py " + " ".join(sys.argv[1:])
     args.out.write_text(json.dumps({"command": command, "commands": [*commands, command],
-                                    "steps": args.steps, "batch": args.batch, "seeds": seeds,
+                                    "steps": args.steps, "batch": args.batch, "overrides": args.extra, "seeds": seeds,
                                     "validation": validation.describe, "wall_seconds": round(time.monotonic() - t0, 1),
                                     "arms": rows}, indent=1))
     console.print(f"wrote {args.out}")
