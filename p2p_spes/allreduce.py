@@ -66,7 +66,7 @@ from p2p_spes.grid_allreduce import ColumnResult, GridRound
 from p2p_spes.matchmaking import DECISION_LAG, Base, agreed_base, announce_done, join_group
 from p2p_spes.part_client import PartClient, PartMissing, Undelivered
 from p2p_spes.reducer import Part, PartServer
-from p2p_spes.transport import TransportError, TruncatedStream, pack
+from p2p_spes.transport import TransportError, TruncatedStream, gather_or_cancel, pack
 
 log = logging.getLogger(__name__)
 HOLD = 1.0  # seconds past a failed attempt's deadline before the next forms: members that finished say so by then
@@ -380,10 +380,10 @@ class GroupAllReduce:
             except Exception:
                 result.doomed = True  # we contribute to no part: none can be served
                 raise
-            await asyncio.wait_for(asyncio.gather(*(contribute(i, p) for i, p in enumerate(members))),
-                                   max(deadline - time.monotonic(), 0.1))
-            remaining = max(deadline - time.monotonic(), 0.1)
-            parts = await asyncio.wait_for(asyncio.gather(*(fetch(i, p) for i, p in enumerate(members))), remaining)
+            # a contribution that failed dooms the attempt for everyone (that reducer lacks it), and
+            # parts fetched after our attempt failed are of no use: the others are cancelled
+            await gather_or_cancel((contribute(i, p) for i, p in enumerate(members)), max(deadline - time.monotonic(), 0.1))
+            parts = await gather_or_cancel((fetch(i, p) for i, p in enumerate(members)), max(deadline - time.monotonic(), 0.1))
             result.tensor, result.sent = torch.cat(parts), torch.cat(sent_parts)
             received[mine] = part.message
             result.messages = list(received)

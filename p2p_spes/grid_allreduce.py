@@ -79,6 +79,8 @@ class GridRound:
         self.peer_id, self.codec, self.server, self.client = peer_id, codec, server, client
         # what the row's combination lost on its way into each column, added the next time we hold it
         self.feedback = ErrorFeedback(codec)
+        self._outliving: set[asyncio.Future] = set()  # our columns' work left running for the others (held:
+        # a task nothing holds is collected mid-transfer)
 
     async def run(self, round_no: int, group: str, grid: Grid, flat: torch.Tensor, weight: float,
                   column_run: ColumnRun, row_deadline: float, deadline: float,
@@ -148,6 +150,8 @@ class GridRound:
         finally:
             if not local_task.done():  # our columns go on for the others until their own deadline
                 local_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                self._outliving.add(local_task)
+                local_task.add_done_callback(self._outliving.discard)
         values = [self.codec.decode_parts(messages, bounds[c + 1] - bounds[c]) for c, (messages, _) in enumerate(columns)]
         out.tensor, out.sent = torch.cat(values), torch.cat(sent)
         out.counted = all(took) and all(own for _, own in columns)

@@ -6,9 +6,11 @@ dtypes the receiver expects, and refused if it is not finite.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from typing import TypeVar
 
 import msgpack
 import torch
@@ -17,6 +19,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 CHUNK_BYTES = 2**19
+T = TypeVar("T")
+UNWIND_SECONDS = 1.0  # how long cancelled transfers get to close their streams
 
 
 class TransportError(ValueError):
@@ -106,3 +110,22 @@ async def collect_tensors(stream: AsyncIterator, field: str = "tensor_part") -> 
             tensors.append([])
         tensors[-1].append(part)
     return metadata, tensors
+
+
+async def gather_or_cancel(coros: Iterable[Awaitable[T]], timeout: float) -> list[T]:
+    """The results of ``coros``, all within ``timeout``; when one fails (or time runs out) the others
+    are cancelled and given a moment to close their streams.
+
+    ``asyncio.gather`` leaves the others running when one fails. Nothing then holds those tasks but
+    the streams they wait on, so the garbage collector takes them mid-transfer and asyncio logs
+    "aclose(): asynchronous generator is already running" (a chaos run's thawed peer, every time).
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=UNWIND_SECONDS)
+        raise
