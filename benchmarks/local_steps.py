@@ -207,7 +207,8 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
         for i, (model, loader) in enumerate(zip(models, loaders)):
             model.train()
             x, y = loader.next_batch()
-            seen[i] += torch.bincount(x.reshape(-1), minlength=cfg.model.vocab_size)
+            if probe.rows:
+                seen[i] += torch.bincount(x.reshape(-1), minlength=cfg.model.vocab_size)
             model.loss(x, y, z_loss_weight=tr.z_loss_weight).loss.backward()
         if probe.grads or step < probe.dp_steps:
             average_grads(models)
@@ -222,8 +223,8 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             average(models, optimizers, probe.moments)
             if rows is not None:
                 average_rows(models, rows, embedding, seen)
-            embedding = first.embed_tokens.weight.detach().clone()
-            seen.zero_()
+                embedding = first.embed_tokens.weight.detach().clone()
+                seen.zero_()
             if outer is not None:  # from the anchor, the averaged pseudo-gradient through the outer step
                 with torch.no_grad():
                     for i, column in enumerate(zip(*[[p for _, p in trainable_parameters(m)] for m in models])):

@@ -38,7 +38,7 @@ from p2p_spes.compression import Codec, ErrorFeedback
 from p2p_spes.grid import Grid, column_bounds
 from p2p_spes.part_client import PartClient
 from p2p_spes.reducer import Part, PartServer
-from p2p_spes.transport import TransportError, pack
+from p2p_spes.transport import TransportError, gather_or_cancel, pack
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +139,11 @@ class GridRound:
 
         local_task = asyncio.ensure_future(rows_then_columns())
         try:
-            columns = await asyncio.wait_for(
-                asyncio.gather(*(self._fetch_column(round_no, group, grid, c, k, local_task, deadline, out, column_members)
-                                 for c in range(grid.columns))),
+            # a column that failed fails our result: the other fetches are cancelled (our own columns
+            # are shielded in them and go on for the others)
+            columns = await gather_or_cancel(
+                (self._fetch_column(round_no, group, grid, c, k, local_task, deadline, out, column_members)
+                 for c in range(grid.columns)),
                 max(deadline - time.monotonic(), 0.1))
         except Exception as exc:
             out.error = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} before the deadline"
