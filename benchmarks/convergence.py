@@ -17,6 +17,9 @@ P x b x seq_len tokens per step for ``--steps`` steps, with the same seeds):
   (topk: ``swarm.topk_fraction``, 1/64 by default, of each block of 256 values, with error feedback);
 * ``spes-topk-keep`` (not run by default): ``spes-topk`` with ``swarm.keep_local_progress`` (members keep
   in their weights what their messages have not carried);
+* ``spes-topk-dense``, ``spes-topk-keep-dense`` (not run by default): ``spes-topk`` and ``spes-topk-keep``
+  with ``swarm.topk_result_fraction`` 4/64 (the groups' averaged parts keep 16 of each block's 256
+  values, where the members' messages keep 4);
 * ``spes-no-merge`` (not run by default): ``spes`` without the warm-up merge.
 
 The partial-residency arm of earlier versions is gone: its peers' checkpoints hold only their own
@@ -112,9 +115,12 @@ ARMS: dict[str, list[str] | None] = {
     "spes-int4": [*SPES[:-1], "swarm.compression=int4"],
     "spes-topk": [*SPES[:-1], "swarm.compression=topk"],
     "spes-topk-keep": [*SPES[:-1], "swarm.compression=topk", "swarm.keep_local_progress=true"],
+    "spes-topk-dense": [*SPES[:-1], "swarm.compression=topk", "swarm.topk_result_fraction=0.0625"],
+    "spes-topk-keep-dense": [*SPES[:-1], "swarm.compression=topk", "swarm.keep_local_progress=true",
+                             "swarm.topk_result_fraction=0.0625"],
     "spes-no-merge": ["experts.placement=spes", "swarm.merge_interval=0", "swarm.outer_optimizer=average", "swarm.compression=none"],
 }
-DEFAULT_ARMS = [a for a in ARMS if a not in ("spes-no-merge", "spes-topk-keep")]
+DEFAULT_ARMS = [a for a in ARMS if a not in ("spes-no-merge", "spes-topk-keep", "spes-topk-dense", "spes-topk-keep-dense")]
 SUMMARY_KEYS = ("step", "tokens", "local_experts", "rounds_joined", "rounds_alone", "rounds_failed", "tokens_averaged",
                 "schedule_steps_advanced", "steps_skipped", "updates_refused", "refresh_missed", "delta_refreshes",
                 "anchors_rebased", "compression", "bytes_sent",

@@ -48,6 +48,13 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
 * ``h1-rows``, ``h50-rows``: the input embedding's rows are averaged weighted by how often each
   replica saw that token since the last average (a row only one replica saw keeps that replica's
   change, where the plain mean divides it by P); every other parameter as h1 / h50.
+* ``h50-topk``: h50 with the swarm's ``topk`` codec and error feedback (``CompressedAverage``): each
+  replica's pseudo-gradient, then the mean encoded again by the reducer; ``h50-topk-1stage``: the mean
+  of the replicas' messages applied as it is (an all-gather: P messages to download, not one);
+  ``-ef95``: each replica's residual scaled by 0.95 before it is added (SparseLoCo's decayed error
+  feedback, which its authors report stands in for the outer momentum); ``h10-topk...``: the same
+  averaged every 10 steps (40 rounds instead of 8); ``h10-topk-dense``: the reducer's encoding at
+  ``swarm.topk_result_fraction`` 4/64 (16 values per block, where each member sends 4).
 
 ``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
 never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) needs ``--out``.
@@ -76,12 +83,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import convergence
 
+from p2p_spes.compression import Codec
 from p2p_spes.config import Config, SwarmConfig, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer, lr_at, parameter_groups, set_lr, trainable_parameters
-from p2p_spes.swarm.outer import OuterOptimizer
+from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 
 RESULTS = Path(__file__).parent / "results" / "local_steps.json"
 PEERS = 4  # replicas of the averaged arms; centralized trains one replica of PEERS x the batch
@@ -102,6 +110,10 @@ class Probe:
     ramp: bool = False  # average after steps 1, 2, 4, ... (doubling) while below `sync`, then every `sync`
     outer_lr: float | None = None  # the new value is the anchor minus this times the averaged pseudo-gradient
     rows: bool = False  # input embedding rows: each replica's change weighted by how often it saw the token
+    codec: str | None = None  # pseudo-gradients through this codec (compression.py), with error feedback
+    restage: bool = True  # with `codec`: the average is encoded again, as the swarm's reducers do
+    feedback_decay: float = 1.0  # with `codec`: each replica's residual is scaled by this before it is added
+    result_fraction: float | None = None  # with `codec` and `restage`: swarm.topk_result_fraction
 
 
 PROBES = {
@@ -120,6 +132,14 @@ PROBES = {
     "h50-dp30": Probe(PEERS, 50, dp_steps=30), "h50-ramp": Probe(PEERS, 50, ramp=True),
     "h50-outer08": Probe(PEERS, 50, outer_lr=0.8), "h50-outer06": Probe(PEERS, 50, outer_lr=0.6),
     "h1-rows": Probe(PEERS, 1, rows=True), "h50-rows": Probe(PEERS, 50, rows=True),
+    "h50-topk": Probe(PEERS, 50, codec="topk"), "h50-topk-1stage": Probe(PEERS, 50, codec="topk", restage=False),
+    "h50-topk-ef95": Probe(PEERS, 50, codec="topk", feedback_decay=0.95),
+    "h50-topk-1stage-ef95": Probe(PEERS, 50, codec="topk", restage=False, feedback_decay=0.95),
+    "h10-topk": Probe(PEERS, 10, codec="topk"),
+    "h10-topk-1stage-ef95": Probe(PEERS, 10, codec="topk", restage=False, feedback_decay=0.95),
+    "h10-topk-ef95": Probe(PEERS, 10, codec="topk", feedback_decay=0.95),
+    "h10-topk-1stage": Probe(PEERS, 10, codec="topk", restage=False),
+    "h10-topk-dense": Probe(PEERS, 10, codec="topk", result_fraction=4 / 64),
 }
 NESTEROV = SwarmConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, and quality.py's
 
@@ -203,6 +223,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
     momenta: list[torch.Tensor | None] = [None] * len(anchors)
     seen = torch.zeros(probe.replicas, cfg.model.vocab_size)  # tokens each replica read since the last average
     embedding = first.embed_tokens.weight.detach().clone()  # its value at the last average
+    compressed = CompressedAverage(probe, first) if probe.codec else None
     for step in range(tr.max_steps):
         for i, (model, loader) in enumerate(zip(models, loaders)):
             model.train()
@@ -218,7 +239,9 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             torch.nn.utils.clip_grad_norm_(params, tr.grad_clip * probe.clip_scale)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if probe.replicas > 1 and averages_after(step + 1, probe):
+        if probe.replicas > 1 and averages_after(step + 1, probe) and compressed is not None:
+            compressed.average(models)
+        elif probe.replicas > 1 and averages_after(step + 1, probe):
             rows = [m.embed_tokens.weight.detach().clone() for m in models] if probe.rows else None
             average(models, optimizers, probe.moments)
             if rows is not None:
@@ -240,6 +263,45 @@ def averages_after(steps_done: int, probe: Probe) -> bool:
     if probe.ramp and steps_done < probe.sync and steps_done & (steps_done - 1) == 0:
         return True
     return steps_done % probe.sync == 0
+
+
+class CompressedAverage:
+    """The swarm's compressed averaging of full replicas: each replica sends its pseudo-gradient
+    (anchor - weights) plus its error-feedback residual (scaled by ``feedback_decay``) through the
+    codec and keeps what the message dropped; the mean of the decoded messages is encoded again with
+    the reducer's own residual (``restage``, what the swarm's reducers do so that everyone downloads
+    one message of the codec's size) or applied as it is (an all-gather of the messages, as
+    SparseLoCo does); every replica then takes the anchor minus that mean. Blocks run over all
+    parameters flattened in order, where the swarm encodes each group's vector in P slices."""
+
+    def __init__(self, probe: Probe, first: MoETransformer) -> None:
+        self.codec, self.probe = Codec(probe.codec, result_fraction=probe.result_fraction), probe
+        self.anchor = flatten(p for _, p in trainable_parameters(first))
+        self.residuals = [torch.zeros_like(self.anchor) for _ in range(probe.replicas)]
+        self.reducer_residual = torch.zeros_like(self.anchor)
+
+    @staticmethod
+    def through(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+        return codec.decode(codec.encode(x), x.numel())
+
+    @torch.no_grad()
+    def average(self, models: list[MoETransformer]) -> None:
+        decoded = []
+        for i, model in enumerate(models):
+            sent = self.anchor - flatten(p for _, p in trainable_parameters(model))
+            sent += self.probe.feedback_decay * self.residuals[i]
+            decoded.append(self.through(self.codec, sent))
+            self.residuals[i] = sent - decoded[-1]
+        mean = torch.stack(decoded).mean(0)
+        if self.probe.restage:
+            compensated = mean + self.reducer_residual
+            mean = self.through(self.codec.result, compensated)
+            self.reducer_residual = compensated - mean
+        self.anchor = self.anchor - mean
+        for model in models:
+            params = [p for _, p in trainable_parameters(model)]
+            for p, v in zip(params, split_like(self.anchor, params)):
+                p.copy_(v)
 
 
 @torch.no_grad()

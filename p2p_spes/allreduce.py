@@ -187,8 +187,8 @@ class GroupAllReduce:
     def solo(self, tensor: torch.Tensor, result: GroupResult | None = None) -> GroupResult:
         """A group of one: its result is our own tensor as the codec carries it (what a rebuild gets)."""
         result = result or GroupResult(None, [self.peer_id])
-        message = self.codec.encode(tensor)
-        result.tensor = result.sent = self.codec.decode(message, tensor.numel())
+        message = self.codec.result.encode(tensor)  # served as the group's update, as a group's result is
+        result.tensor = result.sent = self.codec.result.decode(message, tensor.numel())
         result.messages = [message]
         return result
 
@@ -372,7 +372,7 @@ class GroupAllReduce:
             except Exception:
                 suspects.add(peer)
                 raise
-            return self.codec.decode(received[i], sizes[i])
+            return self.codec.result.decode(received[i], sizes[i])
 
         try:
             try:

@@ -93,16 +93,29 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 @dataclass(frozen=True)
 class Codec:
-    """One of :data:`CODECS`; ``topk_fraction`` is the share of each block ``topk`` keeps."""
+    """One of :data:`CODECS`; ``topk_fraction`` is the share of each block ``topk`` keeps in a member's
+    message, ``result_fraction`` (None: the same) in a group's averaged parts (:attr:`result`)."""
 
     name: str = "none"
     topk_fraction: float = 1 / 64
+    result_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
             raise ValueError(f"unknown compression {self.name!r}; choose one of {', '.join(CODECS)}")
-        if not 0 < self.topk_fraction <= 1:
-            raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
+        for what, share in (("topk_fraction", self.topk_fraction), ("topk_result_fraction", self.result_fraction)):
+            if share is not None and not 0 < share <= 1:
+                raise ValueError(f"{what} must be in (0, 1], got {share}")
+
+    @property
+    def result(self) -> Codec:
+        """The codec of a group's averaged parts: what every member applies and what frozen copies follow.
+        Under ``topk`` the mean of P members' messages holds up to P x k values per block; re-encoded at
+        k, the rest waits in the reducer's residual for later rounds (``benchmarks/local_steps.py``
+        measured that wait as half of topk's loss at 40 rounds), so ``result_fraction`` may keep more."""
+        if self.name != "topk" or self.result_fraction is None:
+            return self
+        return Codec(self.name, self.result_fraction)
 
     @property
     def lossless(self) -> bool:
@@ -169,7 +182,11 @@ class Codec:
     def _encode_topk(self, x: torch.Tensor) -> bytes:
         rows = _padded(x)
         n, k = x.numel(), self.k
-        idx = rows.abs().topk(k, dim=1).indices.sort(dim=1).values  # positions in increasing order
+        # the padding ranks below every real value, zeros included: a last block with fewer than k
+        # non-zero values must still name positions inside itself (the receiver refuses any past it)
+        score = rows.abs()
+        score.view(-1)[n:] = -1.0
+        idx = score.topk(k, dim=1).indices.sort(dim=1).values  # positions in increasing order
         vals = rows.gather(1, idx)
         scales = _scales(vals.abs().amax(dim=1), 1.0)
         # nearest of the four levels: -1, -1/3, 1/3, 1 (x scale)

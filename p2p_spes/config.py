@@ -165,9 +165,9 @@ class SwarmConfig:
     # pseudo-gradient codec, with error feedback (compression.py); run-wide: peers set otherwise refuse to join
     compression: Literal["none", "fp16", "int8", "int4", "topk"] = "none"
     topk_fraction: float = 1 / 64  # share of each block of 256 values that topk sends
+    topk_result_fraction: float | None = None  # topk: the share a group's averaged parts keep (None: the same)
     keep_local_progress: bool = False  # lossy codecs: weights keep what messages have not carried (outer.py)
-    # run each sync round in the background while training goes on (two extra weight copies);
-    # the round's change is added to the live weights when it ends (p2p_spes/peer.py SwarmSync)
+    # run each sync round in the background while training goes on (two extra weight copies; peer.py SwarmSync)
     overlap: bool = field(default=False, metadata=LOCAL)
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
@@ -384,9 +384,9 @@ def validate(config: Config) -> None:
                           f"{sw.merge_interval}): it needs every expert; set swarm.merge_interval=0, or swarm.residency=full")
     if sw.residency == "partial" and moe.impl == "megablocks":
         raise ConfigError("swarm.residency=partial needs moe.impl=torch (or auto): the MegaBlocks adapter keeps every expert")
-    if not 0 < sw.topk_fraction <= 1 or not 0 <= sw.quorum <= 1:
-        raise ConfigError(f"swarm.topk_fraction must be in (0, 1] (got {sw.topk_fraction}) and swarm.quorum in [0, 1] "
-                          f"(a share of the live peers; got {sw.quorum})")
+    if not all(0 < f <= 1 for f in (sw.topk_fraction, sw.topk_result_fraction or 1)) or not 0 <= sw.quorum <= 1:
+        raise ConfigError(f"swarm.topk_fraction and swarm.topk_result_fraction must be in (0, 1] (got {sw.topk_fraction}, "
+                          f"{sw.topk_result_fraction}) and swarm.quorum in [0, 1] (a share of the live peers; got {sw.quorum})")
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:
         raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")
     if sw.merge_interval < 0 or not 0 <= sw.merge_alpha_start < 1:

@@ -154,7 +154,7 @@ class GridRound:
                 local_task.add_done_callback(lambda t: t.cancelled() or t.exception())
                 self._outliving.add(local_task)
                 local_task.add_done_callback(self._outliving.discard)
-        values = [self.codec.decode_parts(messages, bounds[c + 1] - bounds[c]) for c, (messages, _) in enumerate(columns)]
+        values = [self.codec.result.decode_parts(messages, bounds[c + 1] - bounds[c]) for c, (messages, _) in enumerate(columns)]
         out.tensor, out.sent = torch.cat(values), torch.cat(sent)
         out.counted = all(took) and all(own for _, own in columns)
         return out

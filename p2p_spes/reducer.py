@@ -227,7 +227,7 @@ class PartServer:
         compensated = averaged.clone()
         if lo < hi:
             compensated[lo - part.start:hi - part.start] += residual[lo - start0:hi - start0]
-        message = self.codec.encode(compensated)
-        decoded = self.codec.decode(message, averaged.numel())
+        message = self.codec.result.encode(compensated)
+        decoded = self.codec.result.decode(message, averaged.numel())
         self.residual[part.name] = (part.start, compensated - decoded)
         return message, decoded

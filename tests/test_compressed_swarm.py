@@ -30,17 +30,19 @@ def expert_bytes() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["topk", "int8", "topk-keep"])
+@pytest.mark.parametrize("compression", ["topk", "int8", "topk-keep", "topk-dense"])
 def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta(tmp_path, compression):
-    # "-keep": swarm.keep_local_progress, each member's weights keep what its messages have not carried
-    compression, keep = compression.removesuffix("-keep"), compression.endswith("-keep")
+    # "-keep": swarm.keep_local_progress, each member's weights keep what its messages have not carried;
+    # "-dense": swarm.topk_result_fraction 4/64, the groups' averaged parts (and updates served) denser
+    dense = ["swarm.topk_result_fraction=0.0625"] if compression.endswith("-dense") else []
+    compression, keep = compression.removesuffix("-dense").removesuffix("-keep"), compression.endswith("-keep")
     # warm-up merges at steps 20, 40 and 60: every peer merges the values all of them hold, and a lone
     # holder keeps its lead over them. Each peer trains its 3 of the 6 experts and no more: on a loaded
     # machine a peer whose record came late at two boundaries looked gone, and the other took over
     # one of its experts (then 2 holders averaged it, and the test's premise no longer held). 70 steps give
     # 7 boundaries: a peer that starts late under CI load still joins at least 4 rounds
     swarm = LocalSwarm(None, SMALL + ["train.max_steps=70", "swarm.merge_interval=20", "swarm.max_experts_per_peer=3",
-                                      f"swarm.compression={compression}", f"swarm.keep_local_progress={keep}"],
+                                      f"swarm.compression={compression}", f"swarm.keep_local_progress={keep}", *dense],
                        peers=2, run_dir=tmp_path)
     try:
         swarm.start()

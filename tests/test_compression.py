@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from p2p_spes.compression import BLOCK, CODECS, HEADER_BYTES, Codec, ErrorFeedback
+from p2p_spes.swarm.membership import describe_sync, sync_settings
 from p2p_spes.transport import TransportError
 
 SIZES = [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17, 20_000]
@@ -157,3 +158,45 @@ def test_unknown_codec_and_bad_fraction_are_refused():
         Codec("uint8")
     with pytest.raises(ValueError, match="topk_fraction"):
         Codec("topk", topk_fraction=0)
+
+
+def test_a_denser_result_codec_is_topk_only_and_refused_by_the_members_codec():
+    """``result_fraction``: a group's averaged parts keep more per block than a member's message; the
+    two are told apart by the header's k, so a part decoded with the wrong one is refused."""
+    codec = Codec("topk", 1 / 64, 4 / 64)
+    assert (codec.k, codec.result.k) == (4, 16) and codec.result.result == codec.result
+    assert Codec("topk").result == Codec("topk") and Codec("int8", result_fraction=0.5).result == Codec("int8", result_fraction=0.5)
+    torch.manual_seed(3)
+    x = torch.randn(1000)
+    message = codec.result.encode(x)
+    kept = codec.result.decode(message, 1000)
+    assert int((kept != 0).sum()) == 3 * 16 + min(16, 1000 - 3 * BLOCK)
+    with pytest.raises(TransportError, match="k=16"):
+        codec.decode(message, 1000)
+    with pytest.raises(ValueError, match="topk_result_fraction"):
+        Codec("topk", 1 / 64, 0.0)
+
+
+def test_the_result_share_is_run_wide_but_absent_from_runs_that_leave_it_unset():
+    """Peers compare ``sync_settings`` before averaging: a different result share is refused, and a run
+    that does not set it publishes what peers which predate the setting publish."""
+    assert sync_settings("topk", 1 / 64, None) == sync_settings("topk", 1 / 64)
+    assert sync_settings("topk", 1 / 64, 0.0625) != sync_settings("topk", 1 / 64)
+    assert sync_settings("int8", 1 / 64, 0.0625) == sync_settings("int8", 1 / 64)
+    assert describe_sync(sync_settings("topk", 1 / 64, 0.0625)) == \
+        "compression topk (topk_fraction 0.015625) (topk_result_fraction 0.0625)"
+
+
+@pytest.mark.parametrize("k_share", [1 / 64, 4 / 64])
+def test_a_sparse_last_block_names_only_its_own_positions(k_share):
+    """A last block with fewer non-zero values than k (a mean of sparse messages, an expert no token
+    reached) still decodes: the padding past its end is never among the positions sent."""
+    codec = Codec("topk", k_share)
+    for rest in (3, 40, 200):
+        x = torch.zeros(2 * BLOCK + rest)
+        x[:BLOCK] = torch.randn(BLOCK)
+        x[2 * BLOCK + rest - 1] = 0.5  # one non-zero value in the last block
+        out = codec.decode(codec.encode(x), x.numel())
+        assert out[2 * BLOCK + rest - 1] == pytest.approx(0.5, rel=1e-3)
+        zeros = codec.decode(codec.encode(torch.zeros(rest)), rest)  # nothing to send: the smallest scale
+        assert zeros.abs().max() <= 2.0 ** -14

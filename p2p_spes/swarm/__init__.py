@@ -67,13 +67,13 @@ class Swarm:
         self.watch = RoundWatch(self.runtime, poll=min(1.0, sw.matchmaking_time / 4))
         self.reducer = GroupAllReduce(
             self.runtime.dht, self.runtime.p2p, self.peer_id, self.runtime.run_id, owner=self.runtime.identity.owner,
-            compression=Codec(sw.compression, sw.topk_fraction), matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
+            compression=Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction), matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
             aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),
             retries=sw.group_retries, group_size=sw.group_size,
         )
         self.runtime.call(self.reducer.start())
         self.runtime.call(self.server.start())
-        self.refresher = Refresher(self.peer_id, self.downloader, self.stats, self.outer, self.reducer.codec)
+        self.refresher = Refresher(self.peer_id, self.downloader, self.stats, self.outer, self.reducer.codec.result)
         self.runner = RoundRunner(sw, self.runtime, self.membership, self.reducer, self.server, self.downloader,
                                   self.refresher, self.outer, UpdateGuard(sw.max_update_ratio), self.deadlines,
                                   self.stats)

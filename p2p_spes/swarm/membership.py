@@ -48,19 +48,22 @@ def describe_difference(ours: dict, theirs: dict) -> str:
     return "; ".join(diffs) or "fingerprints differ"
 
 
-def sync_settings(compression: Any, topk_fraction: Any) -> dict[str, Any]:
+def sync_settings(compression: Any, topk_fraction: Any, topk_result_fraction: Any = None) -> dict[str, Any]:
     """What peers must share to average together: the protocol (pseudo-gradients since version 2)
-    and the codec; ``topk_fraction`` only matters to ``topk``."""
+    and the codec; the top-k shares only matter to ``topk`` (the result's only when it is set, so
+    that peers which predate it still match the default)."""
     out = {"protocol": SYNC_PROTOCOL, "compression": compression}
     if compression == "topk":
         out["topk_fraction"] = topk_fraction
+        if topk_result_fraction is not None:
+            out["topk_result_fraction"] = topk_result_fraction
     return out
 
 
 def describe_sync(settings: Any) -> str:
     if not isinstance(settings, dict) or settings.get("protocol") != SYNC_PROTOCOL:
         return "an older p2p-spes (it averages weights, not pseudo-gradients: upgrade every peer)"
-    extra = f" (topk_fraction {settings['topk_fraction']})" if "topk_fraction" in settings else ""
+    extra = "".join(f" ({k} {settings[k]})" for k in ("topk_fraction", "topk_result_fraction") if k in settings)
     return f"compression {settings.get('compression')}{extra}"
 
 
@@ -174,7 +177,7 @@ class Membership:
             swarm = published.get("swarm") if isinstance(published.get("swarm"), dict) else {}
             records.setdefault(peer, {"fingerprint": value.get("fingerprint"), "model": {
                 "model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours["moe"]}},
-                "sync": sync_settings(swarm.get("compression"), swarm.get("topk_fraction"))})
+                "sync": sync_settings(swarm.get("compression"), swarm.get("topk_fraction"), swarm.get("topk_result_fraction"))})
         for peer, value in records.items():
             if isinstance(value, dict) and value.get("fingerprint") != self.fingerprint:
                 theirs = value.get("model") if isinstance(value.get("model"), dict) else {}
@@ -183,14 +186,15 @@ class Membership:
                     f"{describe_difference(ours, theirs)}. Join with --config-from-swarm to use the run's config, "
                     "or pick another --run-id"
                 )
-        sync = sync_settings(self.cfg.swarm.compression, self.cfg.swarm.topk_fraction)
+        sw = self.cfg.swarm
+        sync = sync_settings(sw.compression, sw.topk_fraction, sw.topk_result_fraction)
         for peer, value in records.items():
             other = value.get("sync") if isinstance(value, dict) else None
             if peer != self.peer_id and other != sync:
                 raise SwarmError(
                     f"run {rt.run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
                     f"{describe_sync(other)} there, {describe_sync(sync)} here. swarm.compression and "
-                    "swarm.topk_fraction are run-wide: set them as the run does, or join with --config-from-swarm")
+                    "swarm.topk_fraction (and topk_result_fraction) are run-wide: set them as the run does, or join with --config-from-swarm")
         theirs = {v.get("hash") for p, v in run_configs.items() if p != self.peer_id}
         if theirs and self.run_config["hash"] not in theirs:
             log.warning("this config (hash %s) differs from the one the run publishes (%s) in settings other than "

@@ -246,9 +246,9 @@ class RoundRunner:
         """The transfer deadline we propose for an all-reduce of ``flat`` among ``members`` (None: not
         measured yet): each member sends and receives about (members - 1) / members of it, twice
         (contributions, then averaged parts)."""
-        members = max(members, 2)
-        wire = self.reducer.codec.wire_bytes(flat.numel())
-        return self.deadlines.proposed_timeout(int(wire * 2 * (members - 1) / members))
+        members, codec = max(members, 2), self.reducer.codec
+        wire = codec.wire_bytes(flat.numel()) + codec.result.wire_bytes(flat.numel())
+        return self.deadlines.proposed_timeout(int(wire * (members - 1) / members))
 
     def _contribution(self, uid: str, current: torch.Tensor, sending: dict[str, torch.Tensor]):
         """What we send for ``uid``, computed once the group's anchor is ours (after any rebase)."""

@@ -1,0 +1,96 @@
+"""The local-steps benchmark's compressed averaging: the swarm's two encodings, modelled in one process."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import local_steps
+
+from p2p_spes.compression import BLOCK, Codec
+from p2p_spes.config import load_config
+from p2p_spes.model import MoETransformer
+from p2p_spes.optim import trainable_parameters
+from p2p_spes.swarm.outer import flatten
+
+TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.vocab_size=64",
+        "model.max_seq_len=16", "moe.num_experts=2", "moe.top_k=1", "moe.ffn_dim=32"]
+
+
+def replicas(n: int, seed: int = 0) -> list[MoETransformer]:
+    """``n`` copies of one initialisation, each then moved by its own random step."""
+    cfg = load_config(None, TINY)
+    models = [MoETransformer(cfg.model, cfg.moe, local_experts=[0, 1]) for _ in range(n)]
+    models[0].init_weights(seed)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for m in models[1:]:
+            m.load_state_dict(models[0].state_dict())
+    return models
+
+
+def step_apart(models: list[MoETransformer]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        for m in models:
+            for _, p in trainable_parameters(m):
+                p.add_(torch.randn_like(p) * 0.01)
+    return [flatten(p for _, p in trainable_parameters(m)) for m in models]
+
+
+def weights(m: MoETransformer) -> torch.Tensor:
+    return flatten(p for _, p in trainable_parameters(m))
+
+
+def test_lossless_codec_gives_the_plain_mean():
+    models = replicas(3)
+    avg = local_steps.CompressedAverage(local_steps.Probe(3, 10, codec="none"), models[0])
+    after = step_apart(models)
+    avg.average(models)
+    for m in models:
+        torch.testing.assert_close(weights(m), torch.stack(after).mean(0), atol=1e-6, rtol=0)
+    assert all(r.abs().max() == 0 for r in avg.residuals)
+
+
+def test_one_stage_applies_the_mean_of_the_messages_and_keeps_what_they_dropped():
+    models = replicas(3)
+    anchor = weights(models[0])
+    probe = local_steps.Probe(3, 10, codec="topk", restage=False)
+    avg = local_steps.CompressedAverage(probe, models[0])
+    after = step_apart(models)
+    avg.average(models)
+    codec = Codec("topk")
+    decoded = [codec.decode(codec.encode(anchor - a), a.numel()) for a in after]
+    torch.testing.assert_close(weights(models[1]), anchor - torch.stack(decoded).mean(0), atol=1e-6, rtol=0)
+    for r, a, d in zip(avg.residuals, after, decoded):
+        torch.testing.assert_close(r, (anchor - a) - d, atol=1e-6, rtol=0)
+
+
+def test_two_stages_apply_at_most_k_values_per_block_and_the_reducer_keeps_the_rest():
+    models = replicas(4)
+    anchor = weights(models[0])
+    avg = local_steps.CompressedAverage(local_steps.Probe(4, 10, codec="topk"), models[0])
+    step_apart(models)
+    avg.average(models)
+    moved = anchor - weights(models[2])
+    blocks = torch.nn.functional.pad(moved, (0, (-moved.numel()) % BLOCK)).view(-1, BLOCK)
+    assert int((blocks != 0).sum(dim=1).max()) <= Codec("topk").k
+    assert avg.reducer_residual.abs().sum() > 0
+
+
+def test_decayed_feedback_scales_the_residual_it_adds():
+    models = replicas(2)
+    avg = local_steps.CompressedAverage(local_steps.Probe(2, 10, codec="topk", restage=False, feedback_decay=0.5), models[0])
+    step_apart(models)
+    avg.average(models)
+    held = [r.clone() for r in avg.residuals]
+    anchor = avg.anchor.clone()
+    # no training between two averages: what each replica sends is half of what it held back
+    codec = Codec("topk")
+    avg.average(models)
+    for r, h in zip(avg.residuals, held):
+        torch.testing.assert_close(r, 0.5 * h - codec.decode(codec.encode(0.5 * h), h.numel()), atol=1e-7, rtol=0)
+    assert not torch.equal(avg.anchor, anchor)
