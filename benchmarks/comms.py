@@ -5,7 +5,8 @@ protocol and an fp32 all-reduce of the whole model.
     python benchmarks/comms.py --compressions int8 topk --rounds 4
     python benchmarks/comms.py --no-run --run-dir DIR          # tables again from the records of an earlier run
 
-Measured: one real 4-peer loopback swarm per codec (``swarm.compression``: none fp16 int8 int4 topk) of a
+Measured: one real 4-peer loopback swarm per codec (``swarm.compression``: none fp16 int8 int4 topk, and
+``topk-dense``: topk with ``swarm.topk_result_fraction`` 4/64, averaged parts denser than messages) of a
 config whose payloads dominate (4.7M shared parameters, 8 experts of 0.79M, one holder each). Each
 peer's ``sync_round`` records in ``metrics.jsonl`` give what it moved as a client of the shared group
 (contributions out, averaged parts in), as a reducer (contributions in, its averaged part served to
@@ -23,9 +24,10 @@ payload of one message of n values, 32-byte header included), P peers each train
 experts (one holder each), S shared parameters and X parameters per expert:
 
 * this project: shared group, reduce-scatter + all-gather of P parts: as a client, (P-1)/P of
-  sum(c(part)) out and in; as a reducer, the same in (P-1 contributions to its part) and out (its
-  averaged part to P-1 members); own experts (lone holders: no group traffic), c(X) served to each of
-  the P-1 others; frozen experts, c(X) downloaded for each of the E - E/P;
+  sum(c(part)) out and of sum(r(part)) in, where ``r`` is the averaged parts' codec (``c`` but for
+  topk-dense); as a reducer, the same in (P-1 contributions to its part) and out (its averaged part to
+  P-1 members); own experts (lone holders: no group traffic), r(X) served to each of the P-1 others;
+  frozen experts, r(X) downloaded for each of the E - E/P;
 * SPES reference (central server): upload the shared parameters and the own experts, download the
   whole model; at fp32, and at the codec's own bytes per value (``c`` on the same transfers);
 * an fp32 all-reduce of the whole model (DiLoCo, full replicas): 2(P-1)/P of it each way.
@@ -96,12 +98,14 @@ def totals(parts: dict[str, float]) -> dict[str, float]:
 
 
 def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int) -> dict[str, float]:
-    """This project's payload bytes per peer per round, mean over peers, by component (docstring)."""
+    """This project's payload bytes per peer per round, mean over peers, by component (docstring):
+    contributions in the members' codec, averaged parts and served updates in ``codec.result``."""
     ring = (peers - 1) / peers * sum(codec.wire_bytes(n) for n in part_sizes(shared, peers))
+    averaged = (peers - 1) / peers * sum(codec.result.wire_bytes(n) for n in part_sizes(shared, peers))
     own = experts / peers
-    return totals({"client_sent": ring, "client_received": ring, "reducer_in": ring, "reducer_out": ring,
-                   "served": (peers - 1) * own * codec.wire_bytes(expert),
-                   "downloaded": (experts - own) * codec.wire_bytes(expert)})
+    return totals({"client_sent": ring, "client_received": averaged, "reducer_in": ring, "reducer_out": averaged,
+                   "served": (peers - 1) * own * codec.result.wire_bytes(expert),
+                   "downloaded": (experts - own) * codec.result.wire_bytes(expert)})
 
 
 def spes_reference(codec: Codec | None, shared: int, expert: int, experts: int, peers: int) -> dict[str, float]:
@@ -122,11 +126,13 @@ def allreduce_fp32(shared: int, expert: int, experts: int, peers: int) -> dict[s
 
 
 # Measuring ---------------------------------------------------------------------------------------
-def run_swarm(codec: str, args: argparse.Namespace, run_dir: Path) -> dict:
-    """One loopback swarm with ``codec``; its records stay in ``run_dir / codec``."""
-    overrides = PAYLOAD + [f"swarm.compression={codec}", f"swarm.topk_fraction={args.topk_fraction}",
+def run_swarm(name: str, codec: Codec, args: argparse.Namespace, run_dir: Path) -> dict:
+    """One loopback swarm with ``codec``; its records stay in ``run_dir / name``."""
+    overrides = PAYLOAD + [f"swarm.compression={codec.name}", f"swarm.topk_fraction={codec.topk_fraction}",
                            f"train.max_steps={SYNC_STEPS * (args.rounds + 1)}"]
-    swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir / codec, run_id=f"comms-{codec}")
+    if codec.result_fraction is not None:
+        overrides.append(f"swarm.topk_result_fraction={codec.result_fraction}")
+    swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir / name, run_id=f"comms-{name}")
     t0 = time.monotonic()
     error = None
     try:
@@ -209,8 +215,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=4, help="sync rounds per run (each peer's first is not counted)")
-    parser.add_argument("--compressions", nargs="+", default=list(CODECS), choices=list(CODECS))
+    parser.add_argument("--compressions", nargs="+", default=[*CODECS, "topk-dense"], choices=[*CODECS, "topk-dense"],
+                        help="topk-dense: topk with swarm.topk_result_fraction (--topk-result-fraction)")
     parser.add_argument("--topk-fraction", type=float, default=1 / 64, help="swarm.topk_fraction")
+    parser.add_argument("--topk-result-fraction", type=float, default=4 / 64, help="swarm.topk_result_fraction of topk-dense")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may run")
     parser.add_argument("--run-dir", type=Path, help="where the swarms run (default: a new temporary directory)")
     parser.add_argument("--no-run", action="store_true", help="only read the records already in --run-dir")
@@ -219,14 +227,15 @@ def main() -> None:
         parser.error("--no-run needs --run-dir")
     console = Console(width=200)
     mb, gb = 1e6, 1e9
-    codecs = {name: Codec(name, args.topk_fraction) for name in args.compressions}
+    codecs = {name: Codec(name.removesuffix("-dense"), args.topk_fraction,
+                          args.topk_result_fraction if name.endswith("-dense") else None) for name in args.compressions}
 
     shared, expert, experts = parameter_split(PAYLOAD)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="p2p-spes-comms-"))
     t_start = time.monotonic()
     measured, computed, overhead = {}, {}, {}
     for name, codec in codecs.items():
-        run = {"seconds": None, "error": None} if args.no_run else run_swarm(name, args, run_dir)
+        run = {"seconds": None, "error": None} if args.no_run else run_swarm(name, codec, args, run_dir)
         got = read_records(run_dir / name, args.peers)
         measured[name] = {**run, **got, "run_dir": str(run_dir / name)}
         computed[name] = ours(codec, shared, expert, experts, args.peers)
@@ -370,6 +379,7 @@ def main() -> None:
         "command": "python benchmarks/comms.py " + " ".join(sys.argv[1:]),
         "wall_seconds": round(wall, 1), "peers": args.peers, "rounds": args.rounds, "codecs": list(codecs),
         "topk_fraction": args.topk_fraction, "topk_k_per_block": codecs["topk"].k if "topk" in codecs else None,
+        "topk_result_fraction": args.topk_result_fraction if "topk-dense" in codecs else None,
         "bits_per_value": {n: bits_per_value(c) for n, c in codecs.items()},
         "payload_config": PAYLOAD, "shared_params": shared, "expert_params": expert, "experts": experts,
         "measured": measured, "computed": computed, "framing_overhead": overhead,
