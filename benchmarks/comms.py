@@ -100,10 +100,12 @@ def totals(parts: dict[str, float]) -> dict[str, float]:
 def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int) -> dict[str, float]:
     """This project's payload bytes per peer per round, mean over peers, by component (docstring):
     contributions in the members' codec, averaged parts and served updates in ``codec.result``."""
-    ring = (peers - 1) / peers * sum(codec.wire_bytes(n) for n in part_sizes(shared, peers))
-    averaged = (peers - 1) / peers * sum(codec.result.wire_bytes(n) for n in part_sizes(shared, peers))
+    def ring(c: Codec) -> float:  # (P-1)/P of the shared vector's P parts, each encoded with ``c``
+        return (peers - 1) / peers * sum(c.wire_bytes(n) for n in part_sizes(shared, peers))
+    contributions, averaged = ring(codec), ring(codec.result)
     own = experts / peers
-    return totals({"client_sent": ring, "client_received": averaged, "reducer_in": ring, "reducer_out": averaged,
+    return totals({"client_sent": contributions, "client_received": averaged, "reducer_in": contributions,
+                   "reducer_out": averaged,
                    "served": (peers - 1) * own * codec.result.wire_bytes(expert),
                    "downloaded": (experts - own) * codec.result.wire_bytes(expert)})
 

@@ -239,9 +239,10 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             torch.nn.utils.clip_grad_norm_(params, tr.grad_clip * probe.clip_scale)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if probe.replicas > 1 and averages_after(step + 1, probe) and compressed is not None:
+        syncs = probe.replicas > 1 and averages_after(step + 1, probe)
+        if syncs and compressed is not None:
             compressed.average(models)
-        elif probe.replicas > 1 and averages_after(step + 1, probe):
+        elif syncs:
             rows = [m.embed_tokens.weight.detach().clone() for m in models] if probe.rows else None
             average(models, optimizers, probe.moments)
             if rows is not None:

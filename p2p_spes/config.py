@@ -384,7 +384,7 @@ def validate(config: Config) -> None:
                           f"{sw.merge_interval}): it needs every expert; set swarm.merge_interval=0, or swarm.residency=full")
     if sw.residency == "partial" and moe.impl == "megablocks":
         raise ConfigError("swarm.residency=partial needs moe.impl=torch (or auto): the MegaBlocks adapter keeps every expert")
-    if not all(0 < f <= 1 for f in (sw.topk_fraction, sw.topk_result_fraction or 1)) or not 0 <= sw.quorum <= 1:
+    if not all(0 < f <= 1 for f in (sw.topk_fraction, sw.topk_result_fraction) if f is not None) or not 0 <= sw.quorum <= 1:
         raise ConfigError(f"swarm.topk_fraction and swarm.topk_result_fraction must be in (0, 1] (got {sw.topk_fraction}, "
                           f"{sw.topk_result_fraction}) and swarm.quorum in [0, 1] (a share of the live peers; got {sw.quorum})")
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:

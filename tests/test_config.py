@@ -119,6 +119,7 @@ def test_command_line_flags_are_validated_like_set(flags, message, capsys, tmp_p
 
 
 def test_a_result_share_outside_zero_one_is_refused():
-    with pytest.raises(ConfigError, match="topk_result_fraction"):
-        load_config(None, ["swarm.compression=topk", "swarm.topk_result_fraction=1.5"])
+    for share in ("1.5", "0"):
+        with pytest.raises(ConfigError, match="topk_result_fraction"):
+            load_config(None, ["swarm.compression=topk", f"swarm.topk_result_fraction={share}"])
     assert load_config(None, ["swarm.topk_result_fraction=0.0625"]).swarm.topk_result_fraction == 0.0625
