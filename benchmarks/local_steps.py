@@ -296,7 +296,7 @@ class CompressedAverage:
         mean = torch.stack(decoded).mean(0)
         if self.probe.restage:
             compensated = mean + self.reducer_residual
-            mean = self.through(self.codec.result, compensated)
+            mean = self.through(self.codec.result_for(len(models)), compensated)
             self.reducer_residual = compensated - mean
         self.anchor = self.anchor - mean
         for model in models:

@@ -94,28 +94,43 @@ def _bytes(t: torch.Tensor) -> bytes:
 @dataclass(frozen=True)
 class Codec:
     """One of :data:`CODECS`; ``topk_fraction`` is the share of each block ``topk`` keeps in a member's
-    message, ``result_fraction`` (None: the same) in a group's averaged parts (:attr:`result`)."""
+    message, ``result_fraction`` (None: the same) in a group's averaged parts (:attr:`result`).
+    ``floor_fraction`` (set on :attr:`result` only) lets a message keep fewer values, down to that share:
+    a group of few members encodes its mean at :meth:`result_for`."""
 
     name: str = "none"
     topk_fraction: float = 1 / 64
     result_fraction: float | None = None
+    floor_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
             raise ValueError(f"unknown compression {self.name!r}; choose one of {', '.join(CODECS)}")
-        for what, share in (("topk_fraction", self.topk_fraction), ("topk_result_fraction", self.result_fraction)):
+        for what, share in (("topk_fraction", self.topk_fraction), ("topk_result_fraction", self.result_fraction),
+                            ("floor_fraction", self.floor_fraction)):
             if share is not None and not 0 < share <= 1:
                 raise ValueError(f"{what} must be in (0, 1], got {share}")
 
     @property
     def result(self) -> Codec:
-        """The codec of a group's averaged parts: what every member applies and what frozen copies follow.
-        Under ``topk`` the mean of P members' messages holds up to P x k values per block; re-encoded at
-        k, the rest waits in the reducer's residual for later rounds (``benchmarks/local_steps.py``
-        measured that wait as half of topk's loss at 40 rounds), so ``result_fraction`` may keep more."""
+        """The codec that decodes a group's averaged parts: what every member applies and what frozen
+        copies follow. Under ``topk`` the mean of P members' messages holds up to P x k values per block;
+        re-encoded at k, the rest waits in the reducer's residual for later rounds
+        (``benchmarks/local_steps.py`` measured that wait as half of topk's loss at 40 rounds), so
+        ``result_fraction`` may keep more; a group's parts keep between k and that (:meth:`result_for`)."""
         if self.name != "topk" or self.result_fraction is None:
             return self
-        return Codec(self.name, self.result_fraction)
+        return Codec(self.name, self.result_fraction, floor_fraction=min(self.topk_fraction, self.result_fraction))
+
+    def result_for(self, contributions: int) -> Codec:
+        """The codec that encodes the mean of ``contributions`` messages: with ``result_fraction``, k per
+        contribution up to the result's k. The mean holds no more than that many values per block, so a
+        larger k would only spend bytes on zeros (sent as +-1/3 of the scale); a lone holder's update,
+        which the peers that hold its expert frozen download every round, goes at the members' k."""
+        result = self.result
+        if result is self:
+            return self
+        return Codec(self.name, min(result.k, max(1, contributions) * self.k) / BLOCK)
 
     @property
     def lossless(self) -> bool:
@@ -217,8 +232,15 @@ class Codec:
         if codec >= len(CODECS) or CODECS[codec] != self.name:
             theirs = CODECS[codec] if codec < len(CODECS) else f"unknown ({codec})"
             raise TransportError(f"message compressed with {theirs}, this run uses {self.name} (swarm.compression)")
+        if self.name == "topk" and k != self.k and self.floor_fraction is not None:
+            floor = Codec(self.name, self.floor_fraction).k
+            if count == numel and floor <= k <= self.k:  # a group of few members: its mean, at fewer values
+                return Codec(self.name, k / BLOCK).decode(message, numel)
+            expected = f"k={floor}..{self.k}"
+        else:
+            expected = f"k={self.k}"
         if count != numel or (self.name == "topk" and k != self.k):
-            raise TransportError(f"message of {count} values (k={k}) where {numel} (k={self.k}) were expected")
+            raise TransportError(f"message of {count} values (k={k}) where {numel} ({expected}) were expected")
         body = raw[HEADER_BYTES:]
         if len(body) != self.body_bytes(numel):
             raise TransportError(f"compressed body of {len(body)} bytes where {self.body_bytes(numel)} were expected "

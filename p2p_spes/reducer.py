@@ -227,7 +227,8 @@ class PartServer:
         compensated = averaged.clone()
         if lo < hi:
             compensated[lo - part.start:hi - part.start] += residual[lo - start0:hi - start0]
-        message = self.codec.result.encode(compensated)
-        decoded = self.codec.result.decode(message, averaged.numel())
+        codec = self.codec.result_for(len(part.contributions))  # the mean of n messages: at most n x k values a block
+        message = codec.encode(compensated)
+        decoded = codec.decode(message, averaged.numel())
         self.residual[part.name] = (part.start, compensated - decoded)
         return message, decoded

@@ -86,8 +86,9 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, compression):
 @pytest.mark.slow
 def test_a_denser_result_carries_more_of_the_members_messages(dhts):
     """``swarm.topk_result_fraction``: the reducers encode the mean of three top-k messages (up to 3 x 4
-    values per block) at 16 per block, so the applied average carries all of them where the members'
-    codec would keep 4; every member still applies the same bits, decoded with the result codec."""
+    values per block) at 12 per block (k per member, the result's 16 at most), so the applied average
+    carries all of them where the members' codec would keep 4; every member still applies the same
+    bits, decoded with the result codec."""
     torch.manual_seed(1)
     tensors = [torch.randn(10_001) for _ in range(len(dhts))]
     codec = Codec("topk", 1 / 64, 4 / 64)
@@ -98,14 +99,16 @@ def test_a_denser_result_carries_more_of_the_members_messages(dhts):
     assert all(r.ok for r in results), [r.error for r in results]
     assert len({tensor_digest([r.tensor]) for r in results}) == 1, "copies differ after the round"
     assert all(torch.equal(codec.result.decode_parts(r.messages, 10_001), results[0].tensor) for r in results)
+    # encoded at 12 a block: the codec of three contributions decodes every part (it refuses any other k)
+    assert torch.equal(codec.result_for(3).decode_parts(results[0].messages, 10_001), results[0].tensor)
     topk = Codec("topk")  # each member encodes its tensor in one part per reducer
     sent = torch.stack([torch.cat([topk.decode(topk.encode(c), len(c)) for c in torch.tensor_split(t, 3)])
                         for t in tensors]).mean(0)
     # nothing of what the members sent is held back: the result is non-zero wherever the messages were
-    # (a block whose mean holds fewer than 16 values is padded with others, at the codec's smallest level)
+    # (a block whose mean holds fewer than 12 values is padded with others, at the codec's smallest level)
     assert bool((results[0].tensor[sent != 0] != 0).all())
     assert int((sent != 0).sum()) > 2 * topk.k * 3 * 13
-    assert int((results[0].tensor != 0).sum()) <= codec.result.k * 3 * 14
+    assert int((results[0].tensor != 0).sum()) <= codec.result_for(3).k * 3 * 14
 
 
 class CutShort(PartServer):

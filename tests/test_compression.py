@@ -177,6 +177,32 @@ def test_a_denser_result_codec_is_topk_only_and_refused_by_the_members_codec():
         Codec("topk", 1 / 64, 0.0)
 
 
+def test_a_group_encodes_its_mean_at_k_per_member_up_to_the_result_share():
+    """The mean of n top-k messages holds at most n x k values per block: a group of n encodes it at
+    that (a lone holder's update at the members' k), never past the result's k, and the result codec
+    decodes every k from the members' to its own; other k, and other codecs, are refused as before."""
+    codec = Codec("topk", 1 / 64, 4 / 64)
+    assert [codec.result_for(n).k for n in (0, 1, 2, 3, 4, 16)] == [4, 4, 8, 12, 16, 16]
+    assert Codec("topk").result_for(1) == Codec("topk") and Codec("int8").result_for(3) == Codec("int8")
+    assert Codec("topk", 4 / 64, 1 / 64).result_for(1).k == 4  # a sparser result share: never above it
+    torch.manual_seed(4)
+    x = torch.randn(1000)
+    for n in (1, 2, 3, 4):
+        message = codec.result_for(n).encode(x)
+        assert torch.equal(codec.result.decode(message, 1000), codec.result_for(n).decode(message, 1000))
+        assert int((codec.result.decode(message, 1000) != 0).sum()) == 3 * 4 * n + min(4 * n, 1000 - 3 * BLOCK)
+    with pytest.raises(TransportError, match=r"k=4\.\.16"):
+        codec.result.decode(Codec("topk", 2 / 256).encode(x), 1000)  # sparser than any member sends
+    with pytest.raises(TransportError, match=r"k=4\.\.16"):
+        codec.result.decode(Codec("topk", 32 / 256).encode(x), 1000)  # denser than the result
+    with pytest.raises(TransportError, match=r"1001 \(k=4\.\.16\)"):
+        codec.result.decode(codec.result_for(2).encode(x), 1000 + 1)
+    with pytest.raises(TransportError, match="k=4\\)"):
+        codec.decode(codec.result_for(2).encode(x), 1000)  # members' contributions stay at k
+    with pytest.raises(TransportError, match="int8"):
+        codec.result.decode(Codec("int8").encode(x), 1000)
+
+
 def test_the_result_share_is_run_wide_but_absent_from_runs_that_leave_it_unset():
     """Peers compare ``sync_settings`` before averaging: a different result share is refused, and a run
     that does not set it publishes what peers which predate the setting publish."""
