@@ -27,7 +27,8 @@ nothing else:
 * ``no-merge``: warm-up merging off; ``decayed-lb``: ``experts.decayed_lb=true``;
 * ``shared-data``: ``data.partition=shared`` (every peer samples the whole training split with its
   own order, instead of disjoint slices);
-* ``fp16``, ``int8``, ``int4``, ``topk``: ``swarm.compression``; ``int8-keep``, ``topk-keep``: int8
+* ``fp16``, ``int8``, ``int4``, ``topk``: ``swarm.compression``; ``topk-dense``: topk with
+  ``swarm.topk_result_fraction`` 4/64; ``int8-keep``, ``topk-keep``: int8
   and topk with ``swarm.keep_local_progress`` (each member keeps in its weights what its messages
   have not carried, instead of resetting to the group's result and sending it later);
 * probes of where the gap comes from: ``outer-sgd-2`` (the new value is the anchor minus twice the
@@ -108,6 +109,8 @@ ARMS = {a.name: a for a in (
     Arm("int8", ("swarm.compression=int8",), knob="compression"),
     Arm("int4", ("swarm.compression=int4",), knob="compression"),
     Arm("topk", ("swarm.compression=topk",), knob="compression"),
+    Arm("topk-dense", ("swarm.compression=topk", "swarm.topk_result_fraction=0.0625"),
+        knob="compression: topk, groups' averaged parts at up to 16 of 256 values a block"),
     Arm("int8-keep", ("swarm.compression=int8", "swarm.keep_local_progress=true"),
         knob="compression: int8, members keep what their messages have not carried"),
     Arm("topk-keep", ("swarm.compression=topk", "swarm.keep_local_progress=true"),
