@@ -1,6 +1,6 @@
 """Each compression mode on the shaped-link lab: seconds per round and the share of wall time computing.
 
-    sudo .venv/bin/python benchmarks/wan_codecs.py                      # 4 peers x 20 Mbit/s, 5 codecs x 2, ~40 min
+    sudo .venv/bin/python benchmarks/wan_codecs.py                      # 4 peers x 20 Mbit/s, 6 codecs x 2, ~45 min
     sudo .venv/bin/python benchmarks/wan_codecs.py --codecs none topk --arms blocking
 
 Runs ``benchmarks/wan.py`` (network namespaces, ``tbf`` caps, the tiny config, same seed and data for
@@ -29,7 +29,9 @@ from p2p_spes.wan_report import PeerReport, compare_final
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-CODECS = ["none", "fp16", "int8", "int4", "topk"]
+# each codec's overrides; topk-dense is topk with the groups' averaged parts at up to 16 of 256 values
+CODECS = {name: [f"swarm.compression={name}"] for name in ("none", "fp16", "int8", "int4", "topk")}
+CODECS["topk-dense"] = [*CODECS["topk"], "swarm.topk_result_fraction=0.0625"]
 
 
 def summarize(run: dict) -> dict:
@@ -63,14 +65,14 @@ def summarize(run: dict) -> dict:
 
 def reread(run: dict, codec: str, arm: str) -> dict:
     """A stored run with its peers compared again by the current ``compare_final``."""
-    peers = [PeerReport.from_dict(p, compression=codec, overlap=arm == "overlap") for p in run["peers"]]
+    peers = [PeerReport.from_dict(p, compression=codec.removesuffix("-dense"), overlap=arm == "overlap") for p in run["peers"]]
     last, differences = compare_final(peers)
     return {**run, "last_common_round": last, "identical": not differences, "differences": differences}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--codecs", nargs="+", default=CODECS, choices=CODECS)
+    ap.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
     ap.add_argument("--arms", nargs="+", default=["blocking", "overlap"], choices=["blocking", "overlap"])
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--mbit", type=float, default=20.0)
@@ -92,7 +94,7 @@ def main() -> int:
                 continue
             cmd = [sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--peers", str(args.peers), "--mbit",
                    str(args.mbit), "--steps", str(args.steps), "--seed", str(args.seed),
-                   "--set", f"swarm.compression={codec}", "--out", str(out)]
+                   *(a for o in CODECS[codec] for a in ("--set", o)), "--out", str(out)]
             if arm == "overlap":
                 cmd.append("--overlap")
             print(f"== {codec} / {arm}: {' '.join(cmd[1:])}", flush=True)
