@@ -125,25 +125,26 @@ class SimResult:
 
 
 def _all_reduce_seconds(codec: Codec, numel: int, rates: list[float]) -> tuple[float, int]:
-    """Two phases at the slowest member's rate, and the bytes each member moves (both phases, both ways)."""
+    """Two phases at the slowest member's rate, and the bytes each member moves (both phases, both ways):
+    contributions in the members' codec, averaged parts in that of a mean of n of them."""
     n = len(rates)
     if n < 2:
         return 0.0, 0
-    each = codec.wire_bytes(numel) * (n - 1) / n  # per phase, per direction
-    return 2 * (each / min(rates) + PHASE_LATENCY), int(4 * each)
+    out, back = (c.wire_bytes(numel) * (n - 1) / n for c in (codec, codec.result_for(n)))  # per direction
+    return (out + back) / min(rates) + 2 * PHASE_LATENCY, int(2 * (out + back))
 
 
 def simulate(cfg: SimConfig) -> SimResult:
     """Run ``cfg.rounds`` rounds of ``cfg.peers`` peers (see the module docstring)."""
     rng = random.Random(cfg.seed)
     sw = cfg.swarm
-    codec = Codec(sw.compression, sw.topk_fraction)
+    codec = Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction)
     peers = []
     for i in range(cfg.peers):
         pid = f"peer{i:05d}"
         peers.append(_Peer(pid, cfg.step_seconds * math.exp(rng.gauss(0, cfg.speed_spread)),
                            rng.uniform(*cfg.mbit) * 1e6 / 8, spes_block(i, cfg.peers, cfg.experts), Deadlines(sw)))
-    expert_wire = codec.wire_bytes(cfg.expert_params)
+    expert_wire = codec.result_for(1).wire_bytes(cfg.expert_params)  # a lone holder's update: one message
     outcomes = []
     for r in range(1, cfg.rounds + 1):
         # a killed peer restarts from its checkpoint at round dead_until, with its experts (--resume)
