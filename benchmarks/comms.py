@@ -27,8 +27,9 @@ experts (one holder each), S shared parameters and X parameters per expert:
   sum(c(part)) out and of sum(r(part)) in, where ``r`` is the codec of a mean of P contributions
   (``c`` but for topk-dense, which keeps min(P x k, 16) of a block's 256 values); as a reducer, the
   same in (P-1 contributions to its part) and out (its averaged part to P-1 members); own experts
-  (lone holders: no group traffic), c(X) served to each of the P-1 others (a lone holder's update is
-  its own message, at the members' k); frozen experts, c(X) downloaded for each of the E - E/P;
+  (lone holders: no group traffic), u(X) served to each of the P-1 others, where ``u`` is the codec
+  of a group of one (``c``, but 16 of 256 values for topk-dense: a lone holder's update is its own
+  dense pseudo-gradient, encoded once); frozen experts, u(X) downloaded for each of the E - E/P;
 * SPES reference (central server): upload the shared parameters and the own experts, download the
   whole model; at fp32, and at the codec's own bytes per value (``c`` on the same transfers);
 * an fp32 all-reduce of the whole model (DiLoCo, full replicas): 2(P-1)/P of it each way.
@@ -101,11 +102,11 @@ def totals(parts: dict[str, float]) -> dict[str, float]:
 def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int) -> dict[str, float]:
     """This project's payload bytes per peer per round, mean over peers, by component (docstring):
     contributions in the members' codec, averaged parts in that of a mean of P of them, the lone
-    holders' updates (one contribution each) in the members' codec."""
+    holders' updates in ``codec.result``."""
     def ring(c: Codec) -> float:  # (P-1)/P of the shared vector's P parts, each encoded with ``c``
         return (peers - 1) / peers * sum(c.wire_bytes(n) for n in part_sizes(shared, peers))
     contributions, averaged = ring(codec), ring(codec.result_for(peers))
-    own, update = experts / peers, codec.result_for(1).wire_bytes(expert)
+    own, update = experts / peers, codec.result.wire_bytes(expert)
     return totals({"client_sent": contributions, "client_received": averaged, "reducer_in": contributions,
                    "reducer_out": averaged, "served": (peers - 1) * own * update, "downloaded": (experts - own) * update})
 

@@ -123,10 +123,11 @@ class Codec:
         return Codec(self.name, self.result_fraction, floor_fraction=min(self.topk_fraction, self.result_fraction))
 
     def result_for(self, contributions: int) -> Codec:
-        """The codec that encodes the mean of ``contributions`` messages: with ``result_fraction``, k per
-        contribution up to the result's k. The mean holds no more than that many values per block, so a
-        larger k would only spend bytes on zeros (sent as +-1/3 of the scale); a lone holder's update,
-        which the peers that hold its expert frozen download every round, goes at the members' k."""
+        """The codec that encodes the mean of ``contributions`` encoded messages (a reducer's part): with
+        ``result_fraction``, k per contribution up to the result's k. The mean holds no more than that
+        many values per block, so a larger k would only spend bytes on zeros (sent as +-1/3 of the
+        scale). A lone holder's update is its own dense pseudo-gradient, not such a mean: it goes at
+        :attr:`result` (at the members' k, its frozen copies trailed it and cost 2 points of loss)."""
         result = self.result
         if result is self:
             return self

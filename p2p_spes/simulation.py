@@ -144,7 +144,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         pid = f"peer{i:05d}"
         peers.append(_Peer(pid, cfg.step_seconds * math.exp(rng.gauss(0, cfg.speed_spread)),
                            rng.uniform(*cfg.mbit) * 1e6 / 8, spes_block(i, cfg.peers, cfg.experts), Deadlines(sw)))
-    expert_wire = codec.result_for(1).wire_bytes(cfg.expert_params)  # a lone holder's update: one message
+    expert_wire = codec.result.wire_bytes(cfg.expert_params)  # a lone holder's update: a group of one
     outcomes = []
     for r in range(1, cfg.rounds + 1):
         # a killed peer restarts from its checkpoint at round dead_until, with its experts (--resume)

@@ -179,8 +179,8 @@ def test_a_denser_result_codec_is_topk_only_and_refused_by_the_members_codec():
 
 def test_a_group_encodes_its_mean_at_k_per_member_up_to_the_result_share():
     """The mean of n top-k messages holds at most n x k values per block: a group of n encodes it at
-    that (a lone holder's update at the members' k), never past the result's k, and the result codec
-    decodes every k from the members' to its own; other k, and other codecs, are refused as before."""
+    that, never past the result's k, and the result codec decodes every k from the members' to its
+    own; other k, and other codecs, are refused as before."""
     codec = Codec("topk", 1 / 64, 4 / 64)
     assert [codec.result_for(n).k for n in (0, 1, 2, 3, 4, 16)] == [4, 4, 8, 12, 16, 16]
     assert Codec("topk").result_for(1) == Codec("topk") and Codec("int8").result_for(3) == Codec("int8")

@@ -28,12 +28,12 @@ def test_without_faults_every_round_applies_once_with_every_peer_and_the_bytes_o
 
 def test_denser_averaged_parts_cost_their_bytes_on_the_way_back_only():
     """``topk_result_fraction``: the members' contributions stay at k, the averaged parts come back at
-    min(n x k, the result's k) a block, and a lone holder's expert update (one message) at k."""
+    min(n x k, the result's k) a block, and a lone holder's expert update at the result's k."""
     sw = replace(SMALL.swarm, compression="topk", topk_result_fraction=4 / 64)
     result = simulate(replace(SMALL, fail_prob=0.0, swarm=sw))
     codec, n = Codec("topk", 1 / 64, 4 / 64), 24
     ring = 2 * (codec.wire_bytes(1_000_000) + codec.result.wire_bytes(1_000_000)) * (n - 1) / n
-    assert result.rounds[0].bytes_per_peer == pytest.approx(ring + 7 * Codec("topk").wire_bytes(200_000), abs=1)
+    assert result.rounds[0].bytes_per_peer == pytest.approx(ring + 7 * codec.result.wire_bytes(200_000), abs=1)
     plain = simulate(replace(SMALL, fail_prob=0.0, swarm=replace(sw, topk_result_fraction=None)))
     assert plain.rounds[0].bytes_per_peer < result.rounds[0].bytes_per_peer
 
