@@ -233,15 +233,12 @@ class Codec:
         if codec >= len(CODECS) or CODECS[codec] != self.name:
             theirs = CODECS[codec] if codec < len(CODECS) else f"unknown ({codec})"
             raise TransportError(f"message compressed with {theirs}, this run uses {self.name} (swarm.compression)")
-        if self.name == "topk" and k != self.k and self.floor_fraction is not None:
-            floor = Codec(self.name, self.floor_fraction).k
-            if count == numel and floor <= k <= self.k:  # a group of few members: its mean, at fewer values
-                return Codec(self.name, k / BLOCK).decode(message, numel)
-            expected = f"k={floor}..{self.k}"
-        else:
-            expected = f"k={self.k}"
-        if count != numel or (self.name == "topk" and k != self.k):
+        floor = self.k if self.floor_fraction is None else Codec(self.name, self.floor_fraction).k
+        if count != numel or (self.name == "topk" and not floor <= k <= self.k):
+            expected = f"k={self.k}" if floor == self.k else f"k={floor}..{self.k}"
             raise TransportError(f"message of {count} values (k={k}) where {numel} ({expected}) were expected")
+        if self.name == "topk" and k != self.k:  # a group of few members: its mean, at fewer values
+            return Codec(self.name, k / BLOCK).decode(message, numel)
         body = raw[HEADER_BYTES:]
         if len(body) != self.body_bytes(numel):
             raise TransportError(f"compressed body of {len(body)} bytes where {self.body_bytes(numel)} were expected "
