@@ -55,6 +55,10 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   feedback, which its authors report stands in for the outer momentum); ``h10-topk...``: the same
   averaged every 10 steps (40 rounds instead of 8); ``h10-topk-dense``: the reducer's encoding at
   ``swarm.topk_result_fraction`` 4/64 (16 values per block, where each member sends 4).
+* ``centralized-muon``, ``h50-muon``, ``h1-muon``, ``dp-muon``: centralized, h50, h1 and dp with
+  ``train.optimizer=muon`` (``optim.MuonAdamW``: Muon on the hidden matrices, AdamW on embeddings, head,
+  router and norms). MuLoCo (arXiv 2505.23725) reports that Muon's normalized steps make
+  pseudo-gradients that average better across workers than AdamW's.
 
 ``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
 never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) needs ``--out``.
@@ -88,7 +92,15 @@ from p2p_spes.config import Config, SwarmConfig, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
 from p2p_spes.model import MoETransformer
-from p2p_spes.optim import build_optimizer, lr_at, parameter_groups, set_lr, trainable_parameters
+from p2p_spes.optim import (
+    MuonAdamW,
+    build_optimizer,
+    lr_at,
+    muon_parameter_groups,
+    parameter_groups,
+    set_lr,
+    trainable_parameters,
+)
 from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 
 RESULTS = Path(__file__).parent / "results" / "local_steps.json"
@@ -114,6 +126,7 @@ class Probe:
     restage: bool = True  # with `codec`: the average is encoded again, as the swarm's reducers do
     feedback_decay: float = 1.0  # with `codec`: each replica's residual is scaled by this before it is added
     result_fraction: float | None = None  # with `codec` and `restage`: swarm.topk_result_fraction
+    muon: bool = False  # Muon on the hidden matrices, AdamW on the rest (optim.MuonAdamW)
 
 
 PROBES = {
@@ -140,6 +153,8 @@ PROBES = {
     "h10-topk-ef95": Probe(PEERS, 10, codec="topk", feedback_decay=0.95),
     "h10-topk-1stage": Probe(PEERS, 10, codec="topk", restage=False),
     "h10-topk-dense": Probe(PEERS, 10, codec="topk", result_fraction=4 / 64),
+    "centralized-muon": Probe(1, 0, muon=True), "h50-muon": Probe(PEERS, 50, muon=True),
+    "h1-muon": Probe(PEERS, 1, muon=True), "dp-muon": Probe(PEERS, 1, grads=True, muon=True),
 }
 NESTEROV = SwarmConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, and quality.py's
 
@@ -192,10 +207,12 @@ class PooledNoiseAdamW(torch.optim.Optimizer):
 
 
 def make_optimizer(model: MoETransformer, cfg: Config, probe: Probe) -> torch.optim.Optimizer:
-    """The project's AdamW, or the pooled-noise variant of the ``-pooled`` probes."""
-    if not probe.pooled:
-        return build_optimizer(model, cfg.train)
+    """The project's AdamW, Muon with AdamW (``-muon``), or the pooled-noise variant of the ``-pooled`` probes."""
     tr = cfg.train
+    if probe.muon:
+        return MuonAdamW(muon_parameter_groups(model, tr), lr=tr.lr, betas=tuple(tr.betas), eps=tr.eps)
+    if not probe.pooled:
+        return build_optimizer(model, tr)
     return PooledNoiseAdamW(parameter_groups(model, tr), lr=tr.lr, betas=tuple(tr.betas), eps=tr.eps,
                             peers=probe.replicas)
 

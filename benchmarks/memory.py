@@ -47,7 +47,7 @@ def computed(name: str, peers: int) -> list[dict]:
     rows = []
     for setup, local in (("centralized", list(range(e))), (f"spes {e // peers}/{e}", list(range(e // peers)))):
         model = MoETransformer(cfg.model, cfg.moe, local_experts=local, device="meta")
-        rows.append(_row(name, setup, expected_memory(model), "computed"))
+        rows.append(_row(name, setup, expected_memory(model, cfg.train), "computed"))
     # a DiLoCo peer trains a full replica and keeps the outer optimizer's anchor and Nesterov momentum
     # (two more fp32 copies of every weight) on top of what centralized training needs
     diloco = dict(rows[0], setup="diloco replica (nesterov)")
@@ -69,7 +69,7 @@ def measured_tiny(peers: int) -> list[dict]:
         model.loss(idx, idx).loss.backward()
         opt.step()
         report = measure_memory(model, opt)
-        assert report.to_dict() == expected_memory(model).to_dict(), "measured bytes differ from computed bytes"
+        assert report.to_dict() == expected_memory(model, cfg.train).to_dict(), "measured bytes differ from computed bytes"
         rows.append(_row("tiny", setup, report, "measured"))
     return rows
 

@@ -31,6 +31,9 @@ nothing else:
   ``swarm.topk_result_fraction`` 4/64; ``int8-keep``, ``topk-keep``: int8
   and topk with ``swarm.keep_local_progress`` (each member keeps in its weights what its messages
   have not carried, instead of resetting to the group's result and sending it later);
+* ``centralized-muon`` / ``centralized-2-muon``, ``muon`` / ``muon-2``: ``train.optimizer=muon`` (Muon on
+  the hidden matrices, AdamW on the rest) for centralized and swarm alike; each swarm arm's gap is to
+  the centralized run with the same optimizer;
 * probes of where the gap comes from: ``outer-sgd-2`` (the new value is the anchor minus twice the
   averaged pseudo-gradient: the step a batch P times larger would take if the gradient noise were all
   that differs), ``lr-2x`` (inner lr doubled), ``alone`` (one process with one peer's batch of 8 for
@@ -83,13 +86,15 @@ MB = 1e6
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: the overrides it adds to the defaults (``None``: centralized) and its number of peers."""
+    """One arm: the overrides it adds to the defaults (``None``: centralized), its number of peers, and
+    ``train`` overrides that apply to centralized and swarm alike (the optimizer, say)."""
 
     name: str
     overrides: tuple[str, ...] | None
     peers: int = 4
     baseline: str = "centralized"
     knob: str = ""
+    train: tuple[str, ...] = ()
 
 
 ARMS = {a.name: a for a in (
@@ -121,6 +126,14 @@ ARMS = {a.name: a for a in (
     Arm("alone", None, peers=1, knob="probe: one peer alone, a quarter of the tokens"),
     Arm("centralized-2", None, peers=2, baseline="centralized-2", knob="one process, batch 16"),
     Arm("default-2", (), peers=2, baseline="centralized-2", knob="embedded swarm defaults, 2 peers"),
+    Arm("centralized-muon", None, baseline="centralized-muon", knob="one process, batch 32, Muon",
+        train=("train.optimizer=muon",)),
+    Arm("muon", (), baseline="centralized-muon", knob="inner optimizer: Muon (vs centralized-muon)",
+        train=("train.optimizer=muon",)),
+    Arm("centralized-2-muon", None, peers=2, baseline="centralized-2-muon", knob="one process, batch 16, Muon",
+        train=("train.optimizer=muon",)),
+    Arm("muon-2", (), peers=2, baseline="centralized-2-muon", knob="inner optimizer: Muon, 2 peers",
+        train=("train.optimizer=muon",)),
 )}
 
 
@@ -293,7 +306,8 @@ def run_all(args: argparse.Namespace, common: list[str], work: Path, validation:
         for name in args.arms:
             arm = ARMS[name]
             extra = None if arm.overrides is None else list(arm.overrides)
-            result = convergence.run_arm(name, seed, args, common, work, validation, boundaries, extra=extra, peers=arm.peers)
+            result = convergence.run_arm(name, seed, args, [*common, *arm.train], work, validation, boundaries,
+                                         extra=extra, peers=arm.peers)
             runs[name] = [r for r in runs.get(name, []) if r["seed"] != seed] + [convergence.jsonable(result)]
             commands[name] = command
             console.print(f"{name} seed {seed}: final validation loss {result['final']:.4f} "
@@ -307,7 +321,8 @@ def write_results(json_path: Path, setup_key: dict[str, Any], commands: dict[str
     summary = summarise(runs)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps({**setup_key, "commands": commands, "arms": {
-        n: {"overrides": ARMS[n].overrides, "peers": ARMS[n].peers, "knob": ARMS[n].knob} for n in runs},
+        n: {"overrides": ARMS[n].overrides, "train": ARMS[n].train, "peers": ARMS[n].peers, "knob": ARMS[n].knob}
+        for n in runs},
         "summary": convergence.jsonable(summary), "runs": runs}, indent=1))
     return summary
 

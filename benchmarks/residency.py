@@ -40,7 +40,7 @@ def memory_rows(name: str, peers: int) -> list[dict]:
     for residency in ("full", "partial"):
         model = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(e // peers)), device="meta",
                                resident_only=residency == "partial")
-        report = expected_memory(model)
+        report = expected_memory(model, cfg.train)
         weights, grads, optim = (sum(d.values()) for d in (report.parameters, report.gradients, report.optimizer))
         rows.append({"config": name, "residency": residency, "experts_held": f"{e // peers}/{e}",
                      "weights_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optim,

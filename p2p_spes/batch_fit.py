@@ -56,11 +56,11 @@ def free_memory(device: str) -> int:
 
 
 def static_bytes(cfg: Config) -> int:
-    """Weights, gradients and AdamW state of a swarm peer that trains its share of the experts."""
+    """Weights, gradients and optimizer state of a swarm peer that trains its share of the experts."""
 
     local = max(cfg.experts_per_peer(p) for p in range(cfg.peer.count))  # the largest share a peer gets
     model = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(local)), device="meta")
-    return expected_memory(model).total
+    return expected_memory(model, cfg.train).total
 
 
 def activation_bytes_per_sample(cfg: Config) -> int:

@@ -118,6 +118,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.1
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on the rest (optim.py)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float = 1.0
@@ -132,8 +133,7 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata=LOCAL)
     run_dir: str = field(default="runs/default", metadata=LOCAL)
     threads: int = field(default=0, metadata=LOCAL)
-    # Also write metrics.jsonl's numbers as TensorBoard scalars (pip install 'p2p-spes[tensorboard]'),
-    # into tensorboard_dir, or <run_dir>/tensorboard when it is empty.
+    # metrics.jsonl's numbers as TensorBoard scalars too (p2p-spes[tensorboard]): tensorboard_dir, or run_dir's
     tensorboard: bool = field(default=False, metadata=LOCAL)
     tensorboard_dir: str = field(default="", metadata=LOCAL)
     # Checkpoint (or run directory) whose weights start this run, e.g. from `p2p-spes upcycle`.

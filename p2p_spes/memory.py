@@ -12,6 +12,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from p2p_spes.config import TrainConfig
+from p2p_spes.optim import optimizer_moments
+
 GROUPS = ("shared", "local_experts", "frozen_experts")
 
 
@@ -84,18 +87,21 @@ def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     return report
 
 
-def expected_memory(model: nn.Module, optimizer_moments: int = 2, grad_bytes_per_element: int | None = None) -> MemoryReport:
+def expected_memory(model: nn.Module, train: TrainConfig | None = None,
+                    grad_bytes_per_element: int | None = None) -> MemoryReport:
     """Bytes a model *will* use, from shapes alone (works on the ``meta`` device).
 
-    Trainable parameters get a gradient of their own dtype (or ``grad_bytes_per_element``) and
-    ``optimizer_moments`` fp32 moments (2 for Adam); frozen experts get neither.
+    Trainable parameters get a gradient of their own dtype (or ``grad_bytes_per_element``) and the
+    fp32 state of ``train.optimizer`` (AdamW's two moments when ``train`` is None; Muon keeps one
+    momentum for the hidden matrices); frozen experts get neither.
     """
+    train = train or TrainConfig()
     report = MemoryReport()
     for name, p in model.named_parameters():
         group = _group_of(name)
         report.parameters[group] += _nbytes(p)
         report.gradients[group] += p.numel() * (grad_bytes_per_element or p.element_size())
-        report.optimizer[group] += optimizer_moments * p.numel() * 4
+        report.optimizer[group] += optimizer_moments(name, p, train) * p.numel() * 4
     for name, b in model.named_buffers():
         if _group_of(name) == "frozen_experts":
             report.parameters["frozen_experts"] += _nbytes(b)

@@ -1,4 +1,5 @@
-"""AdamW over the trainable parameters only, and the cosine schedule with linear warmup."""
+"""The optimizer over the trainable parameters only (AdamW, or Muon with AdamW), and the cosine
+schedule with linear warmup."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.adam import adam as adam_update
 
 from p2p_spes.config import TrainConfig
 
@@ -26,9 +28,23 @@ def parameter_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and none on norm weights."""
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``train.optimizer``: AdamW with weight decay on matrices and none on norm weights, or
+    :class:`MuonAdamW` (Muon on the hidden matrices, the same AdamW on the rest)."""
+    if cfg.optimizer == "muon":
+        return MuonAdamW(muon_parameter_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     return torch.optim.AdamW(parameter_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def optimizer_moments(name: str, param: nn.Parameter, cfg: TrainConfig) -> int:
+    """fp32 tensors the optimizer keeps for ``param``: AdamW two moments, Muon one momentum."""
+    return 1 if cfg.optimizer == "muon" and is_hidden_matrix(name, param) else 2
+
+
+def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
+    """A matrix inside the network (attention projections, experts): what Muon steps. Embeddings, the
+    output head and the router stay on AdamW, as Muon's authors keep them."""
+    return param.ndim >= 2 and not any(k in name for k in ("embed_tokens", "lm_head", "router"))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -44,3 +60,91 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+# Newton-Schulz quintic coefficients (Muon's): a steep slope at zero, so 5 steps bring every singular
+# value near 1 (roughly into [0.7, 1.2]), which is all the update needs.
+_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Each matrix of ``update`` (its last two dimensions; a stack of experts is a batch) with its
+    singular values pushed towards 1 by a Newton-Schulz iteration: Muon's step direction."""
+    a, b, c = _NS_COEFFICIENTS
+    x = update.float()
+    wide = x.shape[-2] <= x.shape[-1]
+    if not wide:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x if wide else x.mT).to(update.dtype)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on the hidden matrices (groups with ``muon=True``), AdamW on everything else.
+
+    Muon steps along the Nesterov momentum with its singular values set to about 1, at AdamW's
+    learning rate and weight decay rescaled to AdamW's update size (``0.2 sqrt(max(rows, cols))``,
+    Moonlight's rule), so one schedule serves both. Why here: MuLoCo (arXiv 2505.23725) finds Muon's
+    normalized steps give pseudo-gradients that average better across workers than AdamW's. torch's
+    own ``Muon`` takes 2-D parameters only; a peer's local experts are one 3-D stack, so the iteration
+    runs batched over experts. AdamW groups go through torch's functional Adam with the same state
+    names (``exp_avg``, ``exp_avg_sq``, ``step``) as ``torch.optim.AdamW``.
+    """
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
+                 momentum: float = 0.95) -> None:
+        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0, "muon": False,
+                                  "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["muon"]:
+                self._muon(group, params)
+            elif params:
+                self._adamw(group, params)
+        return loss
+
+    def _muon(self, group: dict, params: list[torch.Tensor]) -> None:
+        lr, mu = group["lr"], group["momentum"]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)
+            direction = orthogonalize(p.grad.lerp(buf, mu))
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(direction, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
+
+    def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adam_update(
+            params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+            [s["step"] for s in states], foreach=False, decoupled_weight_decay=True, amsgrad=False,
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+            maximize=False)
+
+
+def muon_parameter_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
+    """Muon for the hidden matrices (:func:`is_hidden_matrix`); AdamW for the other matrices with
+    weight decay and for norm weights without."""
+    params = trainable_parameters(model)
+    other = [p for n, p in params if not is_hidden_matrix(n, p)]
+    return [
+        {"params": [p for n, p in params if is_hidden_matrix(n, p)], "weight_decay": cfg.weight_decay, "muon": True},
+        {"params": [p for p in other if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in other if p.ndim < 2], "weight_decay": 0.0},
+    ]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,9 @@ from p2p_spes.matchmaking import agreed_window
 from p2p_spes.peer import SwarmSync
 from p2p_spes.swarm import GroupReport, RoundReport
 from p2p_spes.swarm.pacing import Deadlines, RoundWatch, median_and_mad
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from convergence import lockstep_place  # holds peers at each boundary until all reach it)
 
 
 def test_join_window_follows_the_last_arrivals_within_the_configured_bound():
@@ -273,9 +278,13 @@ def test_round_outcomes_are_reported_honestly():
 def test_a_peer_joining_before_the_first_round_downloads_nothing(tmp_path):
     """Before any round the run serves the seeded weights every peer starts from: checked by digest, not
     downloaded (at 20 Mbit/s a tiny-config download alone cost a joiner 30 s and its first rounds)."""
-    # the first round at step 50: on a loaded machine (CI) the first peer reached step 10 and averaged
-    # alone before the joiner's DHT was up, and the joiner then caught up from round 1
-    swarm = LocalSwarm(None, SMALL + ["train.max_steps=100", "swarm.sync_steps=50"], peers=2, run_dir=tmp_path)
+    # held at each boundary until both peers reach it: on a loaded machine (CI) the first peer otherwise
+    # reached the first round (at step 10, and once even at step 50) and averaged alone before the
+    # joiner's DHT was up, and the joiner then caught up from round 1
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    swarm = LocalSwarm(None, SMALL + ["train.max_steps=100", "swarm.sync_steps=50"], peers=2, run_dir=tmp_path,
+                       place=lockstep_place(gate, 2))
     swarm.run(timeout=200, stagger=1.0)
     joiner = (tmp_path / "peer1.log").read_text()
     assert "serves our own initial weights: nothing to download" in joiner, joiner[-2000:]

@@ -59,17 +59,19 @@ def test_tiny_config_loss_falls_well_below_start(tmp_path):
     assert find_checkpoint(tmp_path).name == "step_00000300"
 
 
-def test_resume_reproduces_the_uninterrupted_curve(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_reproduces_the_uninterrupted_curve(tmp_path, optimizer):
     full_dir, part_dir = tmp_path / "full", tmp_path / "part"
-    full = Trainer(fast_config(full_dir, "train.max_steps=8"))
+    settings = ("train.max_steps=8", f"train.optimizer={optimizer}")
+    full = Trainer(fast_config(full_dir, *settings))
     full.run(progress=False)
 
-    first = Trainer(fast_config(part_dir, "train.max_steps=8"))
+    first = Trainer(fast_config(part_dir, *settings))
     for _ in range(4):
         first.train_step()
     first.save()
     del first
-    second = Trainer(fast_config(part_dir, "train.max_steps=8"))
+    second = Trainer(fast_config(part_dir, *settings))
     assert second.resume()
     assert second.step == 4
     second.run(progress=False)
