@@ -103,6 +103,9 @@ CONFIG = [
     "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=64",
     "moe.num_experts=8", "moe.ffn_dim=128", "train.log_interval=10",
     "swarm.matchmaking_time=3", "swarm.averaging_timeout=20",
+    # every stored run of this benchmark and of quality.py, local_steps.py and grad_norms.py trained with
+    # AdamW, the default until train.optimizer became muon; their muon arms set it themselves
+    "train.optimizer=adamw",
 ]
 SPES = ["experts.placement=spes", "swarm.merge_interval={merge}", "swarm.outer_optimizer=average", "swarm.compression=none"]
 ARMS: dict[str, list[str] | None] = {

@@ -1,8 +1,8 @@
 """Per-peer training memory: centralized (every expert trained), a full-replica DiLoCo peer, and a
-SPES peer (n of E experts).
+SPES peer (n of E experts), each with ``train.optimizer`` adamw and muon.
 
 For each config the model is built on the ``meta`` device and its bytes of weights, gradients and
-AdamW state are computed from the shapes; for the tiny config the same numbers are also measured
+optimizer state are computed from the shapes; for the tiny config the same numbers are also measured
 by real allocation on CPU after one optimizer step, and the two must agree.
 
     python benchmarks/memory.py [--configs tiny spes-1b spes-7b] [--peers 4] [--json out.json]
@@ -11,6 +11,7 @@ by real allocation on CPU after one optimizer step, and the two must agree.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2p_spes.config import load_config
+from p2p_spes.config import TrainConfig, load_config
 from p2p_spes.memory import expected_memory, measure_memory
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer
@@ -41,16 +42,26 @@ def _row(name: str, setup: str, report, method: str) -> dict:
     }
 
 
+def setups(cfg, peers: int) -> list[tuple[str, list[int], TrainConfig]]:
+    """Centralized and a SPES peer, each with AdamW and with Muon (one fp32 buffer for the attention
+    and expert matrices where AdamW keeps two)."""
+    e = cfg.moe.num_experts
+    out = []
+    for optimizer in ("adamw", "muon"):
+        train = dataclasses.replace(cfg.train, optimizer=optimizer)
+        out += [(f"centralized, {optimizer}", list(range(e)), train), (f"spes {e // peers}/{e}, {optimizer}", list(range(e // peers)), train)]
+    return out
+
+
 def computed(name: str, peers: int) -> list[dict]:
     cfg = load_config(name)
-    e = cfg.moe.num_experts
     rows = []
-    for setup, local in (("centralized", list(range(e))), (f"spes {e // peers}/{e}", list(range(e // peers)))):
+    for setup, local, train in setups(cfg, peers):
         model = MoETransformer(cfg.model, cfg.moe, local_experts=local, device="meta")
-        rows.append(_row(name, setup, expected_memory(model, cfg.train), "computed"))
+        rows.append(_row(name, setup, expected_memory(model, train), "computed"))
     # a DiLoCo peer trains a full replica and keeps the outer optimizer's anchor and Nesterov momentum
     # (two more fp32 copies of every weight) on top of what centralized training needs
-    diloco = dict(rows[0], setup="diloco replica (nesterov)")
+    diloco = dict(rows[0], setup="diloco replica (nesterov), adamw")
     diloco["optimizer_bytes"] += 2 * diloco["weights_bytes"]
     diloco["total_bytes"] += 2 * diloco["weights_bytes"]
     rows.append(diloco)
@@ -59,17 +70,16 @@ def computed(name: str, peers: int) -> list[dict]:
 
 def measured_tiny(peers: int) -> list[dict]:
     cfg = load_config("tiny")
-    e = cfg.moe.num_experts
     rows = []
-    for setup, local in (("centralized", list(range(e))), (f"spes {e // peers}/{e}", list(range(e // peers)))):
+    for setup, local, train in setups(cfg, peers):
         model = MoETransformer(cfg.model, cfg.moe, local_experts=local)
         model.init_weights(0)
-        opt = build_optimizer(model, cfg.train)
+        opt = build_optimizer(model, train)
         idx = torch.randint(0, cfg.model.vocab_size, (2, 32))
         model.loss(idx, idx).loss.backward()
         opt.step()
         report = measure_memory(model, opt)
-        assert report.to_dict() == expected_memory(model, cfg.train).to_dict(), "measured bytes differ from computed bytes"
+        assert report.to_dict() == expected_memory(model, train).to_dict(), "measured bytes differ from computed bytes"
         rows.append(_row("tiny", setup, report, "measured"))
     return rows
 
@@ -87,12 +97,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "tiny" in args.configs:
         rows += measured_tiny(args.peers)
 
-    table = Table(title=f"Per-peer training memory (fp32 weights, fp32 grads, AdamW), {args.peers} SPES peers")
+    table = Table(title=f"Per-peer training memory (fp32 weights, fp32 grads, optimizer state), {args.peers} SPES peers")
     for col in ("config", "setup", "method", "weights GiB", "grads GiB", "optimizer GiB", "total GiB", "vs centralized"):
         table.add_column(col, justify="left" if col in ("config", "setup", "method") else "right")
-    base = {(r["config"], r["method"]): r["total_bytes"] for r in rows if r["setup"] == "centralized"}
+    # each setup against centralized training with the same optimizer
+    base = {(r["config"], r["method"], r["setup"].split(", ")[-1]): r["total_bytes"] for r in rows
+            if r["setup"].startswith("centralized")}
     for r in rows:
-        ratio = r["total_bytes"] / base[(r["config"], r["method"])]
+        ratio = r["total_bytes"] / base[(r["config"], r["method"], r["setup"].split(", ")[-1])]
         r["ratio_to_centralized"] = ratio
         table.add_row(
             r["config"], r["setup"], r["method"],

@@ -7,7 +7,8 @@
     .venv/bin/python benchmarks/quality.py --report          # the table and plot of the stored runs
 
 Every arm trains the convergence benchmark's narrow tiny model (d_model 64, 2 layers, 8 experts top-2,
-seq_len 64) on the embedded corpus for ``--steps`` steps of P x 8 sequences (P = 4 peers unless the arm
+seq_len 64) with AdamW (``train.optimizer=adamw``, pinned by ``convergence.CONFIG``: the default when the
+stored arms ran; the muon arms set Muon) on the embedded corpus for ``--steps`` steps of P x 8 sequences (P = 4 peers unless the arm
 says otherwise), with ``train.seed`` and ``data.seed`` set to the seed, and is scored by
 ``benchmarks/convergence.py``'s scorer: mean next-token cross-entropy of the swarm's model (the shared
 weights, each expert from a peer that trains it) on the same 1024 validation windows for every arm,
@@ -99,7 +100,7 @@ class Arm:
 
 ARMS = {a.name: a for a in (
     Arm("centralized", None, knob="one process, batch 32"),
-    Arm("default", (), knob="embedded swarm defaults"),
+    Arm("default", (), knob="embedded swarm defaults, AdamW"),
     Arm("sync-10", ("swarm.sync_steps=10",), knob="sync interval"),
     Arm("sync-25", ("swarm.sync_steps=25",), knob="sync interval"),
     Arm("sync-100", ("swarm.sync_steps=100",), knob="sync interval"),
@@ -125,7 +126,7 @@ ARMS = {a.name: a for a in (
     Arm("lr-2x", ("train.lr=6e-3",), knob="probe: inner lr 6e-3 (default 3e-3)"),
     Arm("alone", None, peers=1, knob="probe: one peer alone, a quarter of the tokens"),
     Arm("centralized-2", None, peers=2, baseline="centralized-2", knob="one process, batch 16"),
-    Arm("default-2", (), peers=2, baseline="centralized-2", knob="embedded swarm defaults, 2 peers"),
+    Arm("default-2", (), peers=2, baseline="centralized-2", knob="embedded swarm defaults, AdamW, 2 peers"),
     Arm("centralized-muon", None, baseline="centralized-muon", knob="one process, batch 32, Muon",
         train=("train.optimizer=muon",)),
     Arm("muon", (), baseline="centralized-muon", knob="inner optimizer: Muon (vs centralized-muon)",

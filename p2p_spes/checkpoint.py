@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from p2p_spes.errors import CheckpointError
+from p2p_spes.optim import state_names
 
 FORMAT = "p2p-spes-checkpoint"
 VERSION = 1
@@ -67,13 +68,26 @@ def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """The saved state into ``optimizer``; refused whole when a parameter is unknown or its state is
+    another optimizer's (AdamW's moments where Muon keeps a momentum, say)."""
     params = dict(model.named_parameters())
+    saved: dict[str, dict[str, torch.Tensor]] = {}
     for flat_key, value in tensors.items():
         name, key = flat_key.split("::", 1)
         if name not in params:
             raise CheckpointError(f"optimizer state for unknown parameter {name}; the checkpoint's experts differ")
+        saved.setdefault(name, {})[key] = value
+    for name, state in saved.items():
+        expected = state_names(optimizer, params[name])
+        if expected is not None and set(state) != expected:
+            raise CheckpointError(
+                f"the checkpoint's optimizer state for {name} is {sorted(state)} where this optimizer keeps "
+                f"{sorted(expected)}: it was saved with another train.optimizer; resume with the one it was trained with"
+            )
+    for name, state in saved.items():
         p = params[name]
-        optimizer.state[p][key] = value.to(p.device) if key != "step" else value.clone()
+        for key, value in state.items():
+            optimizer.state[p][key] = value.to(p.device) if key != "step" else value.clone()
 
 
 def save_checkpoint(

@@ -118,7 +118,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.1
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on the rest (optim.py)
+    optimizer: Literal["adamw", "muon"] = "muon"  # Muon on attention/expert matrices, AdamW on the rest (optim.py)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float = 1.0

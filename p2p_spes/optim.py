@@ -69,9 +69,11 @@ _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 def orthogonalize(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """Each matrix of ``update`` (its last two dimensions; a stack of experts is a batch) with its
-    singular values pushed towards 1 by a Newton-Schulz iteration: Muon's step direction."""
+    singular values pushed towards 1 by a Newton-Schulz iteration: Muon's step direction. In bf16 on
+    CUDA, as torch's and Muon's reference implementations run it (the iteration tolerates it and the
+    matmuls are the optimizer's whole cost); in fp32 elsewhere, where bf16 matmuls are slow."""
     a, b, c = _NS_COEFFICIENTS
-    x = update.float()
+    x = update.bfloat16() if update.is_cuda else update.float()
     wide = x.shape[-2] <= x.shape[-1]
     if not wide:
         x = x.mT
@@ -136,6 +138,19 @@ class MuonAdamW(torch.optim.Optimizer):
             [s["step"] for s in states], foreach=False, decoupled_weight_decay=True, amsgrad=False,
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
             maximize=False)
+
+
+ADAMW_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
+MUON_STATE = frozenset({"momentum_buffer"})
+
+
+def state_names(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> frozenset[str] | None:
+    """The state ``optimizer`` keeps for ``param`` (None: an optimizer :func:`build_optimizer` does not
+    make), so that a checkpoint of another ``train.optimizer`` is refused instead of half-loaded."""
+    if isinstance(optimizer, MuonAdamW):
+        muon = any(g["muon"] and any(p is param for p in g["params"]) for g in optimizer.param_groups)
+        return MUON_STATE if muon else ADAMW_STATE
+    return ADAMW_STATE if isinstance(optimizer, torch.optim.AdamW) else None
 
 
 def muon_parameter_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:

@@ -143,10 +143,11 @@ def test_gradient_and_optimizer_bytes_scale_with_local_experts():
     _, quarter = _train_one_step([0, 1])
     e, f, h, layers = cfg.moe.num_experts, cfg.moe.ffn_dim, cfg.model.d_model, cfg.model.num_layers
     per_expert = 3 * f * h * layers * 4  # fp32 bytes of one expert across layers
+    moments = {"muon": 1, "adamw": 2}[cfg.train.optimizer]  # Muon's momentum, or AdamW's two moments
     assert full.gradients["local_experts"] == e * per_expert
-    assert full.optimizer["local_experts"] == 2 * e * per_expert  # Adam's two moments
+    assert full.optimizer["local_experts"] == moments * e * per_expert
     assert quarter.gradients["local_experts"] == 2 * per_expert
-    assert quarter.optimizer["local_experts"] == 2 * 2 * per_expert
+    assert quarter.optimizer["local_experts"] == moments * 2 * per_expert
     assert quarter.optimizer["local_experts"] / full.optimizer["local_experts"] == 2 / e
     assert quarter.gradients["frozen_experts"] == quarter.optimizer["frozen_experts"] == 0
     assert quarter.parameters["frozen_experts"] == 6 * per_expert

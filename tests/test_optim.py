@@ -9,8 +9,9 @@ import pytest
 import torch
 from helpers import SMALL_MODEL
 
+from p2p_spes.checkpoint import load_optimizer_tensors, optimizer_tensors
 from p2p_spes.config import load_config
-from p2p_spes.errors import ConfigError
+from p2p_spes.errors import CheckpointError, ConfigError
 from p2p_spes.healing import take_on_experts
 from p2p_spes.memory import expected_memory, measure_memory
 from p2p_spes.model import MoETransformer
@@ -113,3 +114,16 @@ def test_a_muon_peer_taking_on_an_expert_keeps_the_momentum_of_the_experts_it_ha
 def test_an_unknown_optimizer_is_refused_with_the_choices():
     with pytest.raises(ConfigError, match="train.optimizer: must be one of 'adamw', 'muon'"):
         load_config(None, ["train.optimizer=sgd"])
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_the_setting():
+    cfg, model = _model("adamw", [1, 2])
+    opt = build_optimizer(model, cfg.train)
+    _step(model, opt)
+    saved = optimizer_tensors(model, opt)
+    muon_cfg, muon_model = _model("muon", [1, 2])
+    with pytest.raises(CheckpointError, match="saved with another train.optimizer"):
+        load_optimizer_tensors(muon_model, build_optimizer(muon_model, muon_cfg.train), saved)
+    again = build_optimizer(model, cfg.train)
+    load_optimizer_tensors(model, again, saved)  # the optimizer it was saved with takes it back
+    assert all(torch.equal(again.state[p]["exp_avg"], opt.state[p]["exp_avg"]) for p in opt.state)
