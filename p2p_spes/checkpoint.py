@@ -57,7 +57,8 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """AdamW moments keyed by parameter name, so they survive re-ordering of parameters."""
+    """The optimizer state (Muon's momentum, AdamW's moments) keyed by parameter name, so it survives
+    re-ordering of parameters."""
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for p, state in optimizer.state.items():

@@ -160,7 +160,7 @@ class SwarmConfig:
     # elsewhere skip them, see p2p_spes/moe/router.py). A per-peer choice: a swarm may mix both.
     residency: Literal["full", "partial"] = field(default="full", metadata=LOCAL)
     # Self-healing: the most experts this peer trains, takeovers included (None: no limit). Each costs
-    # gradient + AdamW memory, and under partial residency its weights too.
+    # gradient + optimizer memory, and under partial residency its weights too.
     max_experts_per_peer: int | None = field(default=None, metadata=LOCAL)
     # pseudo-gradient codec, with error feedback (compression.py); run-wide: peers set otherwise refuse to join
     compression: Literal["none", "fp16", "int8", "int4", "topk"] = "none"

@@ -14,8 +14,8 @@ peer's experts.
 
 Taking an expert on makes it trainable here: the expert moves from the frozen buffers (full
 residency: the peer already has the agreed copy) or from nowhere (partial residency: the swarm
-downloads it first) into the local parameters, and AdamW's moments of the experts kept are carried
-over row by row; the new expert's moments start at zero.
+downloads it first) into the local parameters, and the optimizer state of the experts kept is carried
+over row by row; the new expert's starts at zero.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def take_on_experts(
 ) -> torch.optim.Optimizer:
     """Make ``experts`` trainable in ``model`` too; returns the optimizer for the new parameters.
 
-    Shared parameters keep their optimizer state as is; each kept expert keeps its AdamW moments.
+    Shared parameters keep their optimizer state as is; each kept expert keeps its optimizer state.
     """
     stores = model.expert_modules()
     old_ids = list(stores[0].local_ids)

@@ -92,8 +92,8 @@ def expected_memory(model: nn.Module, train: TrainConfig | None = None,
     """Bytes a model *will* use, from shapes alone (works on the ``meta`` device).
 
     Trainable parameters get a gradient of their own dtype (or ``grad_bytes_per_element``) and the
-    fp32 state of ``train.optimizer`` (AdamW's two moments when ``train`` is None; Muon keeps one
-    momentum for the hidden matrices); frozen experts get neither.
+    fp32 state of ``train.optimizer`` (the default config's when ``train`` is None): AdamW keeps two
+    moments, Muon one momentum for the hidden matrices. Frozen experts get neither.
     """
     train = train or TrainConfig()
     report = MemoryReport()

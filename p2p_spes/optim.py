@@ -65,15 +65,17 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # Newton-Schulz quintic coefficients (Muon's): a steep slope at zero, so 5 steps bring every singular
 # value near 1 (roughly into [0.7, 1.2]), which is all the update needs.
 _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# (device, matrix shape) whose bf16 iteration failed MuonAdamW.self_check in this process: fp32 there
+_BF16_REFUSED: set[tuple[str, tuple[int, ...]]] = set()
 
 
-def orthogonalize(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def orthogonalize(update: torch.Tensor, bf16: bool = False, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """Each matrix of ``update`` (its last two dimensions; a stack of experts is a batch) with its
-    singular values pushed towards 1 by a Newton-Schulz iteration: Muon's step direction. In bf16 on
-    CUDA, as torch's and Muon's reference implementations run it (the iteration tolerates it and the
-    matmuls are the optimizer's whole cost); in fp32 elsewhere, where bf16 matmuls are slow."""
+    singular values pushed towards 1 by a Newton-Schulz iteration: Muon's step direction. ``bf16`` is
+    how torch's and Muon's reference implementations run it on a GPU (the iteration tolerates it and
+    the matmuls are the optimizer's whole cost); fp32 otherwise."""
     a, b, c = _NS_COEFFICIENTS
-    x = update.bfloat16() if update.is_cuda else update.float()
+    x = update.bfloat16() if bf16 else update.float()
     wide = x.shape[-2] <= x.shape[-1]
     if not wide:
         x = x.mT
@@ -82,6 +84,14 @@ def orthogonalize(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> to
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
     return (x if wide else x.mT).to(update.dtype)
+
+
+def bf16_error(shape: tuple[int, ...], device: torch.device) -> float:
+    """Relative distance of the bf16 iteration from fp32's on ``device``, for a random matrix of
+    ``shape`` (about 0.03 where bf16 matmuls are right)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(device)
+    low, ref = orthogonalize(x, bf16=True).float(), orthogonalize(x)
+    return float((low - ref).norm() / ref.norm())
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -100,6 +110,27 @@ class MuonAdamW(torch.optim.Optimizer):
                  momentum: float = 0.95) -> None:
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0, "muon": False,
                                   "momentum": momentum})
+
+    def matrix_shapes(self) -> dict[tuple[int, ...], torch.device]:
+        """The distinct matrix shapes Muon steps (an expert stack counts as its experts' matrix), and
+        the device of each."""
+        return {tuple(p.shape[-2:]): p.device for g in self.param_groups if g["muon"] for p in g["params"]}
+
+    def self_check(self) -> list[str]:
+        """On a GPU, the bf16 iteration against fp32 on the same device for each Muon matrix's shape:
+        the findings of the shapes where they disagree (relative error above 0.1, or not finite), which
+        from then on run in fp32 on that device, in this optimizer and in any rebuilt later (a resume, a
+        takeover). Nothing to check off a GPU (fp32 there)."""
+        findings = []
+        for shape, device in sorted(self.matrix_shapes().items()):
+            if device.type != "cuda":
+                continue
+            error = bf16_error(shape, device)
+            if not math.isfinite(error) or error > 0.1:
+                _BF16_REFUSED.add((str(device), shape))
+                findings.append(f"Muon's bf16 Newton-Schulz on {device} for a {shape[0]}x{shape[1]} matrix is "
+                                f"{error:.3g} away from fp32 (relative); using fp32")
+        return findings
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -120,7 +151,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
-            direction = orthogonalize(p.grad.lerp(buf, mu))
+            bf16 = p.is_cuda and (str(p.device), tuple(p.shape[-2:])) not in _BF16_REFUSED
+            direction = orthogonalize(p.grad.lerp(buf, mu), bf16=bf16)
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(direction, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
 

@@ -1,4 +1,4 @@
-"""The training loop of one peer: expert-subset AdamW, validation, metrics and checkpoints.
+"""The training loop of one peer: expert-subset optimizer, validation, metrics and checkpoints.
 
 The swarm (DHT, averaging) plugs in through :class:`StepHook` callbacks that run after each
 optimizer step; this module knows nothing about the network.
@@ -26,7 +26,7 @@ from p2p_spes.errors import CheckpointError, ConfigError
 from p2p_spes.memory import measure_memory
 from p2p_spes.model import MoETransformer
 from p2p_spes.moe import choose_backend
-from p2p_spes.optim import build_optimizer, lr_at, set_lr, trainable_parameters
+from p2p_spes.optim import MuonAdamW, build_optimizer, lr_at, set_lr, trainable_parameters
 from p2p_spes.progress import ProgressView
 from p2p_spes.tensorboard_log import ScalarLog
 
@@ -115,6 +115,9 @@ class Trainer:
         if tr.init_from:
             self.load_initial_weights(tr.init_from)
         self.optimizer = build_optimizer(self.model, tr)
+        if isinstance(self.optimizer, MuonAdamW):  # its bf16 iteration, checked on a GPU once
+            for finding in self.optimizer.self_check():
+                log.warning("%s", finding)
 
         train_dir, val_dir, tokenizer = resolve_data(cfg)
         vocab = cfg.model.vocab_size

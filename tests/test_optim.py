@@ -9,13 +9,14 @@ import pytest
 import torch
 from helpers import SMALL_MODEL
 
+from p2p_spes import optim
 from p2p_spes.checkpoint import load_optimizer_tensors, optimizer_tensors
 from p2p_spes.config import load_config
 from p2p_spes.errors import CheckpointError, ConfigError
 from p2p_spes.healing import take_on_experts
 from p2p_spes.memory import expected_memory, measure_memory
 from p2p_spes.model import MoETransformer
-from p2p_spes.optim import MuonAdamW, build_optimizer, orthogonalize, trainable_parameters
+from p2p_spes.optim import MuonAdamW, bf16_error, build_optimizer, orthogonalize, trainable_parameters
 
 
 def _model(optimizer: str, local: list[int]):
@@ -127,3 +128,22 @@ def test_a_checkpoint_of_another_optimizer_is_refused_naming_the_setting():
     again = build_optimizer(model, cfg.train)
     load_optimizer_tensors(model, again, saved)  # the optimizer it was saved with takes it back
     assert all(torch.equal(again.state[p]["exp_avg"], opt.state[p]["exp_avg"]) for p in opt.state)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (128, 64), (48, 32)])
+def test_the_bf16_iteration_a_gpu_runs_stays_close_to_fp32(shape):
+    # what MuonAdamW.self_check measures on each GPU at start-up, here on the CPU's bf16 matmuls
+    assert 0 < bf16_error(shape, torch.device("cpu")) < 0.1
+
+
+def test_a_gpu_whose_bf16_iteration_disagrees_falls_back_to_fp32(monkeypatch):
+    cfg, model = _model("muon", [1, 2])
+    opt = build_optimizer(model, cfg.train)
+    assert opt.self_check() == []  # off a GPU there is nothing to check: the iteration runs in fp32
+    # a GPU whose bf16 matmuls are wrong: the check names the device and shape and refuses bf16 there
+    monkeypatch.setattr(optim, "bf16_error", lambda shape, device: float("nan"))
+    monkeypatch.setattr(optim, "_BF16_REFUSED", set())
+    monkeypatch.setattr(opt, "matrix_shapes", lambda: {(32, 32): torch.device("cuda:0")})
+    findings = opt.self_check()
+    assert findings and all("cuda:0" in f and "using fp32" in f for f in findings)
+    assert ("cuda:0", (32, 32)) in optim._BF16_REFUSED

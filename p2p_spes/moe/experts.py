@@ -5,7 +5,7 @@ Why a storage of our own: a peer trains a few experts and keeps the others froze
 The checkpoint layout is MegaBlocks' (``w1``, ``v1``, ``w2``, each ``(E*F, H)``), but in memory the
 local experts live in one ``nn.Parameter`` per matrix of shape ``(n, F, H)`` and the frozen experts
 in a plain buffer. A fused ``(E*F, H)`` parameter with a gradient mask would still allocate
-``E*F*H`` gradient and Adam moments; this layout allocates ``n*F*H``.
+``E*F*H`` gradient and optimizer state; this layout allocates ``n*F*H``.
 
 Tokens are sorted by *slot* (local experts first, then frozen ones), so each of the two groups is
 one contiguous block that a grouped matmul (or a per-expert loop) handles without copying weights.

@@ -1,7 +1,7 @@
 """MegaBlocks backend: MegaBlocks' router and token permutation, our expert weight storage.
 
 Why an adapter: MegaBlocks' ``dMoE`` keeps each expert matrix as one fused ``(E*F, H)`` parameter,
-which would allocate gradients and Adam moments for every expert. We keep its CUDA routing and
+which would allocate gradients and optimizer state for every expert. We keep its CUDA routing and
 permutation (``grouped`` implementation; ``sparse`` refuses triton >= 3.2) and swap ``experts.mlp``
 for :class:`SwiGLUExperts`, whose local/frozen split makes gradient and optimizer memory scale with
 the local experts. Weight names (``router.layer.weight``, ``experts.mlp.{w1,v1,w2}``) are the torch
