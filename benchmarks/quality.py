@@ -34,7 +34,7 @@ nothing else:
   have not carried, instead of resetting to the group's result and sending it later);
 * ``centralized-muon`` / ``centralized-2-muon``, ``muon`` / ``muon-2``: ``train.optimizer=muon`` (Muon on
   the hidden matrices, AdamW on the rest) for centralized and swarm alike; each swarm arm's gap is to
-  the centralized run with the same optimizer;
+  the centralized run with the same optimizer; ``muon-int8``: with ``swarm.compression=int8`` too;
 * probes of where the gap comes from: ``outer-sgd-2`` (the new value is the anchor minus twice the
   averaged pseudo-gradient: the step a batch P times larger would take if the gradient noise were all
   that differs), ``lr-2x`` (inner lr doubled), ``alone`` (one process with one peer's batch of 8 for
@@ -131,6 +131,8 @@ ARMS = {a.name: a for a in (
         train=("train.optimizer=muon",)),
     Arm("muon", (), baseline="centralized-muon", knob="inner optimizer: Muon (vs centralized-muon)",
         train=("train.optimizer=muon",)),
+    Arm("muon-int8", ("swarm.compression=int8",), baseline="centralized-muon",
+        knob="Muon with int8 pseudo-gradients (spes-1b's and spes-7b's compression)", train=("train.optimizer=muon",)),
     Arm("centralized-2-muon", None, peers=2, baseline="centralized-2-muon", knob="one process, batch 16, Muon",
         train=("train.optimizer=muon",)),
     Arm("muon-2", (), peers=2, baseline="centralized-2-muon", knob="inner optimizer: Muon, 2 peers",
