@@ -70,6 +70,7 @@ table and writes ``benchmarks/results/local_steps.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -92,15 +93,7 @@ from p2p_spes.config import Config, SwarmConfig, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
 from p2p_spes.model import MoETransformer
-from p2p_spes.optim import (
-    MuonAdamW,
-    build_optimizer,
-    lr_at,
-    muon_parameter_groups,
-    parameter_groups,
-    set_lr,
-    trainable_parameters,
-)
+from p2p_spes.optim import build_optimizer, lr_at, parameter_groups, set_lr, trainable_parameters
 from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 
 RESULTS = Path(__file__).parent / "results" / "local_steps.json"
@@ -210,7 +203,7 @@ def make_optimizer(model: MoETransformer, cfg: Config, probe: Probe) -> torch.op
     """The project's AdamW, Muon with AdamW (``-muon``), or the pooled-noise variant of the ``-pooled`` probes."""
     tr = cfg.train
     if probe.muon:
-        return MuonAdamW(muon_parameter_groups(model, tr), lr=tr.lr, betas=tuple(tr.betas), eps=tr.eps)
+        return build_optimizer(model, dataclasses.replace(tr, optimizer="muon"))
     if not probe.pooled:
         return build_optimizer(model, tr)
     return PooledNoiseAdamW(parameter_groups(model, tr), lr=tr.lr, betas=tuple(tr.betas), eps=tr.eps,

@@ -30,12 +30,12 @@ from p2p_spes.optim import build_optimizer
 GIB = 1024**3
 
 
-def _row(name: str, setup: str, report, method: str) -> dict:
+def _row(name: str, setup: str, report, method: str, optimizer: str) -> dict:
     weights = sum(report.parameters.values())
     grads = sum(report.gradients.values())
     optim = sum(report.optimizer.values())
     return {
-        "config": name, "setup": setup, "method": method,
+        "config": name, "setup": setup, "method": method, "optimizer": optimizer,
         "weights_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optim,
         "total_bytes": weights + grads + optim,
         "expert_weights_bytes": report.parameters["local_experts"] + report.parameters["frozen_experts"],
@@ -58,7 +58,7 @@ def computed(name: str, peers: int) -> list[dict]:
     rows = []
     for setup, local, train in setups(cfg, peers):
         model = MoETransformer(cfg.model, cfg.moe, local_experts=local, device="meta")
-        rows.append(_row(name, setup, expected_memory(model, train), "computed"))
+        rows.append(_row(name, setup, expected_memory(model, train), "computed", train.optimizer))
     # a DiLoCo peer trains a full replica and keeps the outer optimizer's anchor and Nesterov momentum
     # (two more fp32 copies of every weight) on top of what centralized training needs
     diloco = dict(rows[0], setup="diloco replica (nesterov), adamw")
@@ -80,7 +80,7 @@ def measured_tiny(peers: int) -> list[dict]:
         opt.step()
         report = measure_memory(model, opt)
         assert report.to_dict() == expected_memory(model, train).to_dict(), "measured bytes differ from computed bytes"
-        rows.append(_row("tiny", setup, report, "measured"))
+        rows.append(_row("tiny", setup, report, "measured", train.optimizer))
     return rows
 
 
@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for col in ("config", "setup", "method", "weights GiB", "grads GiB", "optimizer GiB", "total GiB", "vs centralized"):
         table.add_column(col, justify="left" if col in ("config", "setup", "method") else "right")
     # each setup against centralized training with the same optimizer
-    base = {(r["config"], r["method"], r["setup"].split(", ")[-1]): r["total_bytes"] for r in rows
+    base = {(r["config"], r["method"], r["optimizer"]): r["total_bytes"] for r in rows
             if r["setup"].startswith("centralized")}
     for r in rows:
-        ratio = r["total_bytes"] / base[(r["config"], r["method"], r["setup"].split(", ")[-1])]
+        ratio = r["total_bytes"] / base[(r["config"], r["method"], r["optimizer"])]
         r["ratio_to_centralized"] = ratio
         table.add_row(
             r["config"], r["setup"], r["method"],
