@@ -104,8 +104,9 @@ CONFIG = [
     "moe.num_experts=8", "moe.ffn_dim=128", "train.log_interval=10",
     "swarm.matchmaking_time=3", "swarm.averaging_timeout=20",
     # every stored run of this benchmark and of quality.py, local_steps.py and grad_norms.py trained with
-    # AdamW, the default until train.optimizer became muon; their muon arms set it themselves
-    "train.optimizer=adamw",
+    # AdamW, the default until train.optimizer became muon; their muon arms set it themselves, and ran with
+    # the AdamW-stepped parameters at lr x 1 until that became x 4 (train.muon_adamw_lr_scale)
+    "train.optimizer=adamw", "train.muon_adamw_lr_scale=1",
 ]
 SPES = ["experts.placement=spes", "swarm.merge_interval={merge}", "swarm.outer_optimizer=average", "swarm.compression=none"]
 ARMS: dict[str, list[str] | None] = {

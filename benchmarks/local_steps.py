@@ -58,7 +58,25 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
 * ``centralized-muon``, ``h50-muon``, ``h1-muon``, ``dp-muon``: centralized, h50, h1 and dp with
   ``train.optimizer=muon`` (``optim.MuonAdamW``: Muon on the hidden matrices, AdamW on embeddings, head,
   router and norms). MuLoCo (arXiv 2505.23725) reports that Muon's normalized steps make
-  pseudo-gradients that average better across workers than AdamW's.
+  pseudo-gradients that average better across workers than AdamW's. ``h10-muon``: every 10 steps;
+  ``h50-muon-nesterov``: with the swarm's Nesterov outer step (the pair the swarm
+  test found unstable once); ``h50-muon-outer15``: the anchor minus 1.5x the averaged pseudo-gradient
+  (Muon's steps have a fixed size, so the mean of P noisy ones is shorter than one clean one);
+  ``-m98``: Muon's momentum 0.98 instead of 0.95 (a longer momentum averages more of a
+  small batch's noise before the step is normalized); ``-lr2``: the learning rate x2
+  (a replica's normalized step on a batch of B/P carries about 1/sqrt(P) of the signal of one on B).
+* ``centralized-muon-adam2``, ``h50-muon-adam2`` (and ``4``, ``8``): the learning rate x2 (x4, x8) for the
+  parameters AdamW steps (embeddings, head, router, norms) only; Muon's step stays the same.
+  ``h50-muon-outer2``: as ``h50-muon-outer15`` with 2x; ``h50-muon-adam4-outer15``: ``-adam4`` and ``-outer15``.
+* ``h50-frozen``: AdamW whose denominator (the root of the second moment) is the replicas' mean second
+  moment at the last average, frozen until the next (``freeze_denominators``); each replica keeps its
+  own first moment. A replica's step is then linear in its gradients within a round, as SGD's is;
+  ``-pooled``: the noise part of that second moment divided by the replicas; ``centralized-frozen``: one
+  replica of batch 32 with its own denominator frozen the same way (what the freezing alone costs).
+* ``centralized-sgd``, ``h50-sgd``, ``h1-sgd``: a diagnostic, not a candidate: SGD with Nesterov momentum
+  at 100x the learning rate. Its step is linear in the gradients, so averaging replicas loses nothing to
+  a per-replica normalization; if the gap to its own centralized run is small, the normalization of
+  each replica's noisy step (AdamW's, Muon's) is what the averaged swarms lose.
 
 ``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
 never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) needs ``--out``.
@@ -120,6 +138,10 @@ class Probe:
     feedback_decay: float = 1.0  # with `codec`: each replica's residual is scaled by this before it is added
     result_fraction: float | None = None  # with `codec` and `restage`: swarm.topk_result_fraction
     muon: bool = False  # Muon on the hidden matrices, AdamW on the rest (optim.MuonAdamW)
+    muon_momentum: float | None = None  # with `muon`: Muon's momentum instead of 0.95
+    muon_rms: float | None = None  # with `muon`: the RMS of Muon's step per unit lr instead of 0.2
+    sgd: bool = False  # SGD with Nesterov momentum 0.9, no weight decay, at lr_scale x the config's lr
+    frozen: bool = False  # AdamW dividing by a second moment shared by the replicas and frozen between averages
 
 
 PROBES = {
@@ -148,6 +170,21 @@ PROBES = {
     "h10-topk-dense": Probe(PEERS, 10, codec="topk", result_fraction=4 / 64),
     "centralized-muon": Probe(1, 0, muon=True), "h50-muon": Probe(PEERS, 50, muon=True),
     "h1-muon": Probe(PEERS, 1, muon=True), "dp-muon": Probe(PEERS, 1, grads=True, muon=True),
+    "h10-muon": Probe(PEERS, 10, muon=True), "h50-muon-moments": Probe(PEERS, 50, True, muon=True),
+    "h50-muon-nesterov": Probe(PEERS, 50, nesterov=True, muon=True),
+    "h50-muon-outer15": Probe(PEERS, 50, outer_lr=1.5, muon=True),
+    "centralized-muon-m98": Probe(1, 0, muon=True, muon_momentum=0.98),
+    "h50-muon-m98": Probe(PEERS, 50, muon=True, muon_momentum=0.98),
+    "centralized-muon-lr2": Probe(1, 0, lr_scale=2.0, muon=True), "h1-muon-lr2": Probe(PEERS, 1, lr_scale=2.0, muon=True),
+    "h50-muon-lr2": Probe(PEERS, 50, lr_scale=2.0, muon=True),
+    **{f"{name}-muon-adam{k}": Probe(n, sync, lr_scale=k, muon=True, muon_rms=0.2 / k)
+       for name, n, sync in (("centralized", 1, 0), ("h50", PEERS, 50)) for k in (2, 4, 8)},
+    "h50-muon-outer2": Probe(PEERS, 50, outer_lr=2.0, muon=True),
+    "h50-muon-adam4-outer15": Probe(PEERS, 50, lr_scale=4, muon=True, muon_rms=0.05, outer_lr=1.5),
+    "centralized-frozen": Probe(1, 50, frozen=True), "h50-frozen": Probe(PEERS, 50, frozen=True),
+    "h50-frozen-pooled": Probe(PEERS, 50, frozen=True, pooled=True),
+    "centralized-sgd": Probe(1, 0, lr_scale=100, sgd=True), "h50-sgd": Probe(PEERS, 50, lr_scale=100, sgd=True),
+    "h1-sgd": Probe(PEERS, 1, lr_scale=100, sgd=True),
 }
 NESTEROV = SwarmConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, and quality.py's
 
@@ -192,7 +229,9 @@ class PooledNoiseAdamW(torch.optim.Optimizer):
                 p.mul_(1 - lr * group["weight_decay"])
                 m_hat = m / (1 - beta1**t)
                 v_hat = v / (1 - beta2**t)
-                if peers > 1:
+                if "frozen_v" in state:  # set by freeze_denominators at the last average
+                    v_hat = state["frozen_v"].clone()
+                elif peers > 1:
                     signal = m_hat.square()
                     v_hat = signal.add_((v_hat - signal).clamp_(min=0).div_(peers))
                 p.addcdiv_(m_hat, v_hat.sqrt_().add_(eps), value=-lr)
@@ -202,12 +241,14 @@ class PooledNoiseAdamW(torch.optim.Optimizer):
 def make_optimizer(model: MoETransformer, cfg: Config, probe: Probe) -> torch.optim.Optimizer:
     """The project's AdamW, Muon with AdamW (``-muon``), or the pooled-noise variant of the ``-pooled`` probes."""
     tr = cfg.train
+    if probe.sgd:
+        return torch.optim.SGD([p for _, p in trainable_parameters(model)], lr=tr.lr, momentum=0.9, nesterov=True)
     if probe.muon:
         return build_optimizer(model, dataclasses.replace(tr, optimizer="muon"))
-    if not probe.pooled:
+    if not (probe.pooled or probe.frozen):
         return build_optimizer(model, tr)
     return PooledNoiseAdamW(parameter_groups(model, tr), lr=tr.lr, betas=tuple(tr.betas), eps=tr.eps,
-                            peers=probe.replicas)
+                            peers=1 if probe.frozen else probe.replicas)
 
 
 def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) -> MoETransformer:
@@ -219,10 +260,14 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
     for m in models[1:]:
         m.load_state_dict(first.state_dict())
     optimizers = [make_optimizer(m, cfg, probe) for m in models]
-    if probe.beta2 is not None:
-        for opt in optimizers:
-            for group in opt.param_groups:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if probe.beta2 is not None:
                 group["betas"] = (group["betas"][0], probe.beta2)
+            if probe.muon_momentum is not None:
+                group["momentum"] = probe.muon_momentum
+            if probe.muon_rms is not None:
+                group["update_rms"] = probe.muon_rms
     loaders = [BatchLoader(data, cfg.model.max_seq_len, batch, seed=seed, peer_index=i, num_peers=probe.replicas)
                for i in range(probe.replicas)]
     tr = cfg.train
@@ -249,6 +294,8 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             torch.nn.utils.clip_grad_norm_(params, tr.grad_clip * probe.clip_scale)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if probe.frozen and (step + 1) % probe.sync == 0:
+            freeze_denominators(models, optimizers, pooled=probe.pooled)
         syncs = probe.replicas > 1 and averages_after(step + 1, probe)
         if syncs and compressed is not None:
             compressed.average(models)
@@ -316,6 +363,25 @@ class CompressedAverage:
 
 
 @torch.no_grad()
+def freeze_denominators(models: list[MoETransformer], optimizers: list[torch.optim.Optimizer], pooled: bool) -> None:
+    """Every replica's AdamW divides, until the next call, by the mean of the replicas' bias-corrected
+    second moments (with ``pooled``: its noise part, ``v - m^2`` with m the replicas' mean first moment,
+    divided by the number of replicas). Between calls each replica's step is then linear in its own
+    gradients, so the average of the replicas' steps is the step of their mean gradient."""
+    for column in zip(*[[p for _, p in trainable_parameters(m)] for m in models]):
+        states = [opt.state[p] for opt, p in zip(optimizers, column)]
+        if not states[0]:
+            continue
+        (beta1, beta2), t = optimizers[0].param_groups[0]["betas"], float(states[0]["step"])
+        v = torch.stack([s["exp_avg_sq"] for s in states]).mean(0) / (1 - beta2**t)
+        if pooled:
+            signal = (torch.stack([s["exp_avg"] for s in states]).mean(0) / (1 - beta1**t)).square()
+            v = signal + (v - signal).clamp(min=0) / len(states)
+        for s in states:
+            s["frozen_v"] = v.clone()
+
+
+@torch.no_grad()
 def average_grads(models: list[MoETransformer]) -> None:
     """Every replica's gradient becomes the replicas' mean (an expert no token reached has none)."""
     for column in zip(*[[p for _, p in trainable_parameters(m)] for m in models]):
@@ -347,10 +413,26 @@ def average(models: list[MoETransformer], optimizers: list[torch.optim.Optimizer
             p.copy_(mean)
         if moments:
             states = [opt.state[p] for opt, p in zip(optimizers, column)]
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):  # AdamW's moments, Muon's momentum
+                if key not in states[0]:
+                    continue
                 mean = torch.stack([s[key] for s in states]).mean(0)
                 for s in states:
                     s[key].copy_(mean)
+
+
+def baseline(arm: str, finals: dict[str, dict[int, float]]) -> str:
+    """The centralized run an arm is compared with: for the Muon, SGD and frozen-denominator families,
+    the centralized arm of the same optimizer and settings (``h50-muon-adam4-outer15`` ->
+    ``centralized-muon-adam4``, the longest such name that ran); for every other arm plain centralized."""
+    parts = arm.split("-")
+    if not {"muon", "sgd", "frozen"} & set(parts):
+        return "centralized"
+    for end in range(len(parts), 1, -1):
+        name = "-".join(["centralized", *parts[1:end]])
+        if name == arm or name in finals:
+            return name
+    return "centralized"
 
 
 def previous_finals(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], list[str]]:
@@ -397,23 +479,23 @@ def main() -> None:
             model = train(load_config(None, [*common, f"train.seed={seed}"]), probe, batch, seed, data)
             finals[arm][seed] = validation.loss(model)
             console.print(f"{arm} seed {seed}: {finals[arm][seed]:.4f} ({(time.monotonic() - t0) / 60:.1f} min so far)")
-    base = finals.get("centralized", {})
     seeds = sorted({s for by_seed in finals.values() for s in by_seed})
     table = Table(title=f"full replicas averaged in one process, {args.steps} steps, seeds {seeds}"
                         + (f", {' '.join(args.extra)}" if args.extra else ""))
-    for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "clip x", "final loss (mean)", "vs centralized (per seed)"):
+    for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "clip x", "final loss (mean)", "against", "gap (per seed)"):
         table.add_column(col, justify="left" if col == "arm" else "right")
     rows = {}
     for arm, by_seed in finals.items():
-        probe = PROBES[arm]
+        probe, against = PROBES[arm], baseline(arm, finals)
+        base = finals.get(against, {})
         gaps = [v / base[s] - 1 for s, v in by_seed.items() if s in base]
-        rows[arm] = {**vars(probe), "finals": by_seed, "mean": statistics.fmean(by_seed.values()),
+        rows[arm] = {**vars(probe), "finals": by_seed, "mean": statistics.fmean(by_seed.values()), "against": against,
                      "gap": convergence.spread(gaps) if gaps else None}
         gap = rows[arm]["gap"]
         table.add_row(arm, f"{probe.replicas} x {args.batch * PEERS if probe.replicas == 1 else args.batch}",
                       "-" if probe.replicas == 1 else str(probe.sync), "yes" if probe.moments else "no", f"{probe.lr_scale:g}", f"{probe.clip_scale:g}",
-                      f"{rows[arm]['mean']:.4f}",
-                      "-" if arm == "centralized" or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})")
+                      f"{rows[arm]['mean']:.4f}", against,
+                      "-" if arm == against or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/local_steps.py " + " ".join(sys.argv[1:])

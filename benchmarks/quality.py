@@ -98,6 +98,7 @@ class Arm:
     train: tuple[str, ...] = ()
 
 
+MUON_4X = ("train.optimizer=muon", "train.muon_adamw_lr_scale=4")
 ARMS = {a.name: a for a in (
     Arm("centralized", None, knob="one process, batch 32"),
     Arm("default", (), knob="embedded swarm defaults, AdamW"),
@@ -137,6 +138,15 @@ ARMS = {a.name: a for a in (
         train=("train.optimizer=muon",)),
     Arm("muon-2", (), peers=2, baseline="centralized-2-muon", knob="inner optimizer: Muon, 2 peers",
         train=("train.optimizer=muon",)),
+    # today's defaults: Muon, and the parameters AdamW steps (embeddings, head, router, norms) at 4x lr
+    Arm("centralized-muon-4x", None, baseline="centralized-muon-4x", train=MUON_4X,
+        knob="one process, batch 32, Muon, train.muon_adamw_lr_scale 4"),
+    Arm("muon-4x", (), baseline="centralized-muon-4x", train=MUON_4X,
+        knob="Muon, train.muon_adamw_lr_scale 4 (vs centralized-muon-4x)"),
+    Arm("centralized-2-muon-4x", None, peers=2, baseline="centralized-2-muon-4x", train=MUON_4X,
+        knob="one process, batch 16, Muon, train.muon_adamw_lr_scale 4"),
+    Arm("muon-4x-2", (), peers=2, baseline="centralized-2-muon-4x", train=MUON_4X,
+        knob="Muon, train.muon_adamw_lr_scale 4, 2 peers"),
 )}
 
 

@@ -119,6 +119,7 @@ class TrainConfig:
     warmup_steps: int = 30
     weight_decay: float = 0.1
     optimizer: Literal["adamw", "muon"] = "muon"  # Muon on attention/expert matrices, AdamW on the rest (optim.py)
+    muon_adamw_lr_scale: float = 4.0  # with muon: embeddings, head, router and norms (AdamW) at lr x this
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float = 1.0
@@ -133,8 +134,7 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata=LOCAL)
     run_dir: str = field(default="runs/default", metadata=LOCAL)
     threads: int = field(default=0, metadata=LOCAL)
-    # metrics.jsonl's numbers as TensorBoard scalars too (p2p-spes[tensorboard]): tensorboard_dir, or run_dir's
-    tensorboard: bool = field(default=False, metadata=LOCAL)
+    tensorboard: bool = field(default=False, metadata=LOCAL)  # metrics.jsonl as TensorBoard scalars too
     tensorboard_dir: str = field(default="", metadata=LOCAL)
     # Checkpoint (or run directory) whose weights start this run, e.g. from `p2p-spes upcycle`.
     init_from: str | None = None
@@ -363,8 +363,8 @@ def validate(config: Config) -> None:
         raise ConfigError("experts.decayed_lb_start and experts.decayed_lb_fraction must be in (0, 1]")
     if config.data.partition not in ("disjoint", "shared"):
         raise ConfigError(f"data.partition must be disjoint or shared, got {config.data.partition!r}")
-    if tr.lr <= 0 or not 0 <= tr.min_lr_ratio <= 1:
-        raise ConfigError("train.lr must be positive and train.min_lr_ratio in [0, 1]")
+    if tr.lr <= 0 or tr.muon_adamw_lr_scale <= 0 or not 0 <= tr.min_lr_ratio <= 1:
+        raise ConfigError("train.lr and train.muon_adamw_lr_scale must be positive and train.min_lr_ratio in [0, 1]")
     if tr.warmup_steps < 0 or tr.warmup_steps > tr.max_steps:
         raise ConfigError(f"train.warmup_steps ({tr.warmup_steps}) must be in [0, train.max_steps={tr.max_steps}]")
     if not all(0 <= b < 1 for b in tr.betas):

@@ -32,7 +32,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     """``train.optimizer``: AdamW with weight decay on matrices and none on norm weights, or
     :class:`MuonAdamW` (Muon on the hidden matrices, the same AdamW on the rest)."""
     if cfg.optimizer == "muon":
-        return MuonAdamW(muon_parameter_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return MuonAdamW(muon_parameter_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                         adamw_lr_scale=cfg.muon_adamw_lr_scale)
     return torch.optim.AdamW(parameter_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
@@ -107,9 +108,9 @@ class MuonAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
-                 momentum: float = 0.95) -> None:
+                 momentum: float = 0.95, update_rms: float = 0.2, adamw_lr_scale: float = 1.0) -> None:
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0, "muon": False,
-                                  "momentum": momentum})
+                                  "momentum": momentum, "update_rms": update_rms, "adamw_lr_scale": adamw_lr_scale})
 
     def matrix_shapes(self) -> dict[tuple[int, ...], torch.device]:
         """The distinct matrix shapes Muon steps (an expert stack counts as its experts' matrix), and
@@ -154,7 +155,7 @@ class MuonAdamW(torch.optim.Optimizer):
             bf16 = p.is_cuda and (str(p.device), tuple(p.shape[-2:])) not in _BF16_REFUSED
             direction = orthogonalize(p.grad.lerp(buf, mu), bf16=bf16)
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(direction, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
+            p.add_(direction, alpha=-lr * group["update_rms"] * math.sqrt(max(p.shape[-2:])))
 
     def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
         for p in params:
@@ -168,7 +169,8 @@ class MuonAdamW(torch.optim.Optimizer):
         adam_update(
             params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
             [s["step"] for s in states], foreach=False, decoupled_weight_decay=True, amsgrad=False,
-            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+            beta1=beta1, beta2=beta2, lr=group["lr"] * group["adamw_lr_scale"], weight_decay=group["weight_decay"],
+            eps=group["eps"],
             maximize=False)
 
 

@@ -46,12 +46,14 @@ def test_orthogonalize_brings_every_singular_value_near_one_per_matrix(shape):
     assert torch.allclose(orthogonalize(g.mT), orthogonalize(g).mT, atol=1e-6)
 
 
-def test_adamw_groups_step_exactly_as_torch_adamw():
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_adamw_groups_step_exactly_as_torch_adamw_at_the_scaled_lr(scale):
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(6, 5))
     b = torch.nn.Parameter(a.detach().clone())
-    ref = torch.optim.AdamW([a], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    ours = MuonAdamW([{"params": [b], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ref = torch.optim.AdamW([a], lr=1e-2 * scale, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = MuonAdamW([{"params": [b], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                     adamw_lr_scale=scale)
     for _ in range(4):
         g = torch.randn(6, 5)
         a.grad, b.grad = g.clone(), g.clone()
@@ -61,17 +63,19 @@ def test_adamw_groups_step_exactly_as_torch_adamw():
     assert set(ours.state[b]) == {"step", "exp_avg", "exp_avg_sq"}  # the names checkpoints and takeovers read
 
 
-def test_muon_group_steps_along_the_orthogonalized_nesterov_momentum():
+@pytest.mark.parametrize("update_rms", [0.2, 0.6])
+def test_muon_group_steps_along_the_orthogonalized_nesterov_momentum(update_rms):
     w = torch.nn.Parameter(torch.randn(8, 32))
     start = w.detach().clone()
-    opt = MuonAdamW([{"params": [w], "weight_decay": 0.1, "muon": True}], lr=0.01, betas=(0.9, 0.95), eps=1e-8)
+    opt = MuonAdamW([{"params": [w], "weight_decay": 0.1, "muon": True}], lr=0.01, betas=(0.9, 0.95), eps=1e-8,
+                    update_rms=update_rms)
     grads = [torch.randn(8, 32), torch.randn(8, 32)]
     expected, buf = start.clone(), torch.zeros(8, 32)
     for g in grads:
         w.grad = g.clone()
         opt.step()
         buf = 0.95 * buf + 0.05 * g
-        expected = expected * (1 - 0.01 * 0.1) - 0.01 * 0.2 * math.sqrt(32) * orthogonalize(0.05 * g + 0.95 * buf)
+        expected = expected * (1 - 0.01 * 0.1) - 0.01 * update_rms * math.sqrt(32) * orthogonalize(0.05 * g + 0.95 * buf)
     assert torch.allclose(w, expected, atol=1e-6)
     assert set(opt.state[w]) == {"momentum_buffer"}
 
@@ -115,6 +119,8 @@ def test_a_muon_peer_taking_on_an_expert_keeps_the_momentum_of_the_experts_it_ha
 def test_an_unknown_optimizer_is_refused_with_the_choices():
     with pytest.raises(ConfigError, match="train.optimizer: must be one of 'adamw', 'muon'"):
         load_config(None, ["train.optimizer=sgd"])
+    with pytest.raises(ConfigError, match="train.muon_adamw_lr_scale must be positive"):
+        load_config(None, ["train.muon_adamw_lr_scale=0"])
 
 
 def test_a_checkpoint_of_another_optimizer_is_refused_naming_the_setting():
