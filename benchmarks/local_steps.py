@@ -65,8 +65,10 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   ``-m98``: Muon's momentum 0.98 instead of 0.95 (a longer momentum averages more of a
   small batch's noise before the step is normalized); ``-lr2``: the learning rate x2
   (a replica's normalized step on a batch of B/P carries about 1/sqrt(P) of the signal of one on B).
-* ``centralized-muon-adam2``, ``h50-muon-adam2`` (and ``4``, ``8``): the learning rate x2 (x4, x8) for the
-  parameters AdamW steps (embeddings, head, router, norms) only; Muon's step stays the same.
+* ``centralized-muon-adam2``, ``h50-muon-adam2`` (and ``4``, ``8``): the learning rate x2 (x4, x8) with
+  Muon's update size divided by as much, so the parameters AdamW steps (embeddings, head, router, norms)
+  and Muon's decoupled weight decay take x2 (x4, x8) while Muon's step stays the same. (The trainer's
+  ``train.muon_adamw_lr_scale`` leaves Muon's weight decay alone; quality.py's ``-4x`` arms measure it.)
   ``h50-muon-outer2``: as ``h50-muon-outer15`` with 2x; ``h50-muon-adam4-outer15``: ``-adam4`` and ``-outer15``.
 * ``h50-frozen``: AdamW whose denominator (the root of the second moment) is the replicas' mean second
   moment at the last average, frozen until the next (``freeze_denominators``); each replica keeps its
@@ -198,7 +200,8 @@ class PooledNoiseAdamW(torch.optim.Optimizer):
     times less than under one AdamW on the P batches' mean gradient. Here the noise part of the second
     moment, estimated as ``v - m^2`` (bias-corrected), is divided by ``peers``; with ``peers`` = 1 it is
     AdamW exactly. The state keeps AdamW's names (``exp_avg``, ``exp_avg_sq``, ``step``), so moment
-    averaging reads it the same way. A probe, not the trainer's: it did not help (the module docstring).
+    averaging reads it the same way; a ``frozen_v`` entry (``freeze_denominators``) replaces the second
+    moment. A probe, not the trainer's: neither helped (the module docstring).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -239,7 +242,8 @@ class PooledNoiseAdamW(torch.optim.Optimizer):
 
 
 def make_optimizer(model: MoETransformer, cfg: Config, probe: Probe) -> torch.optim.Optimizer:
-    """The project's AdamW, Muon with AdamW (``-muon``), or the pooled-noise variant of the ``-pooled`` probes."""
+    """The project's AdamW, Muon with AdamW (``-muon``), SGD (``-sgd``), or ``PooledNoiseAdamW`` for the
+    ``-pooled`` probes and (with one peer, so plain AdamW until a denominator is frozen) ``-frozen``."""
     tr = cfg.train
     if probe.sgd:
         return torch.optim.SGD([p for _, p in trainable_parameters(model)], lr=tr.lr, momentum=0.9, nesterov=True)
