@@ -70,15 +70,23 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   and Muon's decoupled weight decay take x2 (x4, x8) while Muon's step stays the same. (The trainer's
   ``train.muon_adamw_lr_scale`` leaves Muon's weight decay alone; quality.py's ``-4x`` arms measure it.)
   ``h50-muon-outer2``: as ``h50-muon-outer15`` with 2x; ``h50-muon-adam4-outer15``: ``-adam4`` and ``-outer15``.
+  ``centralized-muon-4x``, ``h50-muon-4x``: the shipped ``train.muon_adamw_lr_scale: 4`` itself.
 * ``h50-frozen``: AdamW whose denominator (the root of the second moment) is the replicas' mean second
   moment at the last average, frozen until the next (``freeze_denominators``); each replica keeps its
   own first moment. A replica's step is then linear in its gradients within a round, as SGD's is;
   ``-pooled``: the noise part of that second moment divided by the replicas; ``centralized-frozen``: one
   replica of batch 32 with its own denominator frozen the same way (what the freezing alone costs).
+  ``-hidden``: only the hidden matrices' denominators frozen (embedding rows a batch did not touch keep
+  a second moment near zero, which a frozen denominator turns into a huge step when the token comes
+  back). ``-floor``: each replica divides by no less than its own second moment, ``-floor4`` /
+  ``-floor16`` no less than 1/4 / 1/16 of it (a step at most 2x / 4x its own AdamW's, linear wherever
+  the frozen denominator is the larger, which it is but where a gradient grew within the round);
+  ``h1-``, ``h10-``, ``h50-frozen-floor4``: that step averaged every 1 / 10 / 50 steps;
+  ``-floor16-pooled``: the frozen denominator's noise part divided by the replicas.
 * ``centralized-sgd``, ``h50-sgd``, ``h1-sgd``: a diagnostic, not a candidate: SGD with Nesterov momentum
   at 100x the learning rate. Its step is linear in the gradients, so averaging replicas loses nothing to
   a per-replica normalization; if the gap to its own centralized run is small, the normalization of
-  each replica's noisy step (AdamW's, Muon's) is what the averaged swarms lose.
+  each replica's noisy step (AdamW's, Muon's) is what the averaged swarms lose. ``-lr3``: at 300x.
 
 ``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
 never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) needs ``--out``.
@@ -113,7 +121,7 @@ from p2p_spes.config import Config, SwarmConfig, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
 from p2p_spes.model import MoETransformer
-from p2p_spes.optim import build_optimizer, lr_at, parameter_groups, set_lr, trainable_parameters
+from p2p_spes.optim import build_optimizer, is_hidden_matrix, lr_at, parameter_groups, set_lr, trainable_parameters
 from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 
 RESULTS = Path(__file__).parent / "results" / "local_steps.json"
@@ -142,8 +150,11 @@ class Probe:
     muon: bool = False  # Muon on the hidden matrices, AdamW on the rest (optim.MuonAdamW)
     muon_momentum: float | None = None  # with `muon`: Muon's momentum instead of 0.95
     muon_rms: float | None = None  # with `muon`: the RMS of Muon's step per unit lr instead of 0.2
+    muon_adamw_scale: float = 1.0  # with `muon`: train.muon_adamw_lr_scale (the shipped knob)
     sgd: bool = False  # SGD with Nesterov momentum 0.9, no weight decay, at lr_scale x the config's lr
     frozen: bool = False  # AdamW dividing by a second moment shared by the replicas and frozen between averages
+    frozen_hidden: bool = False  # with `frozen`: only the hidden matrices' (optim.is_hidden_matrix) second moments
+    frozen_floor: float = 0.0  # with `frozen`: divide by no less than this times the replica's own second moment
 
 
 PROBES = {
@@ -182,11 +193,24 @@ PROBES = {
     **{f"{name}-muon-adam{k}": Probe(n, sync, lr_scale=k, muon=True, muon_rms=0.2 / k)
        for name, n, sync in (("centralized", 1, 0), ("h50", PEERS, 50)) for k in (2, 4, 8)},
     "h50-muon-outer2": Probe(PEERS, 50, outer_lr=2.0, muon=True),
+    "centralized-muon-4x": Probe(1, 0, muon=True, muon_adamw_scale=4.0), "h50-muon-4x": Probe(PEERS, 50, muon=True, muon_adamw_scale=4.0),
     "h50-muon-adam4-outer15": Probe(PEERS, 50, lr_scale=4, muon=True, muon_rms=0.05, outer_lr=1.5),
     "centralized-frozen": Probe(1, 50, frozen=True), "h50-frozen": Probe(PEERS, 50, frozen=True),
     "h50-frozen-pooled": Probe(PEERS, 50, frozen=True, pooled=True),
+    "centralized-frozen-hidden": Probe(1, 50, frozen=True, frozen_hidden=True),
+    "h50-frozen-hidden": Probe(PEERS, 50, frozen=True, frozen_hidden=True),
+    "centralized-frozen-floor": Probe(1, 50, frozen=True, frozen_floor=1.0),
+    "h50-frozen-floor": Probe(PEERS, 50, frozen=True, frozen_floor=1.0),
+    "centralized-frozen-floor4": Probe(1, 50, frozen=True, frozen_floor=0.25),
+    "h50-frozen-floor4": Probe(PEERS, 50, frozen=True, frozen_floor=0.25),
+    "h1-frozen-floor4": Probe(PEERS, 1, frozen=True, frozen_floor=0.25),
+    "h10-frozen-floor4": Probe(PEERS, 10, frozen=True, frozen_floor=0.25),
+    "centralized-frozen-floor16": Probe(1, 50, frozen=True, frozen_floor=1 / 16),
+    "h10-frozen-floor16-pooled": Probe(PEERS, 10, frozen=True, frozen_floor=1 / 16, pooled=True),
+    "h50-frozen-floor16-pooled": Probe(PEERS, 50, frozen=True, frozen_floor=1 / 16, pooled=True),
     "centralized-sgd": Probe(1, 0, lr_scale=100, sgd=True), "h50-sgd": Probe(PEERS, 50, lr_scale=100, sgd=True),
     "h1-sgd": Probe(PEERS, 1, lr_scale=100, sgd=True),
+    "centralized-sgd-lr3": Probe(1, 0, lr_scale=300, sgd=True), "h50-sgd-lr3": Probe(PEERS, 50, lr_scale=300, sgd=True),
 }
 NESTEROV = SwarmConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, and quality.py's
 
@@ -205,10 +229,11 @@ class PooledNoiseAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, peers: float = 1.0) -> None:
+                 weight_decay: float = 0.01, peers: float = 1.0, floor: float = 0.0) -> None:
         if peers < 1:
             raise ValueError(f"peers must be at least 1, got {peers}")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "peers": peers})
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "peers": peers,
+                                  "floor": floor})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -232,7 +257,9 @@ class PooledNoiseAdamW(torch.optim.Optimizer):
                 p.mul_(1 - lr * group["weight_decay"])
                 m_hat = m / (1 - beta1**t)
                 v_hat = v / (1 - beta2**t)
-                if "frozen_v" in state:  # set by freeze_denominators at the last average
+                if "frozen_v" in state and group["floor"]:  # at most 1/sqrt(floor) x the replica's own AdamW step
+                    v_hat = torch.maximum(state["frozen_v"], v_hat.mul_(group["floor"]))
+                elif "frozen_v" in state:  # set by freeze_denominators at the last average
                     v_hat = state["frozen_v"].clone()
                 elif peers > 1:
                     signal = m_hat.square()
@@ -248,11 +275,11 @@ def make_optimizer(model: MoETransformer, cfg: Config, probe: Probe) -> torch.op
     if probe.sgd:
         return torch.optim.SGD([p for _, p in trainable_parameters(model)], lr=tr.lr, momentum=0.9, nesterov=True)
     if probe.muon:
-        return build_optimizer(model, dataclasses.replace(tr, optimizer="muon"))
+        return build_optimizer(model, dataclasses.replace(tr, optimizer="muon", muon_adamw_lr_scale=probe.muon_adamw_scale))
     if not (probe.pooled or probe.frozen):
         return build_optimizer(model, tr)
     return PooledNoiseAdamW(parameter_groups(model, tr), lr=tr.lr, betas=tuple(tr.betas), eps=tr.eps,
-                            peers=1 if probe.frozen else probe.replicas)
+                            peers=1 if probe.frozen else probe.replicas, floor=probe.frozen_floor)
 
 
 def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) -> MoETransformer:
@@ -299,7 +326,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
             opt.step()
             opt.zero_grad(set_to_none=True)
         if probe.frozen and (step + 1) % probe.sync == 0:
-            freeze_denominators(models, optimizers, pooled=probe.pooled)
+            freeze_denominators(models, optimizers, pooled=probe.pooled, hidden_only=probe.frozen_hidden)
         syncs = probe.replicas > 1 and averages_after(step + 1, probe)
         if syncs and compressed is not None:
             compressed.average(models)
@@ -367,14 +394,17 @@ class CompressedAverage:
 
 
 @torch.no_grad()
-def freeze_denominators(models: list[MoETransformer], optimizers: list[torch.optim.Optimizer], pooled: bool) -> None:
+def freeze_denominators(models: list[MoETransformer], optimizers: list[torch.optim.Optimizer], pooled: bool,
+                        hidden_only: bool = False) -> None:
     """Every replica's AdamW divides, until the next call, by the mean of the replicas' bias-corrected
     second moments (with ``pooled``: its noise part, ``v - m^2`` with m the replicas' mean first moment,
     divided by the number of replicas). Between calls each replica's step is then linear in its own
-    gradients, so the average of the replicas' steps is the step of their mean gradient."""
-    for column in zip(*[[p for _, p in trainable_parameters(m)] for m in models]):
+    gradients, so the average of the replicas' steps is the step of their mean gradient. With
+    ``hidden_only`` the embeddings, head, router and norms keep AdamW's own denominator."""
+    names = [n for n, _ in trainable_parameters(models[0])]
+    for name, column in zip(names, zip(*[[p for _, p in trainable_parameters(m)] for m in models])):
         states = [opt.state[p] for opt, p in zip(optimizers, column)]
-        if not states[0]:
+        if not states[0] or (hidden_only and not is_hidden_matrix(name, column[0])):
             continue
         (beta1, beta2), t = optimizers[0].param_groups[0]["betas"], float(states[0]["step"])
         v = torch.stack([s["exp_avg_sq"] for s in states]).mean(0) / (1 - beta2**t)

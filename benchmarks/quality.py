@@ -35,6 +35,8 @@ nothing else:
 * ``centralized-muon`` / ``centralized-2-muon``, ``muon`` / ``muon-2``: ``train.optimizer=muon`` (Muon on
   the hidden matrices, AdamW on the rest) for centralized and swarm alike; each swarm arm's gap is to
   the centralized run with the same optimizer; ``muon-int8``: with ``swarm.compression=int8`` too;
+* ``centralized-muon-4x`` / ``centralized-2-muon-4x``, ``muon-4x`` / ``muon-4x-2``: today's defaults (Muon
+  with ``train.muon_adamw_lr_scale=4``); ``muon-4x-nesterov``: those with DiLoCo's Nesterov outer step;
 * probes of where the gap comes from: ``outer-sgd-2`` (the new value is the anchor minus twice the
   averaged pseudo-gradient: the step a batch P times larger would take if the gradient noise were all
   that differs), ``lr-2x`` (inner lr doubled), ``alone`` (one process with one peer's batch of 8 for
@@ -143,6 +145,8 @@ ARMS = {a.name: a for a in (
         knob="one process, batch 32, Muon, train.muon_adamw_lr_scale 4"),
     Arm("muon-4x", (), baseline="centralized-muon-4x", train=MUON_4X,
         knob="Muon, train.muon_adamw_lr_scale 4 (vs centralized-muon-4x)"),
+    Arm("muon-4x-nesterov", ("swarm.outer_optimizer=nesterov", "swarm.outer_lr=0.7", "swarm.outer_momentum=0.9"),
+        baseline="centralized-muon-4x", train=MUON_4X, knob="outer optimizer: Nesterov, with today's Muon defaults"),
     Arm("centralized-2-muon-4x", None, peers=2, baseline="centralized-2-muon-4x", train=MUON_4X,
         knob="one process, batch 16, Muon, train.muon_adamw_lr_scale 4"),
     Arm("muon-4x-2", (), peers=2, baseline="centralized-2-muon-4x", train=MUON_4X,

@@ -94,3 +94,37 @@ def test_decayed_feedback_scales_the_residual_it_adds():
     for r, h in zip(avg.residuals, held):
         torch.testing.assert_close(r, 0.5 * h - codec.decode(codec.encode(0.5 * h), h.numel()), atol=1e-7, rtol=0)
     assert not torch.equal(avg.anchor, anchor)
+
+
+def frozen_step(grad: torch.Tensor, frozen_v: torch.Tensor, floor: float) -> torch.Tensor:
+    """The change one step of the probe's AdamW makes from zero state, its denominator frozen at ``frozen_v``."""
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    opt = local_steps.PooledNoiseAdamW([p], lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, floor=floor)
+    p.grad = grad.clone()
+    opt.step()  # creates the state; this first step is plain AdamW
+    opt.state[p]["frozen_v"] = frozen_v.clone()
+    before = p.detach().clone()
+    p.grad = grad.clone()
+    opt.step()
+    return p.detach() - before
+
+
+def test_a_frozen_denominator_makes_the_step_linear_in_the_gradient():
+    """Two replicas stepping from the same state on their own gradients move, on average, as one replica
+    on their mean gradient: what freezing the denominator is for."""
+    torch.manual_seed(0)
+    g1, g2, v = torch.randn(50), torch.randn(50), torch.rand(50) + 0.1
+    mean_of_steps = (frozen_step(g1, v, 0.0) + frozen_step(g2, v, 0.0)) / 2
+    assert torch.allclose(mean_of_steps, frozen_step((g1 + g2) / 2, v, 0.0), atol=1e-6)
+
+
+def test_the_floor_caps_a_coordinate_whose_frozen_denominator_is_too_small():
+    """Where the frozen second moment is near zero the step would be huge; the floor divides by
+    ``floor`` x the replica's own second moment instead, elsewhere the frozen value stands."""
+    g = torch.tensor([1.0, 1.0])
+    frozen = torch.tensor([1e-12, 4.0])
+    step = frozen_step(g, frozen, 0.25)
+    # after two steps of the same gradient from zero state, m_hat = g and v_hat = g^2
+    expected = -0.1 * g / torch.tensor([(0.25 * 1.0) ** 0.5, 4.0**0.5])
+    assert torch.allclose(step, expected, atol=1e-6)
+    assert frozen_step(g, frozen, 0.0)[0].abs() > 1e3  # no floor: the step the probes without one took
