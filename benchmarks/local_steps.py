@@ -91,6 +91,11 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
 ``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
 never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) needs ``--out``.
 
+The table's ``spread`` (arms averaged without a codec, runs since it was added): at each average, the
+RMS distance of the replicas from their mean over the distance their mean moved since the last
+average, averaged over the run's averages (``spread()``): how far the replicas went apart in a round,
+for the progress they made together.
+
 Scored by ``convergence.Validation`` (the same 1,024 validation windows as every quality arm). Prints a
 table and writes ``benchmarks/results/local_steps.json``.
 """
@@ -282,8 +287,10 @@ def make_optimizer(model: MoETransformer, cfg: Config, probe: Probe) -> torch.op
                             peers=1 if probe.frozen else probe.replicas, floor=probe.frozen_floor)
 
 
-def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) -> MoETransformer:
-    """``probe.replicas`` replicas from one initialisation, averaged every ``probe.sync`` steps."""
+def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
+          spreads: list[float] | None = None) -> MoETransformer:
+    """``probe.replicas`` replicas from one initialisation, averaged every ``probe.sync`` steps; each
+    uncompressed average appends the replicas' :func:`spread` before it to ``spreads``."""
     experts = list(range(cfg.moe.num_experts))
     first = MoETransformer(cfg.model, cfg.moe, local_experts=experts)
     first.init_weights(seed)
@@ -310,6 +317,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
     seen = torch.zeros(probe.replicas, cfg.model.vocab_size)  # tokens each replica read since the last average
     embedding = first.embed_tokens.weight.detach().clone()  # its value at the last average
     compressed = CompressedAverage(probe, first) if probe.codec else None
+    last = flatten(p for _, p in trainable_parameters(first))  # the replicas' common value at the last average
     for step in range(tr.max_steps):
         for i, (model, loader) in enumerate(zip(models, loaders)):
             model.train()
@@ -331,6 +339,8 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
         if syncs and compressed is not None:
             compressed.average(models)
         elif syncs:
+            if spreads is not None:
+                spreads.append(spread(models, last))
             rows = [m.embed_tokens.weight.detach().clone() for m in models] if probe.rows else None
             average(models, optimizers, probe.moments)
             if rows is not None:
@@ -343,7 +353,18 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset) 
                         anchors[i], momenta[i] = outer.outer_step(anchors[i], anchors[i] - column[0], momenta[i])
                         for p in column:
                             p.copy_(anchors[i])
+            last = flatten(p for _, p in trainable_parameters(first))
     return models[0]
+
+
+@torch.no_grad()
+def spread(models: list[MoETransformer], last: torch.Tensor) -> float:
+    """How far the replicas moved apart in a round, against how far their mean moved: the RMS distance
+    of each replica from the replicas' mean, over the distance of that mean from ``last`` (their common
+    value at the previous average). 0 when every replica took the same steps."""
+    flat = torch.stack([flatten(p for _, p in trainable_parameters(m)) for m in models])
+    mean = flat.mean(0)
+    return float((flat - mean).square().sum(1).mean().sqrt() / (mean - last).norm())
 
 
 def averages_after(steps_done: int, probe: Probe) -> bool:
@@ -469,15 +490,16 @@ def baseline(arm: str, finals: dict[str, dict[int, float]]) -> str:
     return "centralized"
 
 
-def previous_finals(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], list[str]]:
-    """The stored final losses by arm and seed (for ``--add``) and the commands that produced them;
-    refused when they were measured with other steps or batch."""
+def previous_finals(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]], list[str]]:
+    """The stored final losses and mean spreads by arm and seed (for ``--add``) and the commands that
+    produced them; refused when they were measured with other steps or batch."""
     previous = json.loads(args.out.read_text())
     if (previous["steps"], previous["batch"], previous.get("overrides", [])) != (args.steps, args.batch, args.extra):
         raise SystemExit(f"{args.out} holds {previous['steps']} steps of batch {previous['batch']} with overrides "
                          f"{previous.get('overrides', [])}: run without --add, or with --out elsewhere")
     finals = {arm: {int(s): v for s, v in row["finals"].items()} for arm, row in previous["arms"].items()}
-    return finals, previous.get("commands", [previous["command"]])
+    spreads = {arm: {int(s): v for s, v in row.get("spread", {}).items()} for arm, row in previous["arms"].items()}
+    return finals, spreads, previous.get("commands", [previous["command"]])
 
 
 def main() -> None:
@@ -502,21 +524,26 @@ def main() -> None:
     data = TokenDataset(prepare_embedded_data()["train"], verify=True)
     validation = convergence.Validation(load_config(None, common).model.max_seq_len, 1024)
     console = Console(width=160)
-    finals, commands = previous_finals(args) if args.add and args.out.exists() else ({}, [])
+    finals, spreads, commands = previous_finals(args) if args.add and args.out.exists() else ({}, {}, [])
     for arm in args.arms:
         finals.setdefault(arm, {})
+        spreads.setdefault(arm, {})
     t0 = time.monotonic()
     for seed in args.seeds:
         for arm in args.arms:
             probe = PROBES[arm]
             batch = args.batch * PEERS if probe.replicas == 1 else args.batch
-            model = train(load_config(None, [*common, f"train.seed={seed}"]), probe, batch, seed, data)
+            rounds: list[float] = []
+            model = train(load_config(None, [*common, f"train.seed={seed}"]), probe, batch, seed, data, rounds)
             finals[arm][seed] = validation.loss(model)
+            if rounds:
+                spreads[arm][seed] = statistics.fmean(rounds)
             console.print(f"{arm} seed {seed}: {finals[arm][seed]:.4f} ({(time.monotonic() - t0) / 60:.1f} min so far)")
     seeds = sorted({s for by_seed in finals.values() for s in by_seed})
     table = Table(title=f"full replicas averaged in one process, {args.steps} steps, seeds {seeds}"
                         + (f", {' '.join(args.extra)}" if args.extra else ""))
-    for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "clip x", "final loss (mean)", "against", "gap (per seed)"):
+    for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "clip x", "final loss (mean)", "against",
+                "gap (per seed)", "spread"):
         table.add_column(col, justify="left" if col == "arm" else "right")
     rows = {}
     for arm, by_seed in finals.items():
@@ -524,12 +551,13 @@ def main() -> None:
         base = finals.get(against, {})
         gaps = [v / base[s] - 1 for s, v in by_seed.items() if s in base]
         rows[arm] = {**vars(probe), "finals": by_seed, "mean": statistics.fmean(by_seed.values()), "against": against,
-                     "gap": convergence.spread(gaps) if gaps else None}
+                     "gap": convergence.spread(gaps) if gaps else None, "spread": spreads.get(arm, {})}
         gap = rows[arm]["gap"]
         table.add_row(arm, f"{probe.replicas} x {args.batch * PEERS if probe.replicas == 1 else args.batch}",
                       "-" if probe.replicas == 1 else str(probe.sync), "yes" if probe.moments else "no", f"{probe.lr_scale:g}", f"{probe.clip_scale:g}",
                       f"{rows[arm]['mean']:.4f}", against,
-                      "-" if arm == against or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})")
+                      "-" if arm == against or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
+                      f"{statistics.fmean(spreads[arm].values()):.2f}" if spreads.get(arm) else "-")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/local_steps.py " + " ".join(sys.argv[1:])

@@ -128,3 +128,25 @@ def test_the_floor_caps_a_coordinate_whose_frozen_denominator_is_too_small():
     expected = -0.1 * g / torch.tensor([(0.25 * 1.0) ** 0.5, 4.0**0.5])
     assert torch.allclose(step, expected, atol=1e-6)
     assert frozen_step(g, frozen, 0.0)[0].abs() > 1e3  # no floor: the step the probes without one took
+
+
+def test_spread_is_the_replicas_distance_from_their_mean_over_the_means_step():
+    models = replicas(2)
+    last = weights(models[0])
+    direction = torch.randn_like(last)
+    direction /= direction.norm()
+    with torch.no_grad():  # both moved by 3 x direction, then apart by +-1 along another axis
+        apart = torch.randn_like(last)
+        apart -= (apart @ direction) * direction
+        apart /= apart.norm()
+        for m, sign in zip(models, (1.0, -1.0)):
+            params = [p for _, p in trainable_parameters(m)]
+            target = last + 3 * direction + sign * apart
+            for p, v in zip(params, local_steps.split_like(target, params)):
+                p.copy_(v)
+    assert abs(local_steps.spread(models, last) - 1 / 3) < 1e-4
+    same = replicas(3)
+    step_apart(same[:1])
+    for m in same[1:]:
+        m.load_state_dict(same[0].state_dict())
+    assert local_steps.spread(same, last) < 1e-5  # the same steps: no spread, up to rounding in the mean
