@@ -92,9 +92,9 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
 never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) needs ``--out``.
 
 The table's ``spread`` (arms averaged without a codec, runs since it was added): at each average, the
-RMS distance of the replicas from their mean over the distance their mean moved since the last
-average, averaged over the run's averages (``spread()``): how far the replicas went apart in a round,
-for the progress they made together.
+RMS distance of the replicas from their mean (all trainable parameters), and in brackets that over the
+distance their mean moved since the last average, each averaged over the run's averages (``spread()``):
+how far the replicas went apart in a round, and that for the progress they made together.
 
 Scored by ``convergence.Validation`` (the same 1,024 validation windows as every quality arm). Prints a
 table and writes ``benchmarks/results/local_steps.json``.
@@ -288,7 +288,7 @@ def make_optimizer(model: MoETransformer, cfg: Config, probe: Probe) -> torch.op
 
 
 def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
-          spreads: list[float] | None = None) -> MoETransformer:
+          spreads: list[tuple[float, float]] | None = None) -> MoETransformer:
     """``probe.replicas`` replicas from one initialisation, averaged every ``probe.sync`` steps; each
     uncompressed average appends the replicas' :func:`spread` before it to ``spreads``."""
     experts = list(range(cfg.moe.num_experts))
@@ -358,13 +358,14 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
 
 
 @torch.no_grad()
-def spread(models: list[MoETransformer], last: torch.Tensor) -> float:
-    """How far the replicas moved apart in a round, against how far their mean moved: the RMS distance
-    of each replica from the replicas' mean, over the distance of that mean from ``last`` (their common
-    value at the previous average). 0 when every replica took the same steps."""
+def spread(models: list[MoETransformer], last: torch.Tensor) -> tuple[float, float]:
+    """How far the replicas moved apart in a round: the RMS distance of each replica from the replicas'
+    mean, and that over the distance the mean moved from ``last`` (their common value at the previous
+    average). Both 0 when every replica took the same steps."""
     flat = torch.stack([flatten(p for _, p in trainable_parameters(m)) for m in models])
     mean = flat.mean(0)
-    return float((flat - mean).square().sum(1).mean().sqrt() / (mean - last).norm())
+    distance = float((flat - mean).square().sum(1).mean().sqrt())
+    return distance, distance / float((mean - last).norm())
 
 
 def averages_after(steps_done: int, probe: Probe) -> bool:
@@ -533,17 +534,17 @@ def main() -> None:
         for arm in args.arms:
             probe = PROBES[arm]
             batch = args.batch * PEERS if probe.replicas == 1 else args.batch
-            rounds: list[float] = []
+            rounds: list[tuple[float, float]] = []
             model = train(load_config(None, [*common, f"train.seed={seed}"]), probe, batch, seed, data, rounds)
             finals[arm][seed] = validation.loss(model)
-            if rounds:
-                spreads[arm][seed] = statistics.fmean(rounds)
+            if rounds:  # the mean distance and the mean ratio over the run's averages
+                spreads[arm][seed] = [statistics.fmean(r[0] for r in rounds), statistics.fmean(r[1] for r in rounds)]
             console.print(f"{arm} seed {seed}: {finals[arm][seed]:.4f} ({(time.monotonic() - t0) / 60:.1f} min so far)")
     seeds = sorted({s for by_seed in finals.values() for s in by_seed})
     table = Table(title=f"full replicas averaged in one process, {args.steps} steps, seeds {seeds}"
                         + (f", {' '.join(args.extra)}" if args.extra else ""))
     for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "clip x", "final loss (mean)", "against",
-                "gap (per seed)", "spread"):
+                "gap (per seed)", "spread (ratio)"):
         table.add_column(col, justify="left" if col == "arm" else "right")
     rows = {}
     for arm, by_seed in finals.items():
@@ -557,7 +558,8 @@ def main() -> None:
                       "-" if probe.replicas == 1 else str(probe.sync), "yes" if probe.moments else "no", f"{probe.lr_scale:g}", f"{probe.clip_scale:g}",
                       f"{rows[arm]['mean']:.4f}", against,
                       "-" if arm == against or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
-                      f"{statistics.fmean(spreads[arm].values()):.2f}" if spreads.get(arm) else "-")
+                      (f"{statistics.fmean(v[0] for v in spreads[arm].values()):.3f} "
+                       f"({statistics.fmean(v[1] for v in spreads[arm].values()):.2f})") if spreads.get(arm) else "-")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/local_steps.py " + " ".join(sys.argv[1:])
