@@ -82,7 +82,10 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   ``-floor16`` no less than 1/4 / 1/16 of it (a step at most 2x / 4x its own AdamW's, linear wherever
   the frozen denominator is the larger, which it is but where a gradient grew within the round);
   ``h1-``, ``h10-``, ``h50-frozen-floor4``: that step averaged every 1 / 10 / 50 steps;
-  ``-floor16-pooled``: the frozen denominator's noise part divided by the replicas.
+  ``-floor16-pooled``: the frozen denominator's noise part divided by the replicas; ``-noclip`` (and
+  ``h50-noclip``): no gradient clipping in the replicas (batches of 8 are clipped at every step past
+  step 200, batches of 32 never; AdamW's own step mostly undoes that scale, a frozen denominator only
+  as far as the clipping was the same when it froze).
 * ``centralized-sgd``, ``h50-sgd``, ``h1-sgd``: a diagnostic, not a candidate: SGD with Nesterov momentum
   at 100x the learning rate. Its step is linear in the gradients, so averaging replicas loses nothing to
   a per-replica normalization; if the gap to its own centralized run is small, the normalization of
@@ -210,6 +213,10 @@ PROBES = {
     "h50-frozen-floor4": Probe(PEERS, 50, frozen=True, frozen_floor=0.25),
     "h1-frozen-floor4": Probe(PEERS, 1, frozen=True, frozen_floor=0.25),
     "h10-frozen-floor4": Probe(PEERS, 10, frozen=True, frozen_floor=0.25),
+    "h50-frozen-floor4-noclip": Probe(PEERS, 50, frozen=True, frozen_floor=0.25, clip_scale=1e6),
+    "h10-frozen-floor4-noclip": Probe(PEERS, 10, frozen=True, frozen_floor=0.25, clip_scale=1e6),
+    "h1-frozen-floor4-noclip": Probe(PEERS, 1, frozen=True, frozen_floor=0.25, clip_scale=1e6),
+    "h50-noclip": Probe(PEERS, 50, clip_scale=1e6),
     "centralized-frozen-floor16": Probe(1, 50, frozen=True, frozen_floor=1 / 16),
     "h10-frozen-floor16-pooled": Probe(PEERS, 10, frozen=True, frozen_floor=1 / 16, pooled=True),
     "h50-frozen-floor16-pooled": Probe(PEERS, 50, frozen=True, frozen_floor=1 / 16, pooled=True),
