@@ -498,9 +498,9 @@ def baseline(arm: str, finals: dict[str, dict[int, float]]) -> str:
     return "centralized"
 
 
-def previous_finals(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]], list[str]]:
-    """The stored final losses and mean spreads by arm and seed (for ``--add``) and the commands that
-    produced them; refused when they were measured with other steps or batch."""
+def previous_finals(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, list[float]]], list[str]]:
+    """The stored final losses and spreads ([mean distance, mean ratio]) by arm and seed (for ``--add``)
+    and the commands that produced them; refused when they were measured with other steps or batch."""
     previous = json.loads(args.out.read_text())
     if (previous["steps"], previous["batch"], previous.get("overrides", [])) != (args.steps, args.batch, args.extra):
         raise SystemExit(f"{args.out} holds {previous['steps']} steps of batch {previous['batch']} with overrides "
