@@ -71,6 +71,9 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   ``train.muon_adamw_lr_scale`` leaves Muon's weight decay alone; quality.py's ``-4x`` arms measure it.)
   ``h50-muon-outer2``: as ``h50-muon-outer15`` with 2x; ``h50-muon-adam4-outer15``: ``-adam4`` and ``-outer15``.
   ``centralized-muon-4x``, ``h50-muon-4x``: the shipped ``train.muon_adamw_lr_scale: 4`` itself.
+  ``h1-muon-moments``: weights and every optimizer state (Muon's momentum, AdamW's moments) averaged
+  after every step, so the replicas differ only in the step each takes on its own batch: what is left
+  of ``h1-muon``'s gap to ``dp-muon`` is the normalization of that step alone.
 * ``h50-frozen``: AdamW whose denominator (the root of the second moment) is the replicas' mean second
   moment at the last average, frozen until the next (``freeze_denominators``); each replica keeps its
   own first moment. A replica's step is then linear in its gradients within a round, as SGD's is;
@@ -96,7 +99,7 @@ never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) ne
 
 The table's ``spread`` (arms averaged without a codec, runs since it was added): at each average, the
 RMS distance of the replicas from their mean (all trainable parameters), and in brackets that over the
-distance their mean moved since the last average, each averaged over the run's averages (``spread()``):
+distance their mean moved since the last average, each averaged over the run's averages (``replica_spread()``):
 how far the replicas went apart in a round, and that for the progress they made together.
 
 Scored by ``convergence.Validation`` (the same 1,024 validation windows as every quality arm). Prints a
@@ -192,6 +195,7 @@ PROBES = {
     "centralized-muon": Probe(1, 0, muon=True), "h50-muon": Probe(PEERS, 50, muon=True),
     "h1-muon": Probe(PEERS, 1, muon=True), "dp-muon": Probe(PEERS, 1, grads=True, muon=True),
     "h10-muon": Probe(PEERS, 10, muon=True), "h50-muon-moments": Probe(PEERS, 50, True, muon=True),
+    "h1-muon-moments": Probe(PEERS, 1, True, muon=True),
     "h50-muon-nesterov": Probe(PEERS, 50, nesterov=True, muon=True),
     "h50-muon-outer15": Probe(PEERS, 50, outer_lr=1.5, muon=True),
     "centralized-muon-m98": Probe(1, 0, muon=True, muon_momentum=0.98),
@@ -347,7 +351,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
             compressed.average(models)
         elif syncs:
             if spreads is not None:
-                spreads.append(spread(models, last))
+                spreads.append(replica_spread(models, last))
             rows = [m.embed_tokens.weight.detach().clone() for m in models] if probe.rows else None
             average(models, optimizers, probe.moments)
             if rows is not None:
@@ -365,7 +369,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
 
 
 @torch.no_grad()
-def spread(models: list[MoETransformer], last: torch.Tensor) -> tuple[float, float]:
+def replica_spread(models: list[MoETransformer], last: torch.Tensor) -> tuple[float, float]:
     """How far the replicas moved apart in a round: the RMS distance of each replica from the replicas'
     mean, and that over the distance the mean moved from ``last`` (their common value at the previous
     average). Both 0 when every replica took the same steps."""

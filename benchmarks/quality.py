@@ -37,6 +37,9 @@ nothing else:
   the centralized run with the same optimizer; ``muon-int8``: with ``swarm.compression=int8`` too;
 * ``centralized-muon-4x`` / ``centralized-2-muon-4x``, ``muon-4x`` / ``muon-4x-2``: today's defaults (Muon
   with ``train.muon_adamw_lr_scale=4``); ``muon-4x-nesterov``: those with DiLoCo's Nesterov outer step;
+  ``-noclip`` (``centralized-muon-4x-noclip``, ``muon-4x-noclip``, and the 2-peer pair): those with
+  ``train.grad_clip=0`` for centralized and swarm alike (a peer's batch of 8 is clipped at 1.0 where
+  centralized training's batch of 32 is not: ``benchmarks/grad_norms.py``);
 * probes of where the gap comes from: ``outer-sgd-2`` (the new value is the anchor minus twice the
   averaged pseudo-gradient: the step a batch P times larger would take if the gradient noise were all
   that differs), ``lr-2x`` (inner lr doubled), ``alone`` (one process with one peer's batch of 8 for
@@ -101,6 +104,7 @@ class Arm:
 
 
 MUON_4X = ("train.optimizer=muon", "train.muon_adamw_lr_scale=4")
+MUON_4X_NOCLIP = (*MUON_4X, "train.grad_clip=0")
 ARMS = {a.name: a for a in (
     Arm("centralized", None, knob="one process, batch 32"),
     Arm("default", (), knob="embedded swarm defaults, AdamW"),
@@ -151,6 +155,15 @@ ARMS = {a.name: a for a in (
         knob="one process, batch 16, Muon, train.muon_adamw_lr_scale 4"),
     Arm("muon-4x-2", (), peers=2, baseline="centralized-2-muon-4x", train=MUON_4X,
         knob="Muon, train.muon_adamw_lr_scale 4, 2 peers"),
+    # today's defaults without gradient clipping, centralized and swarm alike
+    Arm("centralized-muon-4x-noclip", None, baseline="centralized-muon-4x-noclip", train=MUON_4X_NOCLIP,
+        knob="one process, batch 32, today's Muon defaults, train.grad_clip 0"),
+    Arm("muon-4x-noclip", (), baseline="centralized-muon-4x-noclip", train=MUON_4X_NOCLIP,
+        knob="today's Muon defaults, train.grad_clip 0 (vs centralized-muon-4x-noclip)"),
+    Arm("centralized-2-muon-4x-noclip", None, peers=2, baseline="centralized-2-muon-4x-noclip",
+        train=MUON_4X_NOCLIP, knob="one process, batch 16, today's Muon defaults, train.grad_clip 0"),
+    Arm("muon-4x-2-noclip", (), peers=2, baseline="centralized-2-muon-4x-noclip", train=MUON_4X_NOCLIP,
+        knob="today's Muon defaults, train.grad_clip 0, 2 peers"),
 )}
 
 

@@ -144,10 +144,10 @@ def test_spread_is_the_replicas_distance_from_their_mean_over_the_means_step():
             target = last + 3 * direction + sign * apart
             for p, v in zip(params, local_steps.split_like(target, params)):
                 p.copy_(v)
-    distance, ratio = local_steps.spread(models, last)
+    distance, ratio = local_steps.replica_spread(models, last)
     assert abs(distance - 1) < 1e-4 and abs(ratio - 1 / 3) < 1e-4
     same = replicas(3)
     step_apart(same[:1])
     for m in same[1:]:
         m.load_state_dict(same[0].state_dict())
-    assert max(local_steps.spread(same, last)) < 1e-5  # the same steps: no spread, up to rounding in the mean
+    assert max(local_steps.replica_spread(same, last)) < 1e-5  # the same steps: no spread, up to rounding in the mean
