@@ -74,6 +74,12 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   ``h1-muon-moments``: weights and every optimizer state (Muon's momentum, AdamW's moments) averaged
   after every step, so the replicas differ only in the step each takes on its own batch: what is left
   of ``h1-muon``'s gap to ``dp-muon`` is the normalization of that step alone.
+* ``-b2``, ``-b4`` (``h25-b2``, ``h25-muon-4x-b2``, ``h12-muon-4x-b4``, ``centralized-b2``,
+  ``centralized-muon-4x-b2``): batches 2x / 4x larger for half / a quarter of the steps, so the same
+  tokens, with the sync interval in those steps (the same tokens per round as h50, up to rounding for
+  b4). Each replica's normalized step then sees less of a small batch's noise, at the cost of fewer
+  steps; the DiLoCo scaling-law study (arXiv 2503.09799) finds a larger best global batch for DiLoCo than
+  for data parallel. The swarm arms are compared with the centralized run of the default batch.
 * ``h50-frozen``: AdamW whose denominator (the root of the second moment) is the replicas' mean second
   moment at the last average, frozen until the next (``freeze_denominators``); each replica keeps its
   own first moment. A replica's step is then linear in its gradients within a round, as SGD's is;
@@ -112,6 +118,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -166,6 +173,7 @@ class Probe:
     frozen: bool = False  # AdamW dividing by a second moment shared by the replicas and frozen between averages
     frozen_hidden: bool = False  # with `frozen`: only the hidden matrices' (optim.is_hidden_matrix) second moments
     frozen_floor: float = 0.0  # with `frozen`: divide by no less than this times the replica's own second moment
+    batch_mult: int = 1  # batches this many times larger for as many times fewer steps (same tokens; `sync` in its steps)
 
 
 PROBES = {
@@ -196,6 +204,10 @@ PROBES = {
     "h1-muon": Probe(PEERS, 1, muon=True), "dp-muon": Probe(PEERS, 1, grads=True, muon=True),
     "h10-muon": Probe(PEERS, 10, muon=True), "h50-muon-moments": Probe(PEERS, 50, True, muon=True),
     "h1-muon-moments": Probe(PEERS, 1, True, muon=True),
+    "h25-b2": Probe(PEERS, 25, batch_mult=2), "centralized-b2": Probe(1, 0, batch_mult=2),
+    "h25-muon-4x-b2": Probe(PEERS, 25, muon=True, muon_adamw_scale=4.0, batch_mult=2),
+    "h12-muon-4x-b4": Probe(PEERS, 12, muon=True, muon_adamw_scale=4.0, batch_mult=4),
+    "centralized-muon-4x-b2": Probe(1, 0, muon=True, muon_adamw_scale=4.0, batch_mult=2),
     "h50-muon-nesterov": Probe(PEERS, 50, nesterov=True, muon=True),
     "h50-muon-outer15": Probe(PEERS, 50, outer_lr=1.5, muon=True),
     "centralized-muon-m98": Probe(1, 0, muon=True, muon_momentum=0.98),
@@ -379,6 +391,12 @@ def replica_spread(models: list[MoETransformer], last: torch.Tensor) -> tuple[fl
     return distance, distance / float((mean - last).norm())
 
 
+def replica_batch(batch: int, probe: Probe) -> int:
+    """Sequences per step of each replica: ``batch`` (PEERS x ``batch`` for one replica, the
+    centralized run), times ``probe.batch_mult``; ``main`` runs such a probe for steps / batch_mult."""
+    return (batch * PEERS if probe.replicas == 1 else batch) * probe.batch_mult
+
+
 def averages_after(steps_done: int, probe: Probe) -> bool:
     """Whether the replicas average after ``steps_done`` steps: every ``probe.sync``, and with
     ``probe.ramp`` also after 1, 2, 4, ... steps while those are below ``probe.sync``."""
@@ -491,8 +509,9 @@ def average(models: list[MoETransformer], optimizers: list[torch.optim.Optimizer
 def baseline(arm: str, finals: dict[str, dict[int, float]]) -> str:
     """The centralized run an arm is compared with: for the Muon, SGD and frozen-denominator families,
     the centralized arm of the same optimizer and settings (``h50-muon-adam4-outer15`` ->
-    ``centralized-muon-adam4``, the longest such name that ran); for every other arm plain centralized."""
-    parts = arm.split("-")
+    ``centralized-muon-adam4``, the longest such name that ran); for every other arm plain centralized.
+    A batch multiple (``-b2``) is left out of the name: such an arm is held to the default batch's run."""
+    parts = [part for part in arm.split("-") if not re.fullmatch(r"b\d+", part)]
     if not {"muon", "sgd", "frozen"} & set(parts):
         return "centralized"
     for end in range(len(parts), 1, -1):
@@ -544,9 +563,9 @@ def main() -> None:
     for seed in args.seeds:
         for arm in args.arms:
             probe = PROBES[arm]
-            batch = args.batch * PEERS if probe.replicas == 1 else args.batch
             rounds: list[tuple[float, float]] = []
-            model = train(load_config(None, [*common, f"train.seed={seed}"]), probe, batch, seed, data, rounds)
+            cfg = load_config(None, [*common, *convergence.schedule(args.steps // probe.batch_mult), f"train.seed={seed}"])
+            model = train(cfg, probe, replica_batch(args.batch, probe), seed, data, rounds)
             finals[arm][seed] = validation.loss(model)
             if rounds:  # the mean distance and the mean ratio over the run's averages
                 spreads[arm][seed] = [statistics.fmean(r[0] for r in rounds), statistics.fmean(r[1] for r in rounds)]
@@ -565,7 +584,7 @@ def main() -> None:
         rows[arm] = {**vars(probe), "finals": by_seed, "mean": statistics.fmean(by_seed.values()), "against": against,
                      "gap": convergence.spread(gaps) if gaps else None, "spread": spreads.get(arm, {})}
         gap = rows[arm]["gap"]
-        table.add_row(arm, f"{probe.replicas} x {args.batch * PEERS if probe.replicas == 1 else args.batch}",
+        table.add_row(arm, f"{probe.replicas} x {replica_batch(args.batch, probe)}",
                       "-" if probe.replicas == 1 else str(probe.sync), "yes" if probe.moments else "no", f"{probe.lr_scale:g}", f"{probe.clip_scale:g}",
                       f"{rows[arm]['mean']:.4f}", against,
                       "-" if arm == against or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",

@@ -151,3 +151,26 @@ def test_spread_is_the_replicas_distance_from_their_mean_over_the_means_step():
     for m in same[1:]:
         m.load_state_dict(same[0].state_dict())
     assert max(local_steps.replica_spread(same, last)) < 1e-5  # the same steps: no spread, up to rounding in the mean
+
+
+def test_each_arm_is_held_to_the_centralized_run_of_its_settings_and_the_default_batch():
+    ran = {name: {0: 1.0} for name in ("centralized", "centralized-muon", "centralized-muon-4x",
+                                        "centralized-muon-4x-b2", "centralized-sgd")}
+    assert local_steps.baseline("h50", ran) == "centralized"
+    assert local_steps.baseline("h50-muon-4x", ran) == "centralized-muon-4x"
+    assert local_steps.baseline("h50-muon-m98", ran) == "centralized-muon"  # its own centralized run did not run
+    assert local_steps.baseline("h50-sgd", ran) == "centralized-sgd"
+    # a larger batch for fewer steps is compared with the default batch on the same tokens
+    assert local_steps.baseline("h25-muon-4x-b2", ran) == "centralized-muon-4x"
+    assert local_steps.baseline("centralized-muon-4x-b2", ran) == "centralized-muon-4x"
+    assert local_steps.baseline("h25-b2", ran) == "centralized"
+
+
+def test_a_batch_multiple_reads_the_same_tokens_in_fewer_steps():
+    for name, mult in (("h25-b2", 2), ("h12-muon-4x-b4", 4), ("centralized-b2", 2)):
+        probe = local_steps.PROBES[name]
+        assert probe.batch_mult == mult
+        replicas_batch = local_steps.replica_batch(8, probe) * probe.replicas
+        assert replicas_batch == 8 * local_steps.PEERS * mult  # per step; the run has steps / mult of them
+    assert local_steps.replica_batch(8, local_steps.PROBES["h50"]) == 8
+    assert local_steps.replica_batch(8, local_steps.PROBES["centralized"]) == 8 * local_steps.PEERS
