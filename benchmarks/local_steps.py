@@ -80,6 +80,7 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   b4). Each replica's normalized step then sees less of a small batch's noise, at the cost of fewer
   steps; the DiLoCo scaling-law study (arXiv 2503.09799) finds a larger best global batch for DiLoCo than
   for data parallel. The swarm arms are compared with the centralized run of the default batch.
+  ``-b05`` (``h100-muon-4x-b05``, ``centralized-muon-4x-b05``): half the batch for twice the steps.
 * ``h50-frozen``: AdamW whose denominator (the root of the second moment) is the replicas' mean second
   moment at the last average, frozen until the next (``freeze_denominators``); each replica keeps its
   own first moment. A replica's step is then linear in its gradients within a round, as SGD's is;
@@ -173,7 +174,7 @@ class Probe:
     frozen: bool = False  # AdamW dividing by a second moment shared by the replicas and frozen between averages
     frozen_hidden: bool = False  # with `frozen`: only the hidden matrices' (optim.is_hidden_matrix) second moments
     frozen_floor: float = 0.0  # with `frozen`: divide by no less than this times the replica's own second moment
-    batch_mult: int = 1  # batches this many times larger for as many times fewer steps (same tokens; `sync` in its steps)
+    batch_mult: float = 1.0  # batches this many times larger for as many times fewer steps (same tokens; `sync` in its steps)
 
 
 PROBES = {
@@ -208,6 +209,8 @@ PROBES = {
     "h25-muon-4x-b2": Probe(PEERS, 25, muon=True, muon_adamw_scale=4.0, batch_mult=2),
     "h12-muon-4x-b4": Probe(PEERS, 12, muon=True, muon_adamw_scale=4.0, batch_mult=4),
     "centralized-muon-4x-b2": Probe(1, 0, muon=True, muon_adamw_scale=4.0, batch_mult=2),
+    "h100-muon-4x-b05": Probe(PEERS, 100, muon=True, muon_adamw_scale=4.0, batch_mult=0.5),
+    "centralized-muon-4x-b05": Probe(1, 0, muon=True, muon_adamw_scale=4.0, batch_mult=0.5),
     "h50-muon-nesterov": Probe(PEERS, 50, nesterov=True, muon=True),
     "h50-muon-outer15": Probe(PEERS, 50, outer_lr=1.5, muon=True),
     "centralized-muon-m98": Probe(1, 0, muon=True, muon_momentum=0.98),
@@ -394,7 +397,7 @@ def replica_spread(models: list[MoETransformer], last: torch.Tensor) -> tuple[fl
 def replica_batch(batch: int, probe: Probe) -> int:
     """Sequences per step of each replica: ``batch`` (PEERS x ``batch`` for one replica, the
     centralized run), times ``probe.batch_mult``; ``main`` runs such a probe for steps / batch_mult."""
-    return (batch * PEERS if probe.replicas == 1 else batch) * probe.batch_mult
+    return round((batch * PEERS if probe.replicas == 1 else batch) * probe.batch_mult)
 
 
 def averages_after(steps_done: int, probe: Probe) -> bool:
@@ -564,7 +567,7 @@ def main() -> None:
         for arm in args.arms:
             probe = PROBES[arm]
             rounds: list[tuple[float, float]] = []
-            cfg = load_config(None, [*common, *convergence.schedule(args.steps // probe.batch_mult), f"train.seed={seed}"])
+            cfg = load_config(None, [*common, *convergence.schedule(round(args.steps / probe.batch_mult)), f"train.seed={seed}"])
             model = train(cfg, probe, replica_batch(args.batch, probe), seed, data, rounds)
             finals[arm][seed] = validation.loss(model)
             if rounds:  # the mean distance and the mean ratio over the run's averages

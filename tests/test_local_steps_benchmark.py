@@ -172,5 +172,7 @@ def test_a_batch_multiple_reads_the_same_tokens_in_fewer_steps():
         assert probe.batch_mult == mult
         replicas_batch = local_steps.replica_batch(8, probe) * probe.replicas
         assert replicas_batch == 8 * local_steps.PEERS * mult  # per step; the run has steps / mult of them
+    half = local_steps.PROBES["h100-muon-4x-b05"]
+    assert local_steps.replica_batch(8, half) == 4 and local_steps.baseline("h100-muon-4x-b05", {"centralized-muon-4x": {0: 1.0}}) == "centralized-muon-4x"
     assert local_steps.replica_batch(8, local_steps.PROBES["h50"]) == 8
     assert local_steps.replica_batch(8, local_steps.PROBES["centralized"]) == 8 * local_steps.PEERS
