@@ -400,6 +400,13 @@ def replica_batch(batch: int, probe: Probe) -> int:
     return round((batch * PEERS if probe.replicas == 1 else batch) * probe.batch_mult)
 
 
+def probe_config(common: list[str], steps: int, probe: Probe, seed: int) -> Config:
+    """The config ``probe`` trains with at ``seed``: ``common`` (which ends with ``--set``), with the
+    schedule of steps / ``batch_mult`` steps for a batch multiple (it then wins over ``--set``)."""
+    schedule = [] if probe.batch_mult == 1 else convergence.schedule(round(steps / probe.batch_mult))
+    return load_config(None, [*common, *schedule, f"train.seed={seed}"])
+
+
 def averages_after(steps_done: int, probe: Probe) -> bool:
     """Whether the replicas average after ``steps_done`` steps: every ``probe.sync``, and with
     ``probe.ramp`` also after 1, 2, 4, ... steps while those are below ``probe.sync``."""
@@ -567,8 +574,8 @@ def main() -> None:
         for arm in args.arms:
             probe = PROBES[arm]
             rounds: list[tuple[float, float]] = []
-            cfg = load_config(None, [*common, *convergence.schedule(round(args.steps / probe.batch_mult)), f"train.seed={seed}"])
-            model = train(cfg, probe, replica_batch(args.batch, probe), seed, data, rounds)
+            model = train(probe_config(common, args.steps, probe, seed), probe, replica_batch(args.batch, probe),
+                          seed, data, rounds)
             finals[arm][seed] = validation.loss(model)
             if rounds:  # the mean distance and the mean ratio over the run's averages
                 spreads[arm][seed] = [statistics.fmean(r[0] for r in rounds), statistics.fmean(r[1] for r in rounds)]

@@ -176,3 +176,13 @@ def test_a_batch_multiple_reads_the_same_tokens_in_fewer_steps():
     assert local_steps.replica_batch(8, half) == 4 and local_steps.baseline("h100-muon-4x-b05", {"centralized-muon-4x": {0: 1.0}}) == "centralized-muon-4x"
     assert local_steps.replica_batch(8, local_steps.PROBES["h50"]) == 8
     assert local_steps.replica_batch(8, local_steps.PROBES["centralized"]) == 8 * local_steps.PEERS
+
+
+def test_a_batch_multiple_runs_for_as_many_times_fewer_steps_and_set_still_wins_otherwise():
+    common = [*local_steps.convergence.schedule(400), "train.warmup_steps=7"]  # as main builds it, then a --set
+    half = local_steps.probe_config(common, 400, local_steps.PROBES["h25-muon-4x-b2"], seed=3)
+    assert (half.train.max_steps, half.train.warmup_steps, half.train.seed) == (200, 10, 3)
+    double = local_steps.probe_config(common, 400, local_steps.PROBES["h100-muon-4x-b05"], seed=0)
+    assert double.train.max_steps == 800
+    plain = local_steps.probe_config(common, 400, local_steps.PROBES["h50"], seed=0)
+    assert (plain.train.max_steps, plain.train.warmup_steps) == (400, 7)
