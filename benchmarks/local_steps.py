@@ -316,7 +316,7 @@ def make_optimizer(model: MoETransformer, cfg: Config, probe: Probe) -> torch.op
 def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
           spreads: list[tuple[float, float]] | None = None) -> MoETransformer:
     """``probe.replicas`` replicas from one initialisation, averaged every ``probe.sync`` steps; each
-    uncompressed average appends the replicas' :func:`spread` before it to ``spreads``."""
+    uncompressed average appends the replicas' :func:`replica_spread` before it to ``spreads``."""
     experts = list(range(cfg.moe.num_experts))
     first = MoETransformer(cfg.model, cfg.moe, local_experts=experts)
     first.init_weights(seed)
