@@ -55,6 +55,13 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   feedback, which its authors report stands in for the outer momentum); ``h10-topk...``: the same
   averaged every 10 steps (40 rounds instead of 8); ``h10-topk-dense``: the reducer's encoding at
   ``swarm.topk_result_fraction`` 4/64 (16 values per block, where each member sends 4).
+* ``h10-randk``, ``h10-randk64`` (``RandomK``): every replica sends its pseudo-gradient (with its residual)
+  at the same k positions of each block of 256, drawn afresh each round from a seed every replica
+  knows (so no positions travel), 2-bit values on topk's levels with one fp16 scale per block; the mean
+  is then k-sparse on those positions whatever the number of replicas, and the reducer re-encodes it at
+  the same positions with its own residual (no second-stage loss of support). k = 20 costs what a topk
+  member's message costs (2 + 20/4 bytes per block against topk's 2 + 4 + 1); k = 64 about a topk-dense
+  averaged part (18 bytes against 22).
 * ``centralized-muon``, ``h50-muon``, ``h1-muon``, ``dp-muon``: centralized, h50, h1 and dp with
   ``train.optimizer=muon`` (``optim.MuonAdamW``: Muon on the hidden matrices, AdamW on embeddings, head,
   router and norms). MuLoCo (arXiv 2505.23725) reports that Muon's normalized steps make
@@ -135,7 +142,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import convergence
 
-from p2p_spes.compression import Codec
+from p2p_spes.compression import BLOCK, Codec
 from p2p_spes.config import Config, SwarmConfig, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
@@ -166,6 +173,7 @@ class Probe:
     restage: bool = True  # with `codec`: the average is encoded again, as the swarm's reducers do
     feedback_decay: float = 1.0  # with `codec`: each replica's residual is scaled by this before it is added
     result_fraction: float | None = None  # with `codec` and `restage`: swarm.topk_result_fraction
+    random_k: int = 0  # with codec "randk": positions per block of 256, shared by the replicas each round
     muon: bool = False  # Muon on the hidden matrices, AdamW on the rest (optim.MuonAdamW)
     muon_momentum: float | None = None  # with `muon`: Muon's momentum instead of 0.95
     muon_rms: float | None = None  # with `muon`: the RMS of Muon's step per unit lr instead of 0.2
@@ -201,6 +209,8 @@ PROBES = {
     "h10-topk-ef95": Probe(PEERS, 10, codec="topk", feedback_decay=0.95),
     "h10-topk-1stage": Probe(PEERS, 10, codec="topk", restage=False),
     "h10-topk-dense": Probe(PEERS, 10, codec="topk", result_fraction=4 / 64),
+    "h10-randk": Probe(PEERS, 10, codec="randk", random_k=20),
+    "h10-randk64": Probe(PEERS, 10, codec="randk", random_k=64),
     "centralized-muon": Probe(1, 0, muon=True), "h50-muon": Probe(PEERS, 50, muon=True),
     "h1-muon": Probe(PEERS, 1, muon=True), "dp-muon": Probe(PEERS, 1, grads=True, muon=True),
     "h10-muon": Probe(PEERS, 10, muon=True), "h50-muon-moments": Probe(PEERS, 50, True, muon=True),
@@ -342,7 +352,7 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
     momenta: list[torch.Tensor | None] = [None] * len(anchors)
     seen = torch.zeros(probe.replicas, cfg.model.vocab_size)  # tokens each replica read since the last average
     embedding = first.embed_tokens.weight.detach().clone()  # its value at the last average
-    compressed = CompressedAverage(probe, first) if probe.codec else None
+    compressed = (RandomK(probe, first) if probe.codec == "randk" else CompressedAverage(probe, first)) if probe.codec else None
     last = flatten(p for _, p in trainable_parameters(first))  # the replicas' common value at the last average
     for step in range(tr.max_steps):
         for i, (model, loader) in enumerate(zip(models, loaders)):
@@ -452,6 +462,39 @@ class CompressedAverage:
             params = [p for _, p in trainable_parameters(model)]
             for p, v in zip(params, split_like(self.anchor, params)):
                 p.copy_(v)
+
+
+class RandomK(CompressedAverage):
+    """:class:`CompressedAverage` with positions every replica draws alike (``h10-randk``): per round, the
+    same ``probe.random_k`` positions of each block of :data:`BLOCK` from a generator seeded with the
+    round's number, values on topk's 2-bit levels with one fp16 scale per block. No positions travel,
+    and the mean of the messages (and its re-encoding by the reducer) stays on those positions."""
+
+    LEVELS = torch.tensor([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0])
+
+    def __init__(self, probe: Probe, first: MoETransformer) -> None:
+        super().__init__(dataclasses.replace(probe, codec="none"), first)
+        self.probe, self.rounds = probe, 0
+        self.positions = torch.empty(0, dtype=torch.long)
+
+    def through(self, codec: Codec, x: torch.Tensor) -> torch.Tensor:  # the codec is this round's positions
+        n = x.numel()
+        rows = torch.zeros(self.positions.shape[0] * BLOCK)
+        rows[:n] = x
+        rows = rows.view(-1, BLOCK)
+        vals = rows.gather(1, self.positions)
+        scale = vals.abs().amax(dim=1).clamp(min=2.0 ** -14).half().float()
+        q = torch.round((vals / scale[:, None]).clamp(-1, 1) * 1.5 + 1.5).long()
+        out = torch.zeros_like(rows)
+        out.scatter_(1, self.positions, self.LEVELS[q] * scale[:, None])
+        return out.view(-1)[:n]
+
+    def average(self, models: list[MoETransformer]) -> None:
+        blocks = -(-self.anchor.numel() // BLOCK)
+        draw = torch.Generator().manual_seed(self.rounds)
+        self.positions = torch.rand(blocks, BLOCK, generator=draw).topk(self.probe.random_k, dim=1).indices
+        self.rounds += 1
+        super().average(models)
 
 
 @torch.no_grad()

@@ -81,6 +81,27 @@ def test_two_stages_apply_at_most_k_values_per_block_and_the_reducer_keeps_the_r
     assert avg.reducer_residual.abs().sum() > 0
 
 
+def test_random_k_moves_every_replica_on_the_same_k_positions_a_block_drawn_anew_each_round():
+    models = replicas(4)
+    anchor = weights(models[0])
+    avg = local_steps.RandomK(local_steps.Probe(4, 10, codec="randk", random_k=20), models[0])
+    step_apart(models)
+    avg.average(models)
+    first = avg.positions.clone()
+    moved = anchor - weights(models[2])
+    blocks = torch.nn.functional.pad(moved, (0, (-moved.numel()) % BLOCK)).view(-1, BLOCK)
+    off = torch.ones_like(blocks, dtype=torch.bool).scatter_(1, first, False)
+    assert not blocks[off].any()  # the mean and its re-encoding stay on the round's positions
+    assert int((blocks != 0).sum(dim=1).max()) == 20
+    for r in avg.residuals:  # each replica keeps everything off the positions, and a little on them
+        r_blocks = torch.nn.functional.pad(r, (0, (-r.numel()) % BLOCK)).view(-1, BLOCK)
+        assert r_blocks[off].abs().sum() > 0
+    torch.testing.assert_close(weights(models[0]), weights(models[3]), atol=0, rtol=0)
+    step_apart(models)
+    avg.average(models)
+    assert not torch.equal(avg.positions, first)
+
+
 def test_decayed_feedback_scales_the_residual_it_adds():
     models = replicas(2)
     avg = local_steps.CompressedAverage(local_steps.Probe(2, 10, codec="topk", restage=False, feedback_decay=0.5), models[0])
