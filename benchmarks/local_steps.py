@@ -352,7 +352,9 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
     momenta: list[torch.Tensor | None] = [None] * len(anchors)
     seen = torch.zeros(probe.replicas, cfg.model.vocab_size)  # tokens each replica read since the last average
     embedding = first.embed_tokens.weight.detach().clone()  # its value at the last average
-    compressed = (RandomK(probe, first) if probe.codec == "randk" else CompressedAverage(probe, first)) if probe.codec else None
+    compressed = None
+    if probe.codec:
+        compressed = RandomK(probe, first) if probe.codec == "randk" else CompressedAverage(probe, first)
     last = flatten(p for _, p in trainable_parameters(first))  # the replicas' common value at the last average
     for step in range(tr.max_steps):
         for i, (model, loader) in enumerate(zip(models, loaders)):
