@@ -10,7 +10,7 @@ from their own checkpoints, the run's bootstrap killed and started again (peers 
 a real run), and with ``--disk-full`` (root: each peer's run directory is a small tmpfs of its own) a
 peer's disk filled up until it has tried its next checkpoint. Prints a table (faults injected, rounds
 completed and discarded, longest stall of a healthy peer against its bound, consistency checks,
-checkpoints lost to a full disk, orphaned processes, loss) and writes ``benchmarks/results/chaos.json``.
+checkpoints lost to a full disk, orphaned processes, loss) and writes ``benchmarks/results/chaos/main.json``.
 """
 
 from __future__ import annotations
@@ -27,18 +27,30 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from p2p_spes.chaos import Chaos, analyse, failed_checkpoints, orphaned
+from benchmarks.lab.chaos import Chaos, analyse, failed_checkpoints, orphaned
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.swarm import sync_deadline
 
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
 CONFIG = [
-    "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=64",
-    "moe.num_experts=8", "moe.ffn_dim=128", "train.batch_size=8", "train.warmup_steps=10",
-    "train.max_steps=1000000", "train.eval_interval=100000", "train.log_interval=1",
-    "train.checkpoint_interval=20", "train.keep_checkpoints=2",
-    "swarm.sync_steps=20", "swarm.matchmaking_time=4", "swarm.averaging_timeout=8", "swarm.replicas=2",
+    "model.d_model=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=64",
+    "moe.num_experts=8",
+    "moe.ffn_dim=128",
+    "train.batch_size=8",
+    "train.warmup_steps=10",
+    "train.max_steps=1000000",
+    "train.eval_interval=100000",
+    "train.log_interval=1",
+    "train.checkpoint_interval=20",
+    "train.keep_checkpoints=2",
+    "swarm.sync_steps=20",
+    "swarm.matchmaking_time=4",
+    "swarm.averaging_timeout=8",
+    "swarm.replicas=2",
 ]
 
 
@@ -46,14 +58,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--interval", type=float, nargs=2, default=(15.0, 30.0), metavar=("MIN", "MAX"),
-                        help="seconds between faults, drawn uniformly")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        nargs=2,
+        default=(15.0, 30.0),
+        metavar=("MIN", "MAX"),
+        help="seconds between faults, drawn uniformly",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default=None, help="keep the peers' run directories here")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--no-bootstrap", action="store_true", help="peers join through the first peer, no bootstrap")
-    parser.add_argument("--disk-full", action="store_true",
-                        help="also fill a peer's disk during a checkpoint (root: mounts a tmpfs per peer)")
+    parser.add_argument(
+        "--disk-full",
+        action="store_true",
+        help="also fill a peer's disk during a checkpoint (root: mounts a tmpfs per peer)",
+    )
     parser.add_argument("--disk-mb", type=int, default=96, help="size of each peer's tmpfs with --disk-full")
     args = parser.parse_args()
 
@@ -64,21 +85,30 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir, run_id="chaos",
-                       bootstrap_port=None if args.no_bootstrap else port)
+    swarm = LocalSwarm(
+        None,
+        overrides,
+        peers=args.peers,
+        run_dir=run_dir,
+        run_id="chaos",
+        bootstrap_port=None if args.no_bootstrap else port,
+    )
     chaos = Chaos(swarm, cfg.swarm.sync_steps, freeze_seconds=deadline + 5, seed=args.seed)
     extra = {} if args.no_bootstrap else {"bootstrap-kill": lambda _: chaos.kill_bootstrap(chaos.rng.uniform(5, 20))}
     mounts = []
     if args.disk_full:
         for i in range(args.peers):
             (run_dir / f"peer{i}").mkdir(parents=True, exist_ok=True)
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.disk_mb}m", "tmpfs", str(run_dir / f"peer{i}")],
-                           check=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={args.disk_mb}m", "tmpfs", str(run_dir / f"peer{i}")], check=True
+            )
             mounts.append(run_dir / f"peer{i}")
         extra["disk-full"] = lambda victim: chaos.fill_disk(victim, cfg.train.checkpoint_interval)
     console = Console(width=110)
-    console.print(f"{args.peers} peers, {args.minutes:g} min of faults every {args.interval[0]:g}-{args.interval[1]:g} s; "
-                  f"sync deadline {deadline:g} s; run dir {run_dir}")
+    console.print(
+        f"{args.peers} peers, {args.minutes:g} min of faults every {args.interval[0]:g}-{args.interval[1]:g} s; "
+        f"sync deadline {deadline:g} s; run dir {run_dir}"
+    )
     t0 = time.monotonic()
     try:
         swarm.start(stagger=1.0)
@@ -111,13 +141,22 @@ def main() -> None:
     table.add_row("faults injected", faults or "none", "")
     table.add_row("peer-rounds completed / discarded", f"{report.rounds_completed} / {report.rounds_discarded}", "")
     table.add_row("expert or shared groups failed", str(report.groups_failed), "")
-    table.add_row("longest stall of a healthy peer", f"{report.longest_stall_s:.1f} s ({report.longest_stall_at})",
-                  f"<= {report.stall_bound_s:.1f} s (deadline + one round)")
-    table.add_row("consistency checks passed", f"{report.consistency_checks - len(report.consistency_failures)}"
-                  f" / {report.consistency_checks}", "all")
+    table.add_row(
+        "longest stall of a healthy peer",
+        f"{report.longest_stall_s:.1f} s ({report.longest_stall_at})",
+        f"<= {report.stall_bound_s:.1f} s (deadline + one round)",
+    )
+    table.add_row(
+        "consistency checks passed",
+        f"{report.consistency_checks - len(report.consistency_failures)} / {report.consistency_checks}",
+        "all",
+    )
     table.add_row("rounds with an expert no live peer held", str(report.orphan_rounds), "")
-    table.add_row("checkpoints not written (full disk) / peers that exited with an error",
-                  f"{lost['checkpoints_failed']} / {lost['peers_died']}", "- / 0")
+    table.add_row(
+        "checkpoints not written (full disk) / peers that exited with an error",
+        f"{lost['checkpoints_failed']} / {lost['peers_died']}",
+        "- / 0",
+    )
     table.add_row("orphaned processes after stop", str(report.orphans), "0")
     losses = ", ".join(f"{report.loss_first[i]:.2f}->{report.loss_last[i]:.2f}" for i in sorted(report.loss_last))
     table.add_row("train loss per peer (first -> last)", losses, "falling")
@@ -125,15 +164,25 @@ def main() -> None:
     for failure in report.consistency_failures:
         console.print(f"[red]{failure}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    result = {"command": "python benchmarks/chaos.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("run_dir", "overrides")),
-        "peers": args.peers, "minutes": args.minutes, "seed": args.seed, "sync_deadline_s": deadline,
-        **report.to_dict(), "fault_log": [vars(f) for f in chaos.faults], **lost,
+    result = {
+        "command": "python benchmarks/chaos.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("run_dir", "overrides")),
+        "peers": args.peers,
+        "minutes": args.minutes,
+        "seed": args.seed,
+        "sync_deadline_s": deadline,
+        **report.to_dict(),
+        "fault_log": [vars(f) for f in chaos.faults],
+        **lost,
         "targets_met": {
-            "faults_50": len(chaos.faults) >= 50, "full_disk_survived": lost["peers_died"] == 0,
-            "stall": report.longest_stall_s <= report.stall_bound_s, "consistency": not report.consistency_failures,
-            "orphans": report.orphans == 0, "loss_fell": report.loss_fell,
-        }}
+            "faults_50": len(chaos.faults) >= 50,
+            "full_disk_survived": lost["peers_died"] == 0,
+            "stall": report.longest_stall_s <= report.stall_bound_s,
+            "consistency": not report.consistency_failures,
+            "orphans": report.orphans == 0,
+            "loss_fell": report.loss_fell,
+        },
+    }
     RESULTS.write_text(json.dumps(result, indent=1))
     console.print(f"wrote {RESULTS}")
 

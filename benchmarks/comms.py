@@ -40,7 +40,7 @@ experts (one holder each), S shared parameters and X parameters per expert:
 
 The framing overhead of a codec is measured / computed on the loopback run; the projections to
 spes-1b and spes-7b at 4 and 16 peers multiply the computed payload by it. Writes
-``benchmarks/results/comms.json``.
+``benchmarks/results/comms/main.json``.
 """
 
 from __future__ import annotations
@@ -56,9 +56,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from p2p_spes.compression import BLOCK, CODECS, Codec, bits_per_value
+from p2p_spes.averaging.compression import BLOCK, CODECS, Codec, bits_per_value
 from p2p_spes.config import load_config
 from p2p_spes.errors import SwarmError
 from p2p_spes.local_swarm import LocalSwarm
@@ -67,10 +65,20 @@ from p2p_spes.model import MoETransformer
 RESULTS = Path(__file__).parent / "results" / "comms.json"
 SYNC_STEPS = 3
 PAYLOAD = [
-    "model.d_model=256", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=64",
-    "moe.num_experts=8", "moe.ffn_dim=512", "train.batch_size=2", "train.warmup_steps=2",
-    "train.eval_interval=100000", "train.log_interval=100000", "train.checkpoint_interval=100000",
-    f"swarm.sync_steps={SYNC_STEPS}", "swarm.matchmaking_time=4", "swarm.averaging_timeout=30",
+    "model.d_model=256",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=64",
+    "moe.num_experts=8",
+    "moe.ffn_dim=512",
+    "train.batch_size=2",
+    "train.warmup_steps=2",
+    "train.eval_interval=100000",
+    "train.log_interval=100000",
+    "train.checkpoint_interval=100000",
+    f"swarm.sync_steps={SYNC_STEPS}",
+    "swarm.matchmaking_time=4",
+    "swarm.averaging_timeout=30",
 ]
 PROJECTED = ("spes-1b", "spes-7b")
 PROJECTED_PEERS = (4, 16)
@@ -107,12 +115,22 @@ def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int) -> di
     """This project's payload bytes per peer per round, mean over peers, by component (docstring):
     contributions in the members' codec, averaged parts in that of a mean of P of them, the lone
     holders' updates in ``codec.result``."""
+
     def ring(c: Codec) -> float:  # (P-1)/P of the shared vector's P parts, each encoded with ``c``
         return (peers - 1) / peers * sum(c.wire_bytes(n) for n in part_sizes(shared, peers))
+
     contributions, averaged = ring(codec), ring(codec.result_for(peers))
     own, update = experts / peers, codec.result.wire_bytes(expert)
-    return totals({"client_sent": contributions, "client_received": averaged, "reducer_in": contributions,
-                   "reducer_out": averaged, "served": (peers - 1) * own * update, "downloaded": (experts - own) * update})
+    return totals(
+        {
+            "client_sent": contributions,
+            "client_received": averaged,
+            "reducer_in": contributions,
+            "reducer_out": averaged,
+            "served": (peers - 1) * own * update,
+            "downloaded": (experts - own) * update,
+        }
+    )
 
 
 def spes_reference(codec: Codec | None, shared: int, expert: int, experts: int, peers: int) -> dict[str, float]:
@@ -150,8 +168,11 @@ def serverless_floor(codec: Codec, shared: int, expert: int, experts: int, peers
 # Measuring ---------------------------------------------------------------------------------------
 def run_swarm(name: str, codec: Codec, args: argparse.Namespace, run_dir: Path) -> dict:
     """One loopback swarm with ``codec``; its records stay in ``run_dir / name``."""
-    overrides = PAYLOAD + [f"swarm.compression={codec.name}", f"swarm.topk_fraction={codec.topk_fraction}",
-                           f"train.max_steps={SYNC_STEPS * (args.rounds + 1)}"]
+    overrides = PAYLOAD + [
+        f"swarm.compression={codec.name}",
+        f"swarm.topk_fraction={codec.topk_fraction}",
+        f"train.max_steps={SYNC_STEPS * (args.rounds + 1)}",
+    ]
     if codec.result_fraction is not None:
         overrides.append(f"swarm.topk_result_fraction={codec.result_fraction}")
     swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir / name, run_id=f"comms-{name}")
@@ -212,9 +233,11 @@ def read_records(run_dir: Path, peers: int) -> dict:
     out["refreshed_by_delta"] = sum(r["refreshed_by_delta"] for r in rows)
     out["refreshed"] = sum(r["refreshed"] for r in rows)
     # every byte one peer sends another receives: the counts of both ends should agree
-    out["balance"] = {"client_sent / reducer_in": logged["client_sent"] / max(logged["reducer_in"], 1),
-                      "reducer_out / client_received": logged["reducer_out"] / max(logged["client_received"], 1),
-                      "served (server logs) / downloaded": logged["served"] / max(logged["downloaded"], 1)}
+    out["balance"] = {
+        "client_sent / reducer_in": logged["client_sent"] / max(logged["reducer_in"], 1),
+        "reducer_out / client_received": logged["reducer_out"] / max(logged["client_received"], 1),
+        "served (server logs) / downloaded": logged["served"] / max(logged["downloaded"], 1),
+    }
     out["seconds_per_round"] = statistics.fmean(r["sync_seconds"] for r in rows)
     return out
 
@@ -237,10 +260,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=4, help="sync rounds per run (each peer's first is not counted)")
-    parser.add_argument("--compressions", nargs="+", default=[*CODECS, "topk-dense"], choices=[*CODECS, "topk-dense"],
-                        help="topk-dense: topk with swarm.topk_result_fraction (--topk-result-fraction)")
+    parser.add_argument(
+        "--compressions",
+        nargs="+",
+        default=[*CODECS, "topk-dense"],
+        choices=[*CODECS, "topk-dense"],
+        help="topk-dense: topk with swarm.topk_result_fraction (--topk-result-fraction)",
+    )
     parser.add_argument("--topk-fraction", type=float, default=1 / 64, help="swarm.topk_fraction")
-    parser.add_argument("--topk-result-fraction", type=float, default=4 / 64, help="swarm.topk_result_fraction of topk-dense")
+    parser.add_argument(
+        "--topk-result-fraction", type=float, default=4 / 64, help="swarm.topk_result_fraction of topk-dense"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may run")
     parser.add_argument("--run-dir", type=Path, help="where the swarms run (default: a new temporary directory)")
     parser.add_argument("--no-run", action="store_true", help="only read the records already in --run-dir")
@@ -249,8 +279,14 @@ def main() -> None:
         parser.error("--no-run needs --run-dir")
     console = Console(width=200)
     mb, gb = 1e6, 1e9
-    codecs = {name: Codec(name.removesuffix("-dense"), args.topk_fraction,
-                          args.topk_result_fraction if name.endswith("-dense") else None) for name in args.compressions}
+    codecs = {
+        name: Codec(
+            name.removesuffix("-dense"),
+            args.topk_fraction,
+            args.topk_result_fraction if name.endswith("-dense") else None,
+        )
+        for name in args.compressions
+    }
 
     shared, expert, experts = parameter_split(PAYLOAD)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="p2p-spes-comms-"))
@@ -264,15 +300,32 @@ def main() -> None:
         if "bytes" in got:
             overhead[name] = got["bytes"]["total"] / computed[name]["total"]
         status = f"error: {run['error']}" if run["error"] else "ok"
-        console.print(f"{name}: {len(got['rounds'])} rounds counted ({got['records']} records), "
-                      f"{len(got['excluded'])} excluded, run {run['seconds']} s, {status}; {run_dir / name}")
+        console.print(
+            f"{name}: {len(got['rounds'])} rounds counted ({got['records']} records), "
+            f"{len(got['excluded'])} excluded, run {run['seconds']} s, {status}; {run_dir / name}"
+        )
     wall = time.monotonic() - t_start
 
-    table = Table(title=f"measured bytes per peer per sync round (MB), {args.peers} loopback peers, {shared / 1e6:.2f}M "
-                        f"shared + {experts} x {expert / 1e6:.3f}M expert parameters, {experts // args.peers} experts "
-                        "trained per peer; mean over complete rounds after each peer's first")
-    for col in ("codec", "bits/value", "rounds x peers", "client out / in", "reducer in / out", "served (server log)", "downloaded",
-                "frozen by update", "sent", "received", "total", "computed payload", "measured / computed"):
+    table = Table(
+        title=f"measured bytes per peer per sync round (MB), {args.peers} loopback peers, {shared / 1e6:.2f}M "
+        f"shared + {experts} x {expert / 1e6:.3f}M expert parameters, {experts // args.peers} experts "
+        "trained per peer; mean over complete rounds after each peer's first"
+    )
+    for col in (
+        "codec",
+        "bits/value",
+        "rounds x peers",
+        "client out / in",
+        "reducer in / out",
+        "served (server log)",
+        "downloaded",
+        "frozen by update",
+        "sent",
+        "received",
+        "total",
+        "computed payload",
+        "measured / computed",
+    ):
         table.add_column(col, justify="left" if col == "codec" else "right")
     for name, got in measured.items():
         c = computed[name]
@@ -281,26 +334,37 @@ def main() -> None:
             continue
         b = got["bytes"]
         table.add_row(
-            name, f"{bits_per_value(codecs[name]):.3f}", str(got["records"]),
+            name,
+            f"{bits_per_value(codecs[name]):.3f}",
+            str(got["records"]),
             f"{b['client_sent'] / mb:.3f} / {b['client_received'] / mb:.3f}",
             f"{b['reducer_in'] / mb:.3f} / {b['reducer_out'] / mb:.3f}",
             f"{b['served'] / mb:.3f} ({got['served_logged_by_servers'] / mb:.3f})",
-            f"{b['downloaded'] / mb:.3f}", f"{got['refreshed_by_delta']}/{got['refreshed']}",
-            f"{b['sent'] / mb:.3f}", f"{b['received'] / mb:.3f}", f"{b['total'] / mb:.3f}",
-            f"{c['total'] / mb:.3f}", f"{overhead[name]:.4f}")
+            f"{b['downloaded'] / mb:.3f}",
+            f"{got['refreshed_by_delta']}/{got['refreshed']}",
+            f"{b['sent'] / mb:.3f}",
+            f"{b['received'] / mb:.3f}",
+            f"{b['total'] / mb:.3f}",
+            f"{c['total'] / mb:.3f}",
+            f"{overhead[name]:.4f}",
+        )
     console.print(table)
     ref = spes_reference(None, shared, expert, experts, args.peers)
     ar = allreduce_fp32(shared, expert, experts, args.peers)
     for name, got in measured.items():
         if "bytes" in got:
             total = got["bytes"]["total"]
-            console.print(f"  loopback, {name}: a peer {sentence(ref['total'] / total, 'the SPES reference at fp32')} "
-                          f"({ref['total'] / mb:.1f} MB), {sentence(ar['total'] / total, 'an fp32 all-reduce of the whole model')}"
-                          f" ({ar['total'] / mb:.1f} MB)")
-    console.print("served: what the others downloaded from a peer's experts, counted by them (a server counts only "
-                  "during its own round and misses downloads that come after it; its log in brackets). measured / "
-                  "computed is hivemind's protobuf framing on top of the codec's payload: the framing overhead used "
-                  "below (a codec without complete rounds is projected without it, 1.0).")
+            console.print(
+                f"  loopback, {name}: a peer {sentence(ref['total'] / total, 'the SPES reference at fp32')} "
+                f"({ref['total'] / mb:.1f} MB), {sentence(ar['total'] / total, 'an fp32 all-reduce of the whole model')}"
+                f" ({ar['total'] / mb:.1f} MB)"
+            )
+    console.print(
+        "served: what the others downloaded from a peer's experts, counted by them (a server counts only "
+        "during its own round and misses downloads that come after it; its log in brackets). measured / "
+        "computed is hivemind's protobuf framing on top of the codec's payload: the framing overhead used "
+        "below (a codec without complete rounds is projected without it, 1.0)."
+    )
 
     projections: dict = {}
     for config in PROJECTED:
@@ -317,41 +381,83 @@ def main() -> None:
                 same = spes_reference(codec, s, x, e, peers)
                 floor = serverless_floor(codec, s, x, e, peers)
                 rows[name] = {
-                    "ours": mine, "ours_payload": payload, "framing_overhead": factor, "spes_reference_same_precision": same,
-                    "serverless_floor": floor, "times_the_serverless_floor": mine["total"] / floor,
+                    "ours": mine,
+                    "ours_payload": payload,
+                    "framing_overhead": factor,
+                    "spes_reference_same_precision": same,
+                    "serverless_floor": floor,
+                    "times_the_serverless_floor": mine["total"] / floor,
                     "ceiling_vs_spes_reference_fp32": ref32["total"] / floor,
                     "times_less_than_spes_reference_fp32": ref32["total"] / mine["total"],
                     "times_less_than_spes_reference_same_precision": same["total"] / mine["total"],
                     "times_less_than_allreduce_fp32": ar32["total"] / mine["total"],
                 }
-            projections[config]["peers"][str(peers)] = {"spes_reference_fp32": ref32, "allreduce_fp32": ar32, "codecs": rows}
+            projections[config]["peers"][str(peers)] = {
+                "spes_reference_fp32": ref32,
+                "allreduce_fp32": ar32,
+                "codecs": rows,
+            }
 
     for config, proj in projections.items():
-        table = Table(title=f"{config} ({proj['shared_params'] / 1e6:.0f}M shared + {proj['experts']} x "
-                            f"{proj['expert_params'] / 1e6:.1f}M expert parameters): computed GB per peer per round, "
-                            "this project with the measured framing overhead; 'N x less': the baseline moves N times "
-                            "what we move; 'ceiling': the most any round with no server can reach at the codec's "
-                            "bytes per value (serverless_floor); 'of the floor': our bytes over that least")
-        for col in ("peers", "protocol", "sent GB", "received GB", "total GB", "vs SPES reference at fp32",
-                    "ceiling vs SPES reference at fp32", "of the floor", "vs SPES reference at the codec's precision",
-                    "vs fp32 all-reduce of the whole model"):
+        table = Table(
+            title=f"{config} ({proj['shared_params'] / 1e6:.0f}M shared + {proj['experts']} x "
+            f"{proj['expert_params'] / 1e6:.1f}M expert parameters): computed GB per peer per round, "
+            "this project with the measured framing overhead; 'N x less': the baseline moves N times "
+            "what we move; 'ceiling': the most any round with no server can reach at the codec's "
+            "bytes per value (serverless_floor); 'of the floor': our bytes over that least"
+        )
+        for col in (
+            "peers",
+            "protocol",
+            "sent GB",
+            "received GB",
+            "total GB",
+            "vs SPES reference at fp32",
+            "ceiling vs SPES reference at fp32",
+            "of the floor",
+            "vs SPES reference at the codec's precision",
+            "vs fp32 all-reduce of the whole model",
+        ):
             table.add_column(col, justify="left" if col in ("peers", "protocol") else "right")
         for peers, p in proj["peers"].items():
             for name, row in p["codecs"].items():
                 m = row["ours"]
-                table.add_row(peers, f"p2p-spes, {name}", f"{m['sent'] / gb:.4f}", f"{m['received'] / gb:.4f}",
-                              f"{m['total'] / gb:.4f}", less(row["times_less_than_spes_reference_fp32"]),
-                              less(row["ceiling_vs_spes_reference_fp32"]), f"{row['times_the_serverless_floor']:.4f}x",
-                              less(row["times_less_than_spes_reference_same_precision"]),
-                              less(row["times_less_than_allreduce_fp32"]))
-            for label, b in (("SPES reference, fp32", p["spes_reference_fp32"]), ("fp32 all-reduce", p["allreduce_fp32"])):
-                table.add_row(peers, label, f"{b['sent'] / gb:.3f}", f"{b['received'] / gb:.3f}", f"{b['total'] / gb:.3f}",
-                              "", "", "", "", "", end_section=label == "fp32 all-reduce")
+                table.add_row(
+                    peers,
+                    f"p2p-spes, {name}",
+                    f"{m['sent'] / gb:.4f}",
+                    f"{m['received'] / gb:.4f}",
+                    f"{m['total'] / gb:.4f}",
+                    less(row["times_less_than_spes_reference_fp32"]),
+                    less(row["ceiling_vs_spes_reference_fp32"]),
+                    f"{row['times_the_serverless_floor']:.4f}x",
+                    less(row["times_less_than_spes_reference_same_precision"]),
+                    less(row["times_less_than_allreduce_fp32"]),
+                )
+            for label, b in (
+                ("SPES reference, fp32", p["spes_reference_fp32"]),
+                ("fp32 all-reduce", p["allreduce_fp32"]),
+            ):
+                table.add_row(
+                    peers,
+                    label,
+                    f"{b['sent'] / gb:.3f}",
+                    f"{b['received'] / gb:.3f}",
+                    f"{b['total'] / gb:.3f}",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    end_section=label == "fp32 all-reduce",
+                )
         console.print(table)
 
-    flat = Table(title="per peer, 4 -> 16 peers: every term of this project grows as (P-1)/P, so a peer moves at "
-                       "most 4/3 of its 4-peer bytes at any P (up to E); the SPES reference's server moves P times a "
-                       "peer's traffic")
+    flat = Table(
+        title="per peer, 4 -> 16 peers: every term of this project grows as (P-1)/P, so a peer moves at "
+        "most 4/3 of its 4-peer bytes at any P (up to E); the SPES reference's server moves P times a "
+        "peer's traffic"
+    )
     for col in ("config", "protocol", "GB at 4 peers", "GB at 16 peers", "16 / 4 peers"):
         flat.add_column(col, justify="left" if col in ("config", "protocol") else "right")
     flatness: dict = {}
@@ -365,7 +471,9 @@ def main() -> None:
         for label, key in (("SPES reference, fp32", "spes_reference_fp32"), ("fp32 all-reduce", "allreduce_fp32")):
             a, b = p4[key]["total"], p16[key]["total"]
             flatness[config][label] = b / a
-            flat.add_row(config, label, f"{a / gb:.3f}", f"{b / gb:.3f}", f"{b / a:.3f}x", end_section=label == "fp32 all-reduce")
+            flat.add_row(
+                config, label, f"{a / gb:.3f}", f"{b / gb:.3f}", f"{b / a:.3f}x", end_section=label == "fp32 all-reduce"
+            )
     console.print(flat)
 
     # the targets, on spes-1b at 4 and 16 peers
@@ -374,9 +482,11 @@ def main() -> None:
     for peers in ("4", "16"):
         rows = proj[peers]["codecs"]
         best = max(rows, key=lambda n: rows[n]["times_less_than_spes_reference_fp32"])
-        t = {"best_codec": best,
-             "best_vs_spes_reference_fp32": rows[best]["times_less_than_spes_reference_fp32"],
-             "best_vs_allreduce_fp32": rows[best]["times_less_than_allreduce_fp32"]}
+        t = {
+            "best_codec": best,
+            "best_vs_spes_reference_fp32": rows[best]["times_less_than_spes_reference_fp32"],
+            "best_vs_allreduce_fp32": rows[best]["times_less_than_allreduce_fp32"],
+        }
         t["best_met"] = t["best_vs_spes_reference_fp32"] >= TARGETS["best_vs_spes_fp32"]
         t["best_vs_allreduce_met"] = t["best_vs_allreduce_fp32"] >= TARGETS["best_vs_allreduce_fp32"]
         if "int8" in rows:
@@ -386,48 +496,80 @@ def main() -> None:
             t["int8_times_the_serverless_floor"] = rows["int8"]["times_the_serverless_floor"]
         targets[peers] = t
     growth = {n: flatness["spes-1b"][n] for n in codecs}
-    floor_growth = {n: proj["16"]["codecs"][n]["serverless_floor"] / proj["4"]["codecs"][n]["serverless_floor"] for n in codecs}
-    targets["flat"] = {"growth_16_over_4": growth,
-                       "met": all(g <= 1 + TARGETS["flat_within"] for g in growth.values()),
-                       "serverless_floor_growth_16_over_4": floor_growth,
-                       "growth_over_the_floors_growth": {n: growth[n] / floor_growth[n] for n in codecs}}
+    floor_growth = {
+        n: proj["16"]["codecs"][n]["serverless_floor"] / proj["4"]["codecs"][n]["serverless_floor"] for n in codecs
+    }
+    targets["flat"] = {
+        "growth_16_over_4": growth,
+        "met": all(g <= 1 + TARGETS["flat_within"] for g in growth.values()),
+        "serverless_floor_growth_16_over_4": floor_growth,
+        "growth_over_the_floors_growth": {n: growth[n] / floor_growth[n] for n in codecs},
+    }
     console.print("[bold]targets (spes-1b):[/bold]")
     for peers in ("4", "16"):
         t = targets[peers]
-        console.print(f"  {peers} peers: best codec {t['best_codec']} "
-                      f"{sentence(t['best_vs_spes_reference_fp32'], 'the SPES reference at fp32')} "
-                      f"(target >= {TARGETS['best_vs_spes_fp32']:.0f}: {'met' if t['best_met'] else 'NOT met'}) and "
-                      f"{t['best_vs_allreduce_fp32']:.1f} times less than an fp32 all-reduce of the whole model "
-                      f"(target ~{TARGETS['best_vs_allreduce_fp32']:.0f}: {'met' if t['best_vs_allreduce_met'] else 'NOT met'})")
+        console.print(
+            f"  {peers} peers: best codec {t['best_codec']} "
+            f"{sentence(t['best_vs_spes_reference_fp32'], 'the SPES reference at fp32')} "
+            f"(target >= {TARGETS['best_vs_spes_fp32']:.0f}: {'met' if t['best_met'] else 'NOT met'}) and "
+            f"{t['best_vs_allreduce_fp32']:.1f} times less than an fp32 all-reduce of the whole model "
+            f"(target ~{TARGETS['best_vs_allreduce_fp32']:.0f}: {'met' if t['best_vs_allreduce_met'] else 'NOT met'})"
+        )
         if "int8_met" in t:
-            console.print(f"  {peers} peers: int8 {sentence(t['int8_vs_spes_reference_fp32'], 'the SPES reference at fp32')} "
-                          f"(target >= {TARGETS['int8_vs_spes_fp32']}: {'met' if t['int8_met'] else 'NOT met'}); no round "
-                          f"without a server can do better than {t['int8_ceiling_vs_spes_reference_fp32']:.2f} times less "
-                          f"at int8's bytes per value, and ours moves {t['int8_times_the_serverless_floor']:.4f}x that least")
-    console.print(f"  flat in peers (16 peers within {TARGETS['flat_within']:.0%} of 4): "
-                  f"{'met' if targets['flat']['met'] else 'NOT met'}: per peer x"
-                  + ", x".join(f"{g:.3f} ({n})" for n, g in growth.items()) + " from 4 to 16 peers (the (P-1)/P "
-                  "of an all-reduce; at most x1.333 for any number of peers); the least any round without a server "
-                  "can move grows by the same factor (x" + ", x".join(
-                      f"{targets['flat']['growth_over_the_floors_growth'][n]:.3f} ({n})" for n in codecs) + " of its growth)")
+            console.print(
+                f"  {peers} peers: int8 {sentence(t['int8_vs_spes_reference_fp32'], 'the SPES reference at fp32')} "
+                f"(target >= {TARGETS['int8_vs_spes_fp32']}: {'met' if t['int8_met'] else 'NOT met'}); no round "
+                f"without a server can do better than {t['int8_ceiling_vs_spes_reference_fp32']:.2f} times less "
+                f"at int8's bytes per value, and ours moves {t['int8_times_the_serverless_floor']:.4f}x that least"
+            )
+    console.print(
+        f"  flat in peers (16 peers within {TARGETS['flat_within']:.0%} of 4): "
+        f"{'met' if targets['flat']['met'] else 'NOT met'}: per peer x"
+        + ", x".join(f"{g:.3f} ({n})" for n, g in growth.items())
+        + " from 4 to 16 peers (the (P-1)/P "
+        "of an all-reduce; at most x1.333 for any number of peers); the least any round without a server "
+        "can move grows by the same factor (x"
+        + ", x".join(f"{targets['flat']['growth_over_the_floors_growth'][n]:.3f} ({n})" for n in codecs)
+        + " of its growth)"
+    )
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "command": "python benchmarks/comms.py " + " ".join(sys.argv[1:]),
-        "wall_seconds": round(wall, 1), "peers": args.peers, "rounds": args.rounds, "codecs": list(codecs),
-        "topk_fraction": args.topk_fraction, "topk_k_per_block": codecs["topk"].k if "topk" in codecs else None,
-        "topk_result_fraction": args.topk_result_fraction if "topk-dense" in codecs else None,
-        "bits_per_value": {n: bits_per_value(c) for n, c in codecs.items()},
-        "payload_config": PAYLOAD, "shared_params": shared, "expert_params": expert, "experts": experts,
-        "measured": measured, "computed": computed, "framing_overhead": overhead,
-        "measured_over_computed": {n: overhead[n] for n in overhead},
-        "loopback_baselines": {"spes_reference_fp32": ref, "allreduce_fp32": ar},
-        "loopback_times_less_than": {
-            n: {"spes_reference_fp32": ref["total"] / m["bytes"]["total"], "allreduce_fp32": ar["total"] / m["bytes"]["total"]}
-            for n, m in measured.items() if "bytes" in m},
-        "projections": projections, "per_peer_growth_16_over_4_peers": flatness,
-        "targets": {"wanted": TARGETS, "spes-1b": targets},
-    }, indent=1))
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "command": "python benchmarks/comms.py " + " ".join(sys.argv[1:]),
+                "wall_seconds": round(wall, 1),
+                "peers": args.peers,
+                "rounds": args.rounds,
+                "codecs": list(codecs),
+                "topk_fraction": args.topk_fraction,
+                "topk_k_per_block": codecs["topk"].k if "topk" in codecs else None,
+                "topk_result_fraction": args.topk_result_fraction if "topk-dense" in codecs else None,
+                "bits_per_value": {n: bits_per_value(c) for n, c in codecs.items()},
+                "payload_config": PAYLOAD,
+                "shared_params": shared,
+                "expert_params": expert,
+                "experts": experts,
+                "measured": measured,
+                "computed": computed,
+                "framing_overhead": overhead,
+                "measured_over_computed": {n: overhead[n] for n in overhead},
+                "loopback_baselines": {"spes_reference_fp32": ref, "allreduce_fp32": ar},
+                "loopback_times_less_than": {
+                    n: {
+                        "spes_reference_fp32": ref["total"] / m["bytes"]["total"],
+                        "allreduce_fp32": ar["total"] / m["bytes"]["total"],
+                    }
+                    for n, m in measured.items()
+                    if "bytes" in m
+                },
+                "projections": projections,
+                "per_peer_growth_16_over_4_peers": flatness,
+                "targets": {"wanted": TARGETS, "spes-1b": targets},
+            },
+            indent=1,
+        )
+    )
     console.print(f"wrote {RESULTS}; records in {run_dir}; {wall / 60:.1f} min")
 
 

@@ -59,9 +59,9 @@ checkpoint is where its expert is. The JSON also keeps the mean over the peers' 
 (``peer_mean_curve``) and says at each step how many distinct weight files the peers held. The
 checkpoints are deleted once scored.
 
-Prints a table, writes ``benchmarks/results/convergence.json`` (per arm and seed: the curve, the final
+Prints a table, writes ``benchmarks/results/convergence/main.json`` (per arm and seed: the curve, the final
 loss, the run's rounds, skipped steps and tokens; per arm: mean, min-max and std over seeds, the gap to
-centralized and to uncompressed spes) and plots the curves to ``benchmarks/results/convergence.png``
+centralized and to uncompressed spes) and plots the curves to ``benchmarks/results/convergence/main.png``
 (needs matplotlib: ``pip install -e .[bench]``). ``--out`` writes elsewhere (use it for quick looks).
 """
 
@@ -85,9 +85,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from p2p_spes.chaos import read_metrics
+from benchmarks.lab.chaos import read_metrics
 from p2p_spes.checkpoint import WEIGHTS, load_checkpoint, read_state
 from p2p_spes.config import load_config
 from p2p_spes.corpus import prepare_embedded_data
@@ -100,35 +98,81 @@ from p2p_spes.model import MoETransformer
 RESULTS = Path(__file__).parent / "results"
 # a narrow version of the embedded tiny model, so that every arm x 3 seeds fits ~75 min on 2 cores
 CONFIG = [
-    "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=64",
-    "moe.num_experts=8", "moe.ffn_dim=128", "train.log_interval=10",
-    "swarm.matchmaking_time=3", "swarm.averaging_timeout=20",
+    "model.d_model=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=64",
+    "moe.num_experts=8",
+    "moe.ffn_dim=128",
+    "train.log_interval=10",
+    "swarm.matchmaking_time=3",
+    "swarm.averaging_timeout=20",
     # every stored run of this benchmark and of quality.py, local_steps.py and grad_norms.py trained with
     # AdamW, the default until train.optimizer became muon; their muon arms set it themselves, and ran with
     # the AdamW-stepped parameters at lr x 1 until that became x 4 (train.muon_adamw_lr_scale)
-    "train.optimizer=adamw", "train.muon_adamw_lr_scale=1",
+    "train.optimizer=adamw",
+    "train.muon_adamw_lr_scale=1",
 ]
-SPES = ["experts.placement=spes", "swarm.merge_interval={merge}", "swarm.outer_optimizer=average", "swarm.compression=none"]
+SPES = [
+    "experts.placement=spes",
+    "swarm.merge_interval={merge}",
+    "swarm.outer_optimizer=average",
+    "swarm.compression=none",
+]
 ARMS: dict[str, list[str] | None] = {
     "centralized": None,
     "spes": SPES,
-    "diloco": ["swarm.experts_per_peer={experts}", "swarm.merge_interval=0", "swarm.outer_optimizer=nesterov",
-               "swarm.outer_lr=0.7", "swarm.outer_momentum=0.9", "swarm.compression=none"],
+    "diloco": [
+        "swarm.experts_per_peer={experts}",
+        "swarm.merge_interval=0",
+        "swarm.outer_optimizer=nesterov",
+        "swarm.outer_lr=0.7",
+        "swarm.outer_momentum=0.9",
+        "swarm.compression=none",
+    ],
     "spes-fp16": [*SPES[:-1], "swarm.compression=fp16"],
     "spes-int8": [*SPES[:-1], "swarm.compression=int8"],
     "spes-int4": [*SPES[:-1], "swarm.compression=int4"],
     "spes-topk": [*SPES[:-1], "swarm.compression=topk"],
     "spes-topk-keep": [*SPES[:-1], "swarm.compression=topk", "swarm.keep_local_progress=true"],
     "spes-topk-dense": [*SPES[:-1], "swarm.compression=topk", "swarm.topk_result_fraction=0.0625"],
-    "spes-topk-keep-dense": [*SPES[:-1], "swarm.compression=topk", "swarm.keep_local_progress=true",
-                             "swarm.topk_result_fraction=0.0625"],
-    "spes-no-merge": ["experts.placement=spes", "swarm.merge_interval=0", "swarm.outer_optimizer=average", "swarm.compression=none"],
+    "spes-topk-keep-dense": [
+        *SPES[:-1],
+        "swarm.compression=topk",
+        "swarm.keep_local_progress=true",
+        "swarm.topk_result_fraction=0.0625",
+    ],
+    "spes-no-merge": [
+        "experts.placement=spes",
+        "swarm.merge_interval=0",
+        "swarm.outer_optimizer=average",
+        "swarm.compression=none",
+    ],
 }
-DEFAULT_ARMS = [a for a in ARMS if a not in ("spes-no-merge", "spes-topk-keep", "spes-topk-dense", "spes-topk-keep-dense")]
-SUMMARY_KEYS = ("step", "tokens", "local_experts", "rounds_joined", "rounds_alone", "rounds_failed", "tokens_averaged",
-                "schedule_steps_advanced", "steps_skipped", "updates_refused", "refresh_missed", "delta_refreshes",
-                "anchors_rebased", "compression", "bytes_sent",
-                "bytes_received", "final_train_loss", "memory", "sync_memory")
+DEFAULT_ARMS = [
+    a for a in ARMS if a not in ("spes-no-merge", "spes-topk-keep", "spes-topk-dense", "spes-topk-keep-dense")
+]
+SUMMARY_KEYS = (
+    "step",
+    "tokens",
+    "local_experts",
+    "rounds_joined",
+    "rounds_alone",
+    "rounds_failed",
+    "tokens_averaged",
+    "schedule_steps_advanced",
+    "steps_skipped",
+    "updates_refused",
+    "refresh_missed",
+    "delta_refreshes",
+    "anchors_rebased",
+    "compression",
+    "bytes_sent",
+    "bytes_received",
+    "final_train_loss",
+    "memory",
+    "sync_memory",
+)
 
 
 def schedule(steps: int) -> list[str]:
@@ -151,11 +195,14 @@ class Validation:
         self.batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows.split(batch)]
         self.describe = {
             "split": "validation of the embedded corpus (p2p_spes/corpus.py: held-out documents)",
-            "directory": str(path), "shards": [s["sha256"] for s in data.manifest["shards"]],
-            "seq_len": seq_len, "windows": self.count, "windows_available": total,
+            "directory": str(path),
+            "shards": [s["sha256"] for s in data.manifest["shards"]],
+            "seq_len": seq_len,
+            "windows": self.count,
+            "windows_available": total,
             "predicted_tokens": self.count * seq_len,
             "which": f"window i = tokens [{seq_len} i, {seq_len} i + {seq_len}] of the validation stream, "
-                     f"i = 0 .. {self.count - 1}",
+            f"i = 0 .. {self.count - 1}",
         }
         self._models: dict[str, MoETransformer] = {}
 
@@ -191,12 +238,15 @@ class Validation:
         total = 0.0
         for x, y in self.batches:
             logits, _ = model(x)
-            total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
+            total += float(
+                F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+            )
         return total / (self.count * self.seq_len)
 
 
-def score_run(peer_dirs: list[Path], validation: Validation, boundaries: list[int],
-              holders: list[list[int]] | None = None) -> dict[str, Any]:
+def score_run(
+    peer_dirs: list[Path], validation: Validation, boundaries: list[int], holders: list[list[int]] | None = None
+) -> dict[str, Any]:
     """The validation loss at every boundary of the swarm's model (with ``holders``, each peer's
     experts: shared weights and each expert from a peer that trains it; else the mean over peers) and
     of every peer's own checkpoint (identical weights scored once)."""
@@ -221,7 +271,9 @@ def score_run(peer_dirs: list[Path], validation: Validation, boundaries: list[in
             per_step[step] = losses
             distinct[step] = len(digests)
         if holders and len(found) == len(peer_dirs):
-            assembled[step] = cache[next(iter(digests))] if len(digests) == 1 else validation.score_assembled(found, holders)
+            assembled[step] = (
+                cache[next(iter(digests))] if len(digests) == 1 else validation.score_assembled(found, holders)
+            )
     curve = {s: statistics.fmean(v) for s, v in per_step.items()}
     return {
         "curve": {s: assembled.get(s, v) for s, v in curve.items()},
@@ -254,7 +306,7 @@ def peer_launcher(argv: list[str]) -> int:
     equal tokens.
     """
     gate, peers = Path(argv[0]), int(argv[1])
-    rest = argv[argv.index("p2p_spes") + 1:]
+    rest = argv[argv.index("p2p_spes") + 1 :]
     from p2p_spes.cli import main as cli_main
     from p2p_spes.peer import SwarmSync
 
@@ -302,25 +354,46 @@ def swarm_report(peer_dirs: list[Path]) -> dict[str, Any]:
         peers.append({k: summary.get(k) for k in SUMMARY_KEYS})
         for r in read_metrics(peer):
             if "sync_round" in r:
-                rounds.append({"peer": i, "round": r["sync_round"], "step": r["step"], "outcome": r.get("outcome"),
-                               "members": r.get("shared_members"), "jump": r.get("schedule_jump", 0),
-                               "groups_failed": r.get("groups_failed", []), "seconds": r.get("sync_seconds"),
-                               "errors": {g: v["error"] for g, v in (r.get("groups") or {}).items() if v.get("error")}})
+                rounds.append(
+                    {
+                        "peer": i,
+                        "round": r["sync_round"],
+                        "step": r["step"],
+                        "outcome": r.get("outcome"),
+                        "members": r.get("shared_members"),
+                        "jump": r.get("schedule_jump", 0),
+                        "groups_failed": r.get("groups_failed", []),
+                        "seconds": r.get("sync_seconds"),
+                        "errors": {g: v["error"] for g, v in (r.get("groups") or {}).items() if v.get("error")},
+                    }
+                )
     outcomes: dict[str, int] = {}
     for r in rounds:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
-    return {"peers": peers, "rounds": rounds, "round_outcomes": outcomes,
-            "steps_jumped": sum(r["jump"] or 0 for r in rounds),
-            "steps_skipped": sum(p.get("steps_skipped") or 0 for p in peers),
-            "groups_failed": sum(len(r["groups_failed"]) for r in rounds),
-            "updates_refused": sum(p.get("updates_refused") or 0 for p in peers),
-            "refresh_missed": sum(p.get("refresh_missed") or 0 for p in peers),
-            "tokens": sum(p.get("tokens") or 0 for p in peers)}
+    return {
+        "peers": peers,
+        "rounds": rounds,
+        "round_outcomes": outcomes,
+        "steps_jumped": sum(r["jump"] or 0 for r in rounds),
+        "steps_skipped": sum(p.get("steps_skipped") or 0 for p in peers),
+        "groups_failed": sum(len(r["groups_failed"]) for r in rounds),
+        "updates_refused": sum(p.get("updates_refused") or 0 for p in peers),
+        "refresh_missed": sum(p.get("refresh_missed") or 0 for p in peers),
+        "tokens": sum(p.get("tokens") or 0 for p in peers),
+    }
 
 
-def run_arm(arm: str, seed: int, args: argparse.Namespace, common: list[str], work: Path,
-            validation: Validation, boundaries: list[int], extra: list[str] | None,
-            peers: int | None = None) -> dict[str, Any]:
+def run_arm(
+    arm: str,
+    seed: int,
+    args: argparse.Namespace,
+    common: list[str],
+    work: Path,
+    validation: Validation,
+    boundaries: list[int],
+    extra: list[str] | None,
+    peers: int | None = None,
+) -> dict[str, Any]:
     """One arm at one seed: trained, scored at ``boundaries`` and summarised. ``extra`` is the arm's
     swarm overrides, ``None`` for one centralized process with the batch of ``peers`` (default
     ``args.peers``) peers; its run directory is deleted unless ``args.keep_runs``."""
@@ -354,8 +427,16 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, common: list[str], wo
     score_seconds = time.monotonic() - t0 - seconds
     if args.steps not in scored["curve"]:
         raise SystemExit(f"{arm} seed {seed}: no checkpoint at the last step {args.steps} (see {run_dir})")
-    result = {"seed": seed, "overrides": overrides, "train_seconds": round(seconds, 1), "score_seconds": round(score_seconds, 1),
-              "final": scored["curve"][args.steps], "tokens_trained": tokens, **scored, "swarm": report}
+    result = {
+        "seed": seed,
+        "overrides": overrides,
+        "train_seconds": round(seconds, 1),
+        "score_seconds": round(score_seconds, 1),
+        "final": scored["curve"][args.steps],
+        "tokens_trained": tokens,
+        **scored,
+        "swarm": report,
+    }
     if memory is not None:
         result["memory"] = memory
     if not args.keep_runs:
@@ -365,19 +446,25 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, common: list[str], wo
 
 # Reporting -------------------------------------------------------------------------------------------
 def spread(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
-            "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+    return {
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+    }
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]], budget: int, steps: int, boundaries: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for arm, seeds in runs.items():
         finals = [r["final"] for r in seeds]
-        mean_curve = {s: statistics.fmean(r["curve"][s] for r in seeds) for s in boundaries
-                      if all(s in r["curve"] for r in seeds)}
+        mean_curve = {
+            s: statistics.fmean(r["curve"][s] for r in seeds) for s in boundaries if all(s in r["curve"] for r in seeds)
+        }
         early = [s for s in mean_curve if s <= 0.8 * steps]
         out[arm] = {
-            "final": spread(finals), "finals": {r["seed"]: r["final"] for r in seeds},
+            "final": spread(finals),
+            "finals": {r["seed"]: r["final"] for r in seeds},
             "mean_curve": mean_curve,
             # how flat the end is: relative drop of the seed-mean loss over the last 20% of the steps
             "last_20pct_drop": (mean_curve[early[-1]] - mean_curve[steps]) / mean_curve[early[-1]] if early else None,
@@ -413,7 +500,9 @@ def add_counts(counters: list[dict[str, int]]) -> dict[str, int]:
 
 def sentence(arm: str, o: dict[str, Any], seeds: int) -> str:
     f = o["final"]
-    text = f"{arm}: final validation loss {f['mean']:.4f} (mean of {seeds} seeds, min-max {f['min']:.4f}-{f['max']:.4f})"
+    text = (
+        f"{arm}: final validation loss {f['mean']:.4f} (mean of {seeds} seeds, min-max {f['min']:.4f}-{f['max']:.4f})"
+    )
     if arm != "centralized" and "gap_to_centralized" in o:
         gap = o["gap_to_centralized"]
         text += f"; {abs(gap):.2%} {'above' if gap >= 0 else 'below'} centralized"
@@ -424,23 +513,50 @@ def sentence(arm: str, o: dict[str, Any], seeds: int) -> str:
 
 
 def print_table(console: Console, summary: dict[str, Any], seeds: list[int], tokens_per_step: int, steps: int) -> None:
-    table = Table(title=f"final validation loss at {steps * tokens_per_step / 1e6:.2f}M tokens "
-                        f"(seeds {', '.join(map(str, seeds))}; same {tokens_per_step} tokens per step in every arm)")
-    for col in ("arm", "mean", "min-max", "std", "vs centralized (paired min-max)", "vs spes",
-                "last 20% drop", "tokens trained", "rounds (outcomes)", "steps jumped / skipped", "train s"):
+    table = Table(
+        title=f"final validation loss at {steps * tokens_per_step / 1e6:.2f}M tokens "
+        f"(seeds {', '.join(map(str, seeds))}; same {tokens_per_step} tokens per step in every arm)"
+    )
+    for col in (
+        "arm",
+        "mean",
+        "min-max",
+        "std",
+        "vs centralized (paired min-max)",
+        "vs spes",
+        "last 20% drop",
+        "tokens trained",
+        "rounds (outcomes)",
+        "steps jumped / skipped",
+        "train s",
+    ):
         table.add_column(col, justify="left" if col in ("arm", "rounds (outcomes)") else "right")
     for arm, o in summary.items():
         f = o["final"]
-        gap_c = "-" if arm == "centralized" or "gap_to_centralized" not in o else (
-            f"{o['gap_to_centralized']:+.2%} ({o['paired_gap_to_centralized']['min']:+.2%} .. "
-            f"{o['paired_gap_to_centralized']['max']:+.2%})")
+        gap_c = (
+            "-"
+            if arm == "centralized" or "gap_to_centralized" not in o
+            else (
+                f"{o['gap_to_centralized']:+.2%} ({o['paired_gap_to_centralized']['min']:+.2%} .. "
+                f"{o['paired_gap_to_centralized']['max']:+.2%})"
+            )
+        )
         gap_s = "-" if arm in ("centralized", "spes") or "gap_to_spes" not in o else f"{o['gap_to_spes']:+.2%}"
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(o["round_outcomes"].items())) or "-"
         swarm = arm != "centralized"
-        table.add_row(arm, f"{f['mean']:.4f}", f"{f['min']:.4f}-{f['max']:.4f}", f"{f['std']:.4f}", gap_c, gap_s,
-                      "-" if o["last_20pct_drop"] is None else f"{o['last_20pct_drop']:.2%}",
-                      f"{o['tokens_trained_share']:.1%}", outcomes,
-                      f"{o['steps_jumped']} / {o['steps_skipped']}" if swarm else "-", f"{o['train_seconds']:.0f}")
+        table.add_row(
+            arm,
+            f"{f['mean']:.4f}",
+            f"{f['min']:.4f}-{f['max']:.4f}",
+            f"{f['std']:.4f}",
+            gap_c,
+            gap_s,
+            "-" if o["last_20pct_drop"] is None else f"{o['last_20pct_drop']:.2%}",
+            f"{o['tokens_trained_share']:.1%}",
+            outcomes,
+            f"{o['steps_jumped']} / {o['steps_skipped']}" if swarm else "-",
+            f"{o['train_seconds']:.0f}",
+        )
     console.print(table)
 
 
@@ -468,11 +584,13 @@ def plot(runs: dict[str, list[dict[str, Any]]], tokens_per_step: int, out: Path)
         values = [[r["curve"][s] for r in seeds] for s in steps]
         mean = [statistics.fmean(v) for v in values]
         for ax in axes:
-            line, = ax.plot(x, mean, marker="o", markersize=2.5, linewidth=1.2, label=name)
+            (line,) = ax.plot(x, mean, marker="o", markersize=2.5, linewidth=1.2, label=name)
             ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.15)
     half = max(s for r in runs.values() for s in r[0]["curve"]) * tokens_per_step / 1e6 / 2
     axes[1].set_xlim(left=half)
-    late = [r["curve"][s] for seeds in runs.values() for r in seeds for s in r["curve"] if s * tokens_per_step / 1e6 >= half]
+    late = [
+        r["curve"][s] for seeds in runs.values() for r in seeds for s in r["curve"] if s * tokens_per_step / 1e6 >= half
+    ]
     if late:
         pad = (max(late) - min(late)) * 0.05 + 1e-3
         axes[1].set_ylim(min(late) - pad, max(late) + pad)
@@ -497,41 +615,67 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="per-peer batch size b")
     parser.add_argument("--sync-steps", type=int, default=30)
     parser.add_argument("--merge-interval", type=int, default=60)
-    parser.add_argument("--eval-every", type=int, default=None,
-                        help="steps between scored checkpoints, a multiple of --sync-steps (default: 2 x --sync-steps)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the centralized run (peers: 1 each; 2 threads ran 8x slower beside other jobs)")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="steps between scored checkpoints, a multiple of --sync-steps (default: 2 x --sync-steps)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the centralized run (peers: 1 each; 2 threads ran 8x slower beside other jobs)",
+    )
     parser.add_argument("--val-windows", type=int, default=1024, help="validation windows scored (0: all 2324)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
-    parser.add_argument("--free-pacing", action="store_true",
-                        help="do not hold peers at sync boundaries: the swarm's own pacing (peers may skip steps)")
+    parser.add_argument(
+        "--free-pacing",
+        action="store_true",
+        help="do not hold peers at sync boundaries: the swarm's own pacing (peers may skip steps)",
+    )
     parser.add_argument("--keep-runs", action="store_true", help="keep the run directories (and checkpoints)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "convergence",
-                        help="path stem of the .json and .png written (default benchmarks/results/convergence)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS / "convergence",
+        help="path stem of the .json and .png written (default benchmarks/results/convergence)",
+    )
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
     args = parser.parse_args()
     args.eval_every = args.eval_every or 2 * args.sync_steps
     if args.eval_every % args.sync_steps or args.steps % args.eval_every:
-        parser.error("--eval-every must be a multiple of --sync-steps, and --steps a multiple of --eval-every "
-                     "(every scored point is a sync boundary, the last one the last step)")
+        parser.error(
+            "--eval-every must be a multiple of --sync-steps, and --steps a multiple of --eval-every "
+            "(every scored point is a sync boundary, the last one the last step)"
+        )
 
     cfg = load_config(None, CONFIG + args.extra)
     seq, args.experts = cfg.model.max_seq_len, cfg.moe.num_experts
     boundaries = list(range(args.eval_every, args.steps + 1, args.eval_every))
-    common = CONFIG + schedule(args.steps) + [
-        f"swarm.sync_steps={args.sync_steps}",
-        f"train.checkpoint_interval={args.eval_every}", f"train.keep_checkpoints={len(boundaries) + 1}",
-        f"train.eval_interval={args.steps}", "train.eval_batches=1", f"swarm.merge_decay_steps={args.steps}",
-        *args.extra,
-    ]
+    common = (
+        CONFIG
+        + schedule(args.steps)
+        + [
+            f"swarm.sync_steps={args.sync_steps}",
+            f"train.checkpoint_interval={args.eval_every}",
+            f"train.keep_checkpoints={len(boundaries) + 1}",
+            f"train.eval_interval={args.steps}",
+            "train.eval_batches=1",
+            f"swarm.merge_decay_steps={args.steps}",
+            *args.extra,
+        ]
+    )
     tokens_per_step = args.peers * args.batch * seq
     budget = tokens_per_step * args.steps
     torch.set_num_threads(1)  # scoring runs between trainings; 2 threads crawl when other jobs share the cores
     validation = Validation(seq, args.val_windows)
     console = Console(width=200)
-    console.print(f"{len(args.arms)} arms x {len(args.seeds)} seeds, {args.steps} steps of {tokens_per_step} tokens "
-                  f"({budget / 1e6:.2f}M tokens per run); scoring on {validation.count} validation windows "
-                  f"({validation.count * seq} tokens)")
+    console.print(
+        f"{len(args.arms)} arms x {len(args.seeds)} seeds, {args.steps} steps of {tokens_per_step} tokens "
+        f"({budget / 1e6:.2f}M tokens per run); scoring on {validation.count} validation windows "
+        f"({validation.count * seq} tokens)"
+    )
     work = Path(tempfile.mkdtemp(prefix="p2p-spes-convergence-"))
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
     t_start = time.monotonic()
@@ -539,19 +683,29 @@ def main() -> None:
         for seed in args.seeds:  # seed-major: an interrupted benchmark has every arm at the first seeds
             for arm in args.arms:
                 t0 = time.monotonic()
-                extra = None if ARMS[arm] is None else [
-                    o.format(merge=args.merge_interval, experts=args.experts) for o in ARMS[arm]]
+                extra = (
+                    None
+                    if ARMS[arm] is None
+                    else [o.format(merge=args.merge_interval, experts=args.experts) for o in ARMS[arm]]
+                )
                 result = run_arm(arm, seed, args, common, work, validation, boundaries, extra)
                 runs[arm].append(result)
                 swarm = result["swarm"]
-                extra = "" if swarm is None else (
-                    f", rounds {swarm['round_outcomes']}, steps jumped {swarm['steps_jumped']}, skipped "
-                    f"{swarm['steps_skipped']}, groups failed {swarm['groups_failed']}, updates refused "
-                    f"{swarm['updates_refused']}, refresh missed {swarm['refresh_missed']}, barrier timeouts "
-                    f"{len(swarm['barrier_timeouts'])}")
-                console.print(f"{arm} seed {seed}: final validation loss {result['final']:.4f}, "
-                              f"{result['tokens_trained'] / budget:.1%} of the token budget{extra} "
-                              f"({time.monotonic() - t0:.0f} s; {(time.monotonic() - t_start) / 60:.1f} min so far)")
+                extra = (
+                    ""
+                    if swarm is None
+                    else (
+                        f", rounds {swarm['round_outcomes']}, steps jumped {swarm['steps_jumped']}, skipped "
+                        f"{swarm['steps_skipped']}, groups failed {swarm['groups_failed']}, updates refused "
+                        f"{swarm['updates_refused']}, refresh missed {swarm['refresh_missed']}, barrier timeouts "
+                        f"{len(swarm['barrier_timeouts'])}"
+                    )
+                )
+                console.print(
+                    f"{arm} seed {seed}: final validation loss {result['final']:.4f}, "
+                    f"{result['tokens_trained'] / budget:.1%} of the token budget{extra} "
+                    f"({time.monotonic() - t0:.0f} s; {(time.monotonic() - t_start) / 60:.1f} min so far)"
+                )
     finally:
         if not args.keep_runs:
             shutil.rmtree(work, ignore_errors=True)
@@ -566,17 +720,31 @@ def main() -> None:
     png = args.out.with_suffix(".png")
     plotted = plot(runs, tokens_per_step, png)
     json_path = args.out.with_suffix(".json")
-    json_path.write_text(json.dumps({
-        "command": "python benchmarks/convergence.py " + " ".join(sys.argv[1:]),
-        "config": common, "arms": {arm: ARMS[arm] for arm in args.arms}, "seeds": args.seeds,
-        "peers": args.peers, "batch": args.batch, "steps": args.steps, "sync_steps": args.sync_steps, "eval_every": args.eval_every,
-        "merge_interval": args.merge_interval, "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
-        "tokens_per_step": tokens_per_step, "token_budget": budget,
-        "validation": validation.describe, "wall_seconds": round(wall, 1),
-        "summary": jsonable(summary),
-        "runs": {arm: [jsonable(r) for r in seeds] for arm, seeds in runs.items()},
-        "plot": png.name if plotted else None,
-    }, indent=1))
+    json_path.write_text(
+        json.dumps(
+            {
+                "command": "python benchmarks/convergence.py " + " ".join(sys.argv[1:]),
+                "config": common,
+                "arms": {arm: ARMS[arm] for arm in args.arms},
+                "seeds": args.seeds,
+                "peers": args.peers,
+                "batch": args.batch,
+                "steps": args.steps,
+                "sync_steps": args.sync_steps,
+                "eval_every": args.eval_every,
+                "merge_interval": args.merge_interval,
+                "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
+                "tokens_per_step": tokens_per_step,
+                "token_budget": budget,
+                "validation": validation.describe,
+                "wall_seconds": round(wall, 1),
+                "summary": jsonable(summary),
+                "runs": {arm: [jsonable(r) for r in seeds] for arm, seeds in runs.items()},
+                "plot": png.name if plotted else None,
+            },
+            indent=1,
+        )
+    )
     console.print(f"wrote {json_path}" + (f" and {png}" if plotted else ""))
 
 

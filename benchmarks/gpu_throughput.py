@@ -32,8 +32,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from p2p_spes.config import load_config
 from p2p_spes.memory import measure_memory
 from p2p_spes.model import MoETransformer
@@ -41,10 +39,20 @@ from p2p_spes.optim import build_optimizer
 
 RESULTS = Path(__file__).parent / "results" / "gpu_throughput.json"
 NOMINAL_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12}
-SMOKE = ["model.vocab_size=512", "model.d_model=64", "model.num_layers=2", "model.num_heads=4",
-         "model.max_seq_len=32", "moe.num_experts=8", "moe.ffn_dim=64"]
-BACKENDS = {"megablocks": ["moe.impl=megablocks"], "torch grouped_mm": ["moe.impl=torch", "moe.torch_kernel=grouped_mm"],
-            "torch loop": ["moe.impl=torch", "moe.torch_kernel=loop"]}
+SMOKE = [
+    "model.vocab_size=512",
+    "model.d_model=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=32",
+    "moe.num_experts=8",
+    "moe.ffn_dim=64",
+]
+BACKENDS = {
+    "megablocks": ["moe.impl=megablocks"],
+    "torch grouped_mm": ["moe.impl=torch", "moe.torch_kernel=grouped_mm"],
+    "torch loop": ["moe.impl=torch", "moe.torch_kernel=loop"],
+}
 
 
 def matmul_rate(device: torch.device, n: int = 8192, repeat: int = 20) -> float:
@@ -75,8 +83,9 @@ def flops_per_token(cfg) -> float:
     return 6 * active + 12 * m.num_layers * m.d_model * m.max_seq_len
 
 
-def measure(overrides: list[str], experts: list[int], batch: int, warmup: int, steps: int,
-            device: torch.device) -> dict:
+def measure(
+    overrides: list[str], experts: list[int], batch: int, warmup: int, steps: int, device: torch.device
+) -> dict:
     """Train ``steps`` timed steps of one arm; the model is freed afterwards."""
     cfg = load_config(None, overrides)
     if device.type == "cuda":
@@ -88,7 +97,9 @@ def measure(overrides: list[str], experts: list[int], batch: int, warmup: int, s
     seq = cfg.model.max_seq_len
     gen = torch.Generator(device="cpu").manual_seed(0)
     data = torch.randint(0, cfg.model.vocab_size, (warmup + steps, batch, seq + 1), generator=gen)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
     times = []
     for i in range(warmup + steps):
         x, y = data[i, :, :-1].to(device), data[i, :, 1:].to(device)
@@ -109,8 +120,14 @@ def measure(overrides: list[str], experts: list[int], batch: int, warmup: int, s
     params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     del model, optimizer, out
     gc.collect()
-    return {"step_s": step_s, "tokens_per_s": tokens_per_s, "model_flops_per_s": tokens_per_s * flops_per_token(cfg),
-            "peak_memory_bytes": int(peak), "state_bytes": int(report.total), "parameters": int(params)}
+    return {
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "model_flops_per_s": tokens_per_s * flops_per_token(cfg),
+        "peak_memory_bytes": int(peak),
+        "state_bytes": int(report.total),
+        "parameters": int(params),
+    }
 
 
 def run_arm(name: str, overrides: list[str], experts: list[int], args, device) -> dict:
@@ -149,8 +166,12 @@ def main() -> None:
         device, base, args.batch, args.warmup, args.steps = torch.device("cpu"), SMOKE, 2, 1, 2
     elif torch.cuda.is_available():
         device, base = torch.device("cuda"), load_config(args.config).to_dict()
-        base = [f"{section}.{k}={v}" for section in ("model", "moe") for k, v in base[section].items()
-                if k not in ("impl", "torch_kernel") and not isinstance(v, (list, dict))]
+        base = [
+            f"{section}.{k}={v}"
+            for section in ("model", "moe")
+            for k, v in base[section].items()
+            if k not in ("impl", "torch_kernel") and not isinstance(v, (list, dict))
+        ]
     else:
         raise SystemExit("no CUDA device here: run on a GPU machine, or pass --cpu-smoke to check the script on CPU")
 
@@ -163,24 +184,47 @@ def main() -> None:
     rows = []
     for backend, extra in BACKENDS.items():
         for subset, experts in subsets.items():
-            rows.append({"backend": backend, "experts": subset,
-                         **run_arm(f"{backend}, {subset}", base + extra, experts, args, device)})
+            rows.append(
+                {
+                    "backend": backend,
+                    "experts": subset,
+                    **run_arm(f"{backend}, {subset}", base + extra, experts, args, device),
+                }
+            )
 
-    table = Table(title=f"one peer's training step on {device_name} ({args.config if not args.cpu_smoke else 'smoke'}, "
-                        f"batch {args.batch}, bf16={device.type == 'cuda'})")
-    for col in ("backend", "experts trained", "tokens/s", "vs torch loop", "MFU (matmul)", "MFU (nominal)",
-                "peak memory GiB", "vs all experts"):
+    table = Table(
+        title=f"one peer's training step on {device_name} ({args.config if not args.cpu_smoke else 'smoke'}, "
+        f"batch {args.batch}, bf16={device.type == 'cuda'})"
+    )
+    for col in (
+        "backend",
+        "experts trained",
+        "tokens/s",
+        "vs torch loop",
+        "MFU (matmul)",
+        "MFU (nominal)",
+        "peak memory GiB",
+        "vs all experts",
+    ):
         table.add_column(col, justify="left" if col in ("backend", "experts trained") else "right")
     for row in rows:
         if "error" in row:
             table.add_row(row["backend"], row["experts"], escape(row["error"][:70]), "", "", "", "", "")
             continue
-        loop = next((r for r in rows if r["backend"] == "torch loop" and r["experts"] == row["experts"] and "error" not in r), None)
-        full = next((r for r in rows if r["backend"] == row["backend"] and r["experts"] == "all experts" and "error" not in r), None)
+        loop = next(
+            (r for r in rows if r["backend"] == "torch loop" and r["experts"] == row["experts"] and "error" not in r),
+            None,
+        )
+        full = next(
+            (r for r in rows if r["backend"] == row["backend"] and r["experts"] == "all experts" and "error" not in r),
+            None,
+        )
         row["mfu_measured_peak"] = row["model_flops_per_s"] / measured_peak if measured_peak else None
         row["mfu_nominal_peak"] = row["model_flops_per_s"] / nominal if nominal else None
         table.add_row(
-            row["backend"], row["experts"], f"{row['tokens_per_s']:,.0f}",
+            row["backend"],
+            row["experts"],
+            f"{row['tokens_per_s']:,.0f}",
             f"{row['tokens_per_s'] / loop['tokens_per_s']:.2f}x" if loop else "-",
             f"{row['mfu_measured_peak']:.1%}" if row["mfu_measured_peak"] else "-",
             f"{row['mfu_nominal_peak']:.1%}" if row["mfu_nominal_peak"] else "-",
@@ -190,27 +234,46 @@ def main() -> None:
     console = Console(width=150)
     console.print(table)
     if measured_peak:
-        console.print(f"bf16 8192^3 matmul: {measured_peak / 1e12:.0f} TFLOP/s; nominal dense bf16: "
-                      f"{nominal / 1e12:.0f} TFLOP/s" if nominal else "")
+        console.print(
+            f"bf16 8192^3 matmul: {measured_peak / 1e12:.0f} TFLOP/s; nominal dense bf16: {nominal / 1e12:.0f} TFLOP/s"
+            if nominal
+            else ""
+        )
     deepest = None
     if args.largest and device.type == "cuda":
-        fastest = max((r for r in rows if "error" not in r and r["experts"] == "E/4 (SPES)"),
-                      key=lambda r: r["tokens_per_s"], default=None)
+        fastest = max(
+            (r for r in rows if "error" not in r and r["experts"] == "E/4 (SPES)"),
+            key=lambda r: r["tokens_per_s"],
+            default=None,
+        )
         if fastest is not None:
             deepest = largest(base, lambda o: subsets["E/4 (SPES)"], BACKENDS[fastest["backend"]], args, device)
             if deepest:
-                console.print(f"deepest that trains with {fastest['backend']}, E/4 experts, batch {args.batch}: "
-                              f"{deepest['num_layers']} layers, {deepest['parameters'] / 1e9:.2f}B parameters, "
-                              f"{deepest['tokens_per_s']:,.0f} tokens/s, {deepest['peak_memory_bytes'] / 2**30:.1f} GiB")
+                console.print(
+                    f"deepest that trains with {fastest['backend']}, E/4 experts, batch {args.batch}: "
+                    f"{deepest['num_layers']} layers, {deepest['parameters'] / 1e9:.2f}B parameters, "
+                    f"{deepest['tokens_per_s']:,.0f} tokens/s, {deepest['peak_memory_bytes'] / 2**30:.1f} GiB"
+                )
     out = args.json or (None if args.cpu_smoke else RESULTS)
     if out is None:
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": "python benchmarks/gpu_throughput.py " + " ".join(sys.argv[1:]), "device": device_name,
-        "torch": torch.__version__, "matmul_bf16_flops": measured_peak, "nominal_bf16_flops": nominal,
-        "batch": args.batch, "config": base, "rows": rows, "largest": deepest,
-    }, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python benchmarks/gpu_throughput.py " + " ".join(sys.argv[1:]),
+                "device": device_name,
+                "torch": torch.__version__,
+                "matmul_bf16_flops": measured_peak,
+                "nominal_bf16_flops": nominal,
+                "batch": args.batch,
+                "config": base,
+                "rows": rows,
+                "largest": deepest,
+            },
+            indent=1,
+        )
+    )
     console.print(f"wrote {out}")
 
 

@@ -9,7 +9,7 @@ each of the P batches of 8 those sequences split into (at the same weights, not 
 gradient noise dominates, a batch P times smaller has a norm up to sqrt(P) larger; with
 ``train.grad_clip`` unchanged, a swarm peer's batches are then clipped where centralized training's
 are not. Prints, per span of steps, how often each is above the clip threshold and the mean ratio of
-the norms, and writes ``benchmarks/results/grad_norms.json``.
+the norms, and writes ``benchmarks/results/grad_norms/main.json``.
 """
 
 from __future__ import annotations
@@ -24,11 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import convergence
-
+from benchmarks import convergence
 from p2p_spes.config import load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
@@ -81,22 +77,53 @@ def main() -> None:
     rows = []
     for lo, hi in spans:
         seg = norms[lo:hi]
-        rows.append({"steps": [lo, hi], "whole_clipped": sum(a > tr.grad_clip for a, _ in seg),
-                     "part_clipped": sum(b > tr.grad_clip for _, b in seg), "count": len(seg),
-                     "whole_norm": statistics.fmean(a for a, _ in seg), "part_norm": statistics.fmean(b for _, b in seg),
-                     "ratio": statistics.fmean(b / a for a, b in seg)})
+        rows.append(
+            {
+                "steps": [lo, hi],
+                "whole_clipped": sum(a > tr.grad_clip for a, _ in seg),
+                "part_clipped": sum(b > tr.grad_clip for _, b in seg),
+                "count": len(seg),
+                "whole_norm": statistics.fmean(a for a, _ in seg),
+                "part_norm": statistics.fmean(b for _, b in seg),
+                "ratio": statistics.fmean(b / a for a, b in seg),
+            }
+        )
     table = Table(title=f"gradient norms at the same weights, clip {tr.grad_clip}, seed {args.seed}")
-    for col in ("steps", f"batch {PEERS * args.batch}: mean norm", "clipped", f"batch {args.batch}: mean norm", "clipped", "ratio"):
+    for col in (
+        "steps",
+        f"batch {PEERS * args.batch}: mean norm",
+        "clipped",
+        f"batch {args.batch}: mean norm",
+        "clipped",
+        "ratio",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(f"{r['steps'][0]}-{r['steps'][1]}", f"{r['whole_norm']:.3f}", f"{r['whole_clipped']}/{r['count']}",
-                      f"{r['part_norm']:.3f}", f"{r['part_clipped']}/{r['count']}", f"{r['ratio']:.2f}x")
+        table.add_row(
+            f"{r['steps'][0]}-{r['steps'][1]}",
+            f"{r['whole_norm']:.3f}",
+            f"{r['whole_clipped']}/{r['count']}",
+            f"{r['part_norm']:.3f}",
+            f"{r['part_clipped']}/{r['count']}",
+            f"{r['ratio']:.2f}x",
+        )
     Console(width=140).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": "python benchmarks/grad_norms.py " + " ".join(sys.argv[1:]),
-                                    "steps": args.steps, "batch": args.batch, "peers": PEERS, "seed": args.seed,
-                                    "grad_clip": tr.grad_clip, "spans": rows,
-                                    "norms": [[round(a, 5), round(b, 5)] for a, b in norms]}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": "python benchmarks/grad_norms.py " + " ".join(sys.argv[1:]),
+                "steps": args.steps,
+                "batch": args.batch,
+                "peers": PEERS,
+                "seed": args.seed,
+                "grad_clip": tr.grad_clip,
+                "spans": rows,
+                "norms": [[round(a, 5), round(b, 5)] for a, b in norms],
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 

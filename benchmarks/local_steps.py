@@ -117,7 +117,7 @@ distance their mean moved since the last average, each averaged over the run's a
 how far the replicas went apart in a round, and that for the progress they made together.
 
 Scored by ``convergence.Validation`` (the same 1,024 validation windows as every quality arm). Prints a
-table and writes ``benchmarks/results/local_steps.json``.
+table and writes ``benchmarks/results/local_steps/main.json``.
 """
 
 from __future__ import annotations
@@ -137,12 +137,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import convergence
-
-from p2p_spes.compression import BLOCK, Codec
+from benchmarks import convergence
+from p2p_spes.averaging.compression import BLOCK, Codec
 from p2p_spes.config import Config, SwarmConfig, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
@@ -182,26 +178,42 @@ class Probe:
     frozen: bool = False  # AdamW dividing by a second moment shared by the replicas and frozen between averages
     frozen_hidden: bool = False  # with `frozen`: only the hidden matrices' (optim.is_hidden_matrix) second moments
     frozen_floor: float = 0.0  # with `frozen`: divide by no less than this times the replica's own second moment
-    batch_mult: float = 1.0  # batches this many times larger for as many times fewer steps (same tokens; `sync` in its steps)
+    batch_mult: float = (
+        1.0  # batches this many times larger for as many times fewer steps (same tokens; `sync` in its steps)
+    )
 
 
 PROBES = {
-    "centralized": Probe(1, 0), "h50": Probe(PEERS, 50), "h10": Probe(PEERS, 10), "h1": Probe(PEERS, 1),
-    "h50-moments": Probe(PEERS, 50, True), "h10-moments": Probe(PEERS, 10, True), "h1-moments": Probe(PEERS, 1, True),
+    "centralized": Probe(1, 0),
+    "h50": Probe(PEERS, 50),
+    "h10": Probe(PEERS, 10),
+    "h1": Probe(PEERS, 1),
+    "h50-moments": Probe(PEERS, 50, True),
+    "h10-moments": Probe(PEERS, 10, True),
+    "h1-moments": Probe(PEERS, 1, True),
     "h1-moments-lr": Probe(PEERS, 1, True, math.sqrt(PEERS)),
-    "centralized-lr2": Probe(1, 0, lr_scale=2.0), "h50-lr2": Probe(PEERS, 50, lr_scale=2.0),
-    "h50-clip": Probe(PEERS, 50, clip_scale=math.sqrt(PEERS)), "h1-moments-clip": Probe(PEERS, 1, True, clip_scale=math.sqrt(PEERS)),
+    "centralized-lr2": Probe(1, 0, lr_scale=2.0),
+    "h50-lr2": Probe(PEERS, 50, lr_scale=2.0),
+    "h50-clip": Probe(PEERS, 50, clip_scale=math.sqrt(PEERS)),
+    "h1-moments-clip": Probe(PEERS, 1, True, clip_scale=math.sqrt(PEERS)),
     "dp": Probe(PEERS, 1, grads=True),
-    "h1-pooled": Probe(PEERS, 1, pooled=True), "h50-pooled": Probe(PEERS, 50, pooled=True),
+    "h1-pooled": Probe(PEERS, 1, pooled=True),
+    "h50-pooled": Probe(PEERS, 50, pooled=True),
     "h50-nesterov": Probe(PEERS, 50, nesterov=True),
     "h1-moments-pooled": Probe(PEERS, 1, True, pooled=True),
-    "h50-lr05": Probe(PEERS, 50, lr_scale=0.5), "h1-lr05": Probe(PEERS, 1, lr_scale=0.5),
+    "h50-lr05": Probe(PEERS, 50, lr_scale=0.5),
+    "h1-lr05": Probe(PEERS, 1, lr_scale=0.5),
     "centralized-lr05": Probe(1, 0, lr_scale=0.5),
-    "h50-beta2": Probe(PEERS, 50, beta2=0.99), "h50-dp100": Probe(PEERS, 50, dp_steps=100),
-    "h50-dp30": Probe(PEERS, 50, dp_steps=30), "h50-ramp": Probe(PEERS, 50, ramp=True),
-    "h50-outer08": Probe(PEERS, 50, outer_lr=0.8), "h50-outer06": Probe(PEERS, 50, outer_lr=0.6),
-    "h1-rows": Probe(PEERS, 1, rows=True), "h50-rows": Probe(PEERS, 50, rows=True),
-    "h50-topk": Probe(PEERS, 50, codec="topk"), "h50-topk-1stage": Probe(PEERS, 50, codec="topk", restage=False),
+    "h50-beta2": Probe(PEERS, 50, beta2=0.99),
+    "h50-dp100": Probe(PEERS, 50, dp_steps=100),
+    "h50-dp30": Probe(PEERS, 50, dp_steps=30),
+    "h50-ramp": Probe(PEERS, 50, ramp=True),
+    "h50-outer08": Probe(PEERS, 50, outer_lr=0.8),
+    "h50-outer06": Probe(PEERS, 50, outer_lr=0.6),
+    "h1-rows": Probe(PEERS, 1, rows=True),
+    "h50-rows": Probe(PEERS, 50, rows=True),
+    "h50-topk": Probe(PEERS, 50, codec="topk"),
+    "h50-topk-1stage": Probe(PEERS, 50, codec="topk", restage=False),
     "h50-topk-ef95": Probe(PEERS, 50, codec="topk", feedback_decay=0.95),
     "h50-topk-1stage-ef95": Probe(PEERS, 50, codec="topk", restage=False, feedback_decay=0.95),
     "h10-topk": Probe(PEERS, 10, codec="topk"),
@@ -211,11 +223,15 @@ PROBES = {
     "h10-topk-dense": Probe(PEERS, 10, codec="topk", result_fraction=4 / 64),
     "h10-randk": Probe(PEERS, 10, codec="randk", random_k=20),
     "h10-randk64": Probe(PEERS, 10, codec="randk", random_k=64),
-    "centralized-muon": Probe(1, 0, muon=True), "h50-muon": Probe(PEERS, 50, muon=True),
-    "h1-muon": Probe(PEERS, 1, muon=True), "dp-muon": Probe(PEERS, 1, grads=True, muon=True),
-    "h10-muon": Probe(PEERS, 10, muon=True), "h50-muon-moments": Probe(PEERS, 50, True, muon=True),
+    "centralized-muon": Probe(1, 0, muon=True),
+    "h50-muon": Probe(PEERS, 50, muon=True),
+    "h1-muon": Probe(PEERS, 1, muon=True),
+    "dp-muon": Probe(PEERS, 1, grads=True, muon=True),
+    "h10-muon": Probe(PEERS, 10, muon=True),
+    "h50-muon-moments": Probe(PEERS, 50, True, muon=True),
     "h1-muon-moments": Probe(PEERS, 1, True, muon=True),
-    "h25-b2": Probe(PEERS, 25, batch_mult=2), "centralized-b2": Probe(1, 0, batch_mult=2),
+    "h25-b2": Probe(PEERS, 25, batch_mult=2),
+    "centralized-b2": Probe(1, 0, batch_mult=2),
     "h25-muon-4x-b2": Probe(PEERS, 25, muon=True, muon_adamw_scale=4.0, batch_mult=2),
     "h12-muon-4x-b4": Probe(PEERS, 12, muon=True, muon_adamw_scale=4.0, batch_mult=4),
     "centralized-muon-4x-b2": Probe(1, 0, muon=True, muon_adamw_scale=4.0, batch_mult=2),
@@ -225,14 +241,20 @@ PROBES = {
     "h50-muon-outer15": Probe(PEERS, 50, outer_lr=1.5, muon=True),
     "centralized-muon-m98": Probe(1, 0, muon=True, muon_momentum=0.98),
     "h50-muon-m98": Probe(PEERS, 50, muon=True, muon_momentum=0.98),
-    "centralized-muon-lr2": Probe(1, 0, lr_scale=2.0, muon=True), "h1-muon-lr2": Probe(PEERS, 1, lr_scale=2.0, muon=True),
+    "centralized-muon-lr2": Probe(1, 0, lr_scale=2.0, muon=True),
+    "h1-muon-lr2": Probe(PEERS, 1, lr_scale=2.0, muon=True),
     "h50-muon-lr2": Probe(PEERS, 50, lr_scale=2.0, muon=True),
-    **{f"{name}-muon-adam{k}": Probe(n, sync, lr_scale=k, muon=True, muon_rms=0.2 / k)
-       for name, n, sync in (("centralized", 1, 0), ("h50", PEERS, 50)) for k in (2, 4, 8)},
+    **{
+        f"{name}-muon-adam{k}": Probe(n, sync, lr_scale=k, muon=True, muon_rms=0.2 / k)
+        for name, n, sync in (("centralized", 1, 0), ("h50", PEERS, 50))
+        for k in (2, 4, 8)
+    },
     "h50-muon-outer2": Probe(PEERS, 50, outer_lr=2.0, muon=True),
-    "centralized-muon-4x": Probe(1, 0, muon=True, muon_adamw_scale=4.0), "h50-muon-4x": Probe(PEERS, 50, muon=True, muon_adamw_scale=4.0),
+    "centralized-muon-4x": Probe(1, 0, muon=True, muon_adamw_scale=4.0),
+    "h50-muon-4x": Probe(PEERS, 50, muon=True, muon_adamw_scale=4.0),
     "h50-muon-adam4-outer15": Probe(PEERS, 50, lr_scale=4, muon=True, muon_rms=0.05, outer_lr=1.5),
-    "centralized-frozen": Probe(1, 50, frozen=True), "h50-frozen": Probe(PEERS, 50, frozen=True),
+    "centralized-frozen": Probe(1, 50, frozen=True),
+    "h50-frozen": Probe(PEERS, 50, frozen=True),
     "h50-frozen-pooled": Probe(PEERS, 50, frozen=True, pooled=True),
     "centralized-frozen-hidden": Probe(1, 50, frozen=True, frozen_hidden=True),
     "h50-frozen-hidden": Probe(PEERS, 50, frozen=True, frozen_hidden=True),
@@ -249,9 +271,11 @@ PROBES = {
     "centralized-frozen-floor16": Probe(1, 50, frozen=True, frozen_floor=1 / 16),
     "h10-frozen-floor16-pooled": Probe(PEERS, 10, frozen=True, frozen_floor=1 / 16, pooled=True),
     "h50-frozen-floor16-pooled": Probe(PEERS, 50, frozen=True, frozen_floor=1 / 16, pooled=True),
-    "centralized-sgd": Probe(1, 0, lr_scale=100, sgd=True), "h50-sgd": Probe(PEERS, 50, lr_scale=100, sgd=True),
+    "centralized-sgd": Probe(1, 0, lr_scale=100, sgd=True),
+    "h50-sgd": Probe(PEERS, 50, lr_scale=100, sgd=True),
     "h1-sgd": Probe(PEERS, 1, lr_scale=100, sgd=True),
-    "centralized-sgd-lr3": Probe(1, 0, lr_scale=300, sgd=True), "h50-sgd-lr3": Probe(PEERS, 50, lr_scale=300, sgd=True),
+    "centralized-sgd-lr3": Probe(1, 0, lr_scale=300, sgd=True),
+    "h50-sgd-lr3": Probe(PEERS, 50, lr_scale=300, sgd=True),
 }
 NESTEROV = SwarmConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # DiLoCo's, and quality.py's
 
@@ -269,12 +293,21 @@ class PooledNoiseAdamW(torch.optim.Optimizer):
     moment. A probe, not the trainer's: neither helped (the module docstring).
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, peers: float = 1.0, floor: float = 0.0) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        peers: float = 1.0,
+        floor: float = 0.0,
+    ) -> None:
         if peers < 1:
             raise ValueError(f"peers must be at least 1, got {peers}")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "peers": peers,
-                                  "floor": floor})
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "peers": peers, "floor": floor}
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -316,15 +349,29 @@ def make_optimizer(model: MoETransformer, cfg: Config, probe: Probe) -> torch.op
     if probe.sgd:
         return torch.optim.SGD([p for _, p in trainable_parameters(model)], lr=tr.lr, momentum=0.9, nesterov=True)
     if probe.muon:
-        return build_optimizer(model, dataclasses.replace(tr, optimizer="muon", muon_adamw_lr_scale=probe.muon_adamw_scale))
+        return build_optimizer(
+            model, dataclasses.replace(tr, optimizer="muon", muon_adamw_lr_scale=probe.muon_adamw_scale)
+        )
     if not (probe.pooled or probe.frozen):
         return build_optimizer(model, tr)
-    return PooledNoiseAdamW(parameter_groups(model, tr), lr=tr.lr, betas=tuple(tr.betas), eps=tr.eps,
-                            peers=1 if probe.frozen else probe.replicas, floor=probe.frozen_floor)
+    return PooledNoiseAdamW(
+        parameter_groups(model, tr),
+        lr=tr.lr,
+        betas=tuple(tr.betas),
+        eps=tr.eps,
+        peers=1 if probe.frozen else probe.replicas,
+        floor=probe.frozen_floor,
+    )
 
 
-def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
-          spreads: list[tuple[float, float]] | None = None) -> MoETransformer:
+def train(
+    cfg: Config,
+    probe: Probe,
+    batch: int,
+    seed: int,
+    data: TokenDataset,
+    spreads: list[tuple[float, float]] | None = None,
+) -> MoETransformer:
     """``probe.replicas`` replicas from one initialisation, averaged every ``probe.sync`` steps; each
     uncompressed average appends the replicas' :func:`replica_spread` before it to ``spreads``."""
     experts = list(range(cfg.moe.num_experts))
@@ -342,8 +389,10 @@ def train(cfg: Config, probe: Probe, batch: int, seed: int, data: TokenDataset,
                 group["momentum"] = probe.muon_momentum
             if probe.muon_rms is not None:
                 group["update_rms"] = probe.muon_rms
-    loaders = [BatchLoader(data, cfg.model.max_seq_len, batch, seed=seed, peer_index=i, num_peers=probe.replicas)
-               for i in range(probe.replicas)]
+    loaders = [
+        BatchLoader(data, cfg.model.max_seq_len, batch, seed=seed, peer_index=i, num_peers=probe.replicas)
+        for i in range(probe.replicas)
+    ]
     tr = cfg.train
     outer = OuterOptimizer(NESTEROV) if probe.nesterov else None
     if probe.outer_lr is not None:  # outer SGD: Nesterov's step with no momentum
@@ -485,7 +534,7 @@ class RandomK(CompressedAverage):
         rows[:n] = x
         rows = rows.view(-1, BLOCK)
         vals = rows.gather(1, self.positions)
-        scale = vals.abs().amax(dim=1).clamp(min=2.0 ** -14).half().float()
+        scale = vals.abs().amax(dim=1).clamp(min=2.0**-14).half().float()
         q = torch.round((vals / scale[:, None]).clamp(-1, 1) * 1.5 + 1.5).long()
         out = torch.zeros_like(rows)
         out.scatter_(1, self.positions, self.LEVELS[q] * scale[:, None])
@@ -500,8 +549,9 @@ class RandomK(CompressedAverage):
 
 
 @torch.no_grad()
-def freeze_denominators(models: list[MoETransformer], optimizers: list[torch.optim.Optimizer], pooled: bool,
-                        hidden_only: bool = False) -> None:
+def freeze_denominators(
+    models: list[MoETransformer], optimizers: list[torch.optim.Optimizer], pooled: bool, hidden_only: bool = False
+) -> None:
     """Every replica's AdamW divides, until the next call, by the mean of the replicas' bias-corrected
     second moments (with ``pooled``: its noise part, ``v - m^2`` with m the replicas' mean first moment,
     divided by the number of replicas). Between calls each replica's step is then linear in its own
@@ -533,7 +583,9 @@ def average_grads(models: list[MoETransformer]) -> None:
 
 
 @torch.no_grad()
-def average_rows(models: list[MoETransformer], rows: list[torch.Tensor], anchor: torch.Tensor, seen: torch.Tensor) -> None:
+def average_rows(
+    models: list[MoETransformer], rows: list[torch.Tensor], anchor: torch.Tensor, seen: torch.Tensor
+) -> None:
     """The input embedding from ``anchor`` plus each replica's change since then (``rows``), each row
     weighted by how often that replica read the token (``seen``); rows no replica read keep the mean."""
     changes = torch.stack([r - anchor for r in rows])  # replicas x vocab x d
@@ -576,13 +628,17 @@ def baseline(arm: str, finals: dict[str, dict[int, float]]) -> str:
     return "centralized"
 
 
-def previous_finals(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, list[float]]], list[str]]:
+def previous_finals(
+    args: argparse.Namespace,
+) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, list[float]]], list[str]]:
     """The stored final losses and spreads ([mean distance, mean ratio]) by arm and seed (for ``--add``)
     and the commands that produced them; refused when they were measured with other steps or batch."""
     previous = json.loads(args.out.read_text())
     if (previous["steps"], previous["batch"], previous.get("overrides", [])) != (args.steps, args.batch, args.extra):
-        raise SystemExit(f"{args.out} holds {previous['steps']} steps of batch {previous['batch']} with overrides "
-                         f"{previous.get('overrides', [])}: run without --add, or with --out elsewhere")
+        raise SystemExit(
+            f"{args.out} holds {previous['steps']} steps of batch {previous['batch']} with overrides "
+            f"{previous.get('overrides', [])}: run without --add, or with --out elsewhere"
+        )
     finals = {arm: {int(s): v for s, v in row["finals"].items()} for arm, row in previous["arms"].items()}
     spreads = {arm: {int(s): v for s, v in row.get("spread", {}).items()} for arm, row in previous["arms"].items()}
     return finals, spreads, previous.get("commands", [previous["command"]])
@@ -590,16 +646,31 @@ def previous_finals(args: argparse.Namespace) -> tuple[dict[str, dict[int, float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arms", nargs="*", default=list(PROBES), choices=list(PROBES),
-                        help="none with --add: only the table of the stored runs")
+    parser.add_argument(
+        "--arms",
+        nargs="*",
+        default=list(PROBES),
+        choices=list(PROBES),
+        help="none with --add: only the table of the stored runs",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=8, help="per-replica batch (centralized: replicas x this)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default: results/local_steps.json at 400 steps, results/local_steps_<steps>.json otherwise")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: results/local_steps/main.json at 400 steps, results/local_steps_<steps>.json otherwise",
+    )
     parser.add_argument("--add", action="store_true", help="merge into the stored runs of the same steps and batch")
-    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V",
-                        help="a config override on top of the quality benchmark's model (a wider model, say); needs --out")
+    parser.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="a config override on top of the quality benchmark's model (a wider model, say); needs --out",
+    )
     args = parser.parse_args()
     if args.extra and args.out is None:
         parser.error("--set changes what is measured: give --out, so it never mixes with the stored runs")
@@ -619,39 +690,86 @@ def main() -> None:
         for arm in args.arms:
             probe = PROBES[arm]
             rounds: list[tuple[float, float]] = []
-            model = train(probe_config(common, args.steps, probe, seed), probe, replica_batch(args.batch, probe),
-                          seed, data, rounds)
+            model = train(
+                probe_config(common, args.steps, probe, seed),
+                probe,
+                replica_batch(args.batch, probe),
+                seed,
+                data,
+                rounds,
+            )
             finals[arm][seed] = validation.loss(model)
             if rounds:  # the mean distance and the mean ratio over the run's averages
                 spreads[arm][seed] = [statistics.fmean(r[0] for r in rounds), statistics.fmean(r[1] for r in rounds)]
             console.print(f"{arm} seed {seed}: {finals[arm][seed]:.4f} ({(time.monotonic() - t0) / 60:.1f} min so far)")
     seeds = sorted({s for by_seed in finals.values() for s in by_seed})
-    table = Table(title=f"full replicas averaged in one process, {args.steps} steps, seeds {seeds}"
-                        + (f", {' '.join(args.extra)}" if args.extra else ""))
-    for col in ("arm", "replicas x batch", "sync every", "moments averaged", "lr x", "clip x", "final loss (mean)", "against",
-                "gap (per seed)", "spread (ratio)"):
+    table = Table(
+        title=f"full replicas averaged in one process, {args.steps} steps, seeds {seeds}"
+        + (f", {' '.join(args.extra)}" if args.extra else "")
+    )
+    for col in (
+        "arm",
+        "replicas x batch",
+        "sync every",
+        "moments averaged",
+        "lr x",
+        "clip x",
+        "final loss (mean)",
+        "against",
+        "gap (per seed)",
+        "spread (ratio)",
+    ):
         table.add_column(col, justify="left" if col == "arm" else "right")
     rows = {}
     for arm, by_seed in finals.items():
         probe, against = PROBES[arm], baseline(arm, finals)
         base = finals.get(against, {})
         gaps = [v / base[s] - 1 for s, v in by_seed.items() if s in base]
-        rows[arm] = {**vars(probe), "finals": by_seed, "mean": statistics.fmean(by_seed.values()), "against": against,
-                     "gap": convergence.spread(gaps) if gaps else None, "spread": spreads.get(arm, {})}
+        rows[arm] = {
+            **vars(probe),
+            "finals": by_seed,
+            "mean": statistics.fmean(by_seed.values()),
+            "against": against,
+            "gap": convergence.spread(gaps) if gaps else None,
+            "spread": spreads.get(arm, {}),
+        }
         gap = rows[arm]["gap"]
-        table.add_row(arm, f"{probe.replicas} x {replica_batch(args.batch, probe)}",
-                      "-" if probe.replicas == 1 else str(probe.sync), "yes" if probe.moments else "no", f"{probe.lr_scale:g}", f"{probe.clip_scale:g}",
-                      f"{rows[arm]['mean']:.4f}", against,
-                      "-" if arm == against or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
-                      (f"{statistics.fmean(v[0] for v in spreads[arm].values()):.3f} "
-                       f"({statistics.fmean(v[1] for v in spreads[arm].values()):.2f})") if spreads.get(arm) else "-")
+        table.add_row(
+            arm,
+            f"{probe.replicas} x {replica_batch(args.batch, probe)}",
+            "-" if probe.replicas == 1 else str(probe.sync),
+            "yes" if probe.moments else "no",
+            f"{probe.lr_scale:g}",
+            f"{probe.clip_scale:g}",
+            f"{rows[arm]['mean']:.4f}",
+            against,
+            "-" if arm == against or gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
+            (
+                f"{statistics.fmean(v[0] for v in spreads[arm].values()):.3f} "
+                f"({statistics.fmean(v[1] for v in spreads[arm].values()):.2f})"
+            )
+            if spreads.get(arm)
+            else "-",
+        )
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/local_steps.py " + " ".join(sys.argv[1:])
-    args.out.write_text(json.dumps({"command": command, "commands": [*commands, command],
-                                    "steps": args.steps, "batch": args.batch, "overrides": args.extra, "seeds": seeds,
-                                    "validation": validation.describe, "wall_seconds": round(time.monotonic() - t0, 1),
-                                    "arms": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": command,
+                "commands": [*commands, command],
+                "steps": args.steps,
+                "batch": args.batch,
+                "overrides": args.extra,
+                "seeds": seeds,
+                "validation": validation.describe,
+                "wall_seconds": round(time.monotonic() - t0, 1),
+                "arms": rows,
+            },
+            indent=1,
+        )
+    )
     console.print(f"wrote {args.out}")
 
 

@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2p_spes.config import TrainConfig, load_config
 from p2p_spes.memory import expected_memory, measure_memory
@@ -35,8 +32,13 @@ def _row(name: str, setup: str, report, method: str, optimizer: str) -> dict:
     grads = sum(report.gradients.values())
     optim = sum(report.optimizer.values())
     return {
-        "config": name, "setup": setup, "method": method, "optimizer": optimizer,
-        "weights_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optim,
+        "config": name,
+        "setup": setup,
+        "method": method,
+        "optimizer": optimizer,
+        "weights_bytes": weights,
+        "gradients_bytes": grads,
+        "optimizer_bytes": optim,
         "total_bytes": weights + grads + optim,
         "expert_weights_bytes": report.parameters["local_experts"] + report.parameters["frozen_experts"],
     }
@@ -49,7 +51,10 @@ def setups(cfg, peers: int) -> list[tuple[str, list[int], TrainConfig]]:
     out = []
     for optimizer in ("adamw", "muon"):
         train = dataclasses.replace(cfg.train, optimizer=optimizer)
-        out += [(f"centralized, {optimizer}", list(range(e)), train), (f"spes {e // peers}/{e}, {optimizer}", list(range(e // peers)), train)]
+        out += [
+            (f"centralized, {optimizer}", list(range(e)), train),
+            (f"spes {e // peers}/{e}, {optimizer}", list(range(e // peers)), train),
+        ]
     return out
 
 
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=["tiny", "spes-1b", "spes-7b"])
     parser.add_argument("--peers", type=int, default=4, help="SPES peers P: each trains E/P experts (default 4)")
-    parser.add_argument("--json", default="benchmarks/results/memory.json", help="where to write the rows")
+    parser.add_argument("--json", default="benchmarks/results/memory/main.json", help="where to write the rows")
     args = parser.parse_args(argv)
 
     rows = []
@@ -97,17 +102,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "tiny" in args.configs:
         rows += measured_tiny(args.peers)
 
-    table = Table(title=f"Per-peer training memory (fp32 weights, fp32 grads, optimizer state), {args.peers} SPES peers")
-    for col in ("config", "setup", "method", "weights GiB", "grads GiB", "optimizer GiB", "total GiB", "vs centralized"):
+    table = Table(
+        title=f"Per-peer training memory (fp32 weights, fp32 grads, optimizer state), {args.peers} SPES peers"
+    )
+    for col in (
+        "config",
+        "setup",
+        "method",
+        "weights GiB",
+        "grads GiB",
+        "optimizer GiB",
+        "total GiB",
+        "vs centralized",
+    ):
         table.add_column(col, justify="left" if col in ("config", "setup", "method") else "right")
     # each setup against centralized training with the same optimizer
-    base = {(r["config"], r["method"], r["optimizer"]): r["total_bytes"] for r in rows
-            if r["setup"].startswith("centralized")}
+    base = {
+        (r["config"], r["method"], r["optimizer"]): r["total_bytes"]
+        for r in rows
+        if r["setup"].startswith("centralized")
+    }
     for r in rows:
         ratio = r["total_bytes"] / base[(r["config"], r["method"], r["optimizer"])]
         r["ratio_to_centralized"] = ratio
         table.add_row(
-            r["config"], r["setup"], r["method"],
+            r["config"],
+            r["setup"],
+            r["method"],
             *(f"{r[k] / GIB:.3f}" for k in ("weights_bytes", "gradients_bytes", "optimizer_bytes", "total_bytes")),
             f"{ratio:.2f}x",
         )

@@ -56,8 +56,8 @@ own experts, so this scorer cannot load them one at a time).
 Per arm: the final validation loss (mean and min-max over seeds), the gap to its centralized baseline
 (per seed, then mean and min-max), MB sent + received per peer per sync round and over the whole run, and per-peer training
 memory (weights, gradients and AdamW state, from the peers' own ``measure_memory``; the host-side sync
-state is listed apart). Prints a table, writes ``benchmarks/results/quality.json`` and plots the gap
-against bytes and against memory to ``benchmarks/results/quality.png``. With ``--add`` the arms run
+state is listed apart). Prints a table, writes ``benchmarks/results/quality/main.json`` and plots the gap
+against bytes and against memory to ``benchmarks/results/quality/main.png``. With ``--add`` the arms run
 are merged into an existing result of the same setup (same config, steps and validation), so the
 table can be filled over several sessions; each arm keeps the command that produced it.
 """
@@ -79,11 +79,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import convergence  # the scorer and the lockstep launcher
-
+from benchmarks import convergence  # the scorer and the lockstep launcher
 from p2p_spes.config import load_config
 
 RESULTS = Path(__file__).parent / "results" / "quality"
@@ -105,82 +101,184 @@ class Arm:
 
 MUON_4X = ("train.optimizer=muon", "train.muon_adamw_lr_scale=4")
 MUON_4X_NOCLIP = (*MUON_4X, "train.grad_clip=0")
-ARMS = {a.name: a for a in (
-    Arm("centralized", None, knob="one process, batch 32"),
-    Arm("default", (), knob="embedded swarm defaults, AdamW"),
-    Arm("sync-10", ("swarm.sync_steps=10",), knob="sync interval"),
-    Arm("sync-25", ("swarm.sync_steps=25",), knob="sync interval"),
-    Arm("sync-100", ("swarm.sync_steps=100",), knob="sync interval"),
-    Arm("replicas-2", ("swarm.replicas=2",), knob="replicas per expert"),
-    Arm("full-replicas", ("swarm.experts_per_peer=8", "swarm.merge_interval=0"), knob="replicas per expert"),
-    Arm("nesterov", ("swarm.outer_optimizer=nesterov", "swarm.outer_lr=0.7", "swarm.outer_momentum=0.9"),
-        knob="outer optimizer"),
-    Arm("no-merge", ("swarm.merge_interval=0",), knob="warm-up merging"),
-    Arm("decayed-lb", ("experts.decayed_lb=true",), knob="decayed load balancing"),
-    Arm("shared-data", ("data.partition=shared",), knob="data partitions"),
-    Arm("fp16", ("swarm.compression=fp16",), knob="compression"),
-    Arm("int8", ("swarm.compression=int8",), knob="compression"),
-    Arm("int4", ("swarm.compression=int4",), knob="compression"),
-    Arm("topk", ("swarm.compression=topk",), knob="compression"),
-    Arm("topk-dense", ("swarm.compression=topk", "swarm.topk_result_fraction=0.0625"),
-        knob="compression: topk, groups' averaged parts at up to 16 of 256 values a block"),
-    Arm("int8-keep", ("swarm.compression=int8", "swarm.keep_local_progress=true"),
-        knob="compression: int8, members keep what their messages have not carried"),
-    Arm("topk-keep", ("swarm.compression=topk", "swarm.keep_local_progress=true"),
-        knob="compression: topk, members keep what their messages have not carried"),
-    Arm("outer-sgd-2", ("swarm.outer_optimizer=nesterov", "swarm.outer_lr=2.0", "swarm.outer_momentum=0.0"),
-        knob="probe: twice the averaged step"),
-    Arm("lr-2x", ("train.lr=6e-3",), knob="probe: inner lr 6e-3 (default 3e-3)"),
-    Arm("alone", None, peers=1, knob="probe: one peer alone, a quarter of the tokens"),
-    Arm("centralized-2", None, peers=2, baseline="centralized-2", knob="one process, batch 16"),
-    Arm("default-2", (), peers=2, baseline="centralized-2", knob="embedded swarm defaults, AdamW, 2 peers"),
-    Arm("centralized-muon", None, baseline="centralized-muon", knob="one process, batch 32, Muon",
-        train=("train.optimizer=muon",)),
-    Arm("muon", (), baseline="centralized-muon", knob="inner optimizer: Muon (vs centralized-muon)",
-        train=("train.optimizer=muon",)),
-    Arm("muon-int8", ("swarm.compression=int8",), baseline="centralized-muon",
-        knob="Muon with int8 pseudo-gradients (spes-1b's and spes-7b's compression)", train=("train.optimizer=muon",)),
-    Arm("centralized-2-muon", None, peers=2, baseline="centralized-2-muon", knob="one process, batch 16, Muon",
-        train=("train.optimizer=muon",)),
-    Arm("muon-2", (), peers=2, baseline="centralized-2-muon", knob="inner optimizer: Muon, 2 peers",
-        train=("train.optimizer=muon",)),
-    # today's defaults: Muon, and the parameters AdamW steps (embeddings, head, router, norms) at 4x lr
-    Arm("centralized-muon-4x", None, baseline="centralized-muon-4x", train=MUON_4X,
-        knob="one process, batch 32, Muon, train.muon_adamw_lr_scale 4"),
-    Arm("muon-4x", (), baseline="centralized-muon-4x", train=MUON_4X,
-        knob="Muon, train.muon_adamw_lr_scale 4 (vs centralized-muon-4x)"),
-    Arm("muon-4x-nesterov", ("swarm.outer_optimizer=nesterov", "swarm.outer_lr=0.7", "swarm.outer_momentum=0.9"),
-        baseline="centralized-muon-4x", train=MUON_4X, knob="outer optimizer: Nesterov, with today's Muon defaults"),
-    Arm("centralized-2-muon-4x", None, peers=2, baseline="centralized-2-muon-4x", train=MUON_4X,
-        knob="one process, batch 16, Muon, train.muon_adamw_lr_scale 4"),
-    Arm("muon-4x-2", (), peers=2, baseline="centralized-2-muon-4x", train=MUON_4X,
-        knob="Muon, train.muon_adamw_lr_scale 4, 2 peers"),
-    # today's defaults without gradient clipping, centralized and swarm alike
-    Arm("centralized-muon-4x-noclip", None, baseline="centralized-muon-4x-noclip", train=MUON_4X_NOCLIP,
-        knob="one process, batch 32, today's Muon defaults, train.grad_clip 0"),
-    Arm("muon-4x-noclip", (), baseline="centralized-muon-4x-noclip", train=MUON_4X_NOCLIP,
-        knob="today's Muon defaults, train.grad_clip 0 (vs centralized-muon-4x-noclip)"),
-    Arm("centralized-2-muon-4x-noclip", None, peers=2, baseline="centralized-2-muon-4x-noclip",
-        train=MUON_4X_NOCLIP, knob="one process, batch 16, today's Muon defaults, train.grad_clip 0"),
-    Arm("muon-4x-2-noclip", (), peers=2, baseline="centralized-2-muon-4x-noclip", train=MUON_4X_NOCLIP,
-        knob="today's Muon defaults, train.grad_clip 0, 2 peers"),
-)}
+ARMS = {
+    a.name: a
+    for a in (
+        Arm("centralized", None, knob="one process, batch 32"),
+        Arm("default", (), knob="embedded swarm defaults, AdamW"),
+        Arm("sync-10", ("swarm.sync_steps=10",), knob="sync interval"),
+        Arm("sync-25", ("swarm.sync_steps=25",), knob="sync interval"),
+        Arm("sync-100", ("swarm.sync_steps=100",), knob="sync interval"),
+        Arm("replicas-2", ("swarm.replicas=2",), knob="replicas per expert"),
+        Arm("full-replicas", ("swarm.experts_per_peer=8", "swarm.merge_interval=0"), knob="replicas per expert"),
+        Arm(
+            "nesterov",
+            ("swarm.outer_optimizer=nesterov", "swarm.outer_lr=0.7", "swarm.outer_momentum=0.9"),
+            knob="outer optimizer",
+        ),
+        Arm("no-merge", ("swarm.merge_interval=0",), knob="warm-up merging"),
+        Arm("decayed-lb", ("experts.decayed_lb=true",), knob="decayed load balancing"),
+        Arm("shared-data", ("data.partition=shared",), knob="data partitions"),
+        Arm("fp16", ("swarm.compression=fp16",), knob="compression"),
+        Arm("int8", ("swarm.compression=int8",), knob="compression"),
+        Arm("int4", ("swarm.compression=int4",), knob="compression"),
+        Arm("topk", ("swarm.compression=topk",), knob="compression"),
+        Arm(
+            "topk-dense",
+            ("swarm.compression=topk", "swarm.topk_result_fraction=0.0625"),
+            knob="compression: topk, groups' averaged parts at up to 16 of 256 values a block",
+        ),
+        Arm(
+            "int8-keep",
+            ("swarm.compression=int8", "swarm.keep_local_progress=true"),
+            knob="compression: int8, members keep what their messages have not carried",
+        ),
+        Arm(
+            "topk-keep",
+            ("swarm.compression=topk", "swarm.keep_local_progress=true"),
+            knob="compression: topk, members keep what their messages have not carried",
+        ),
+        Arm(
+            "outer-sgd-2",
+            ("swarm.outer_optimizer=nesterov", "swarm.outer_lr=2.0", "swarm.outer_momentum=0.0"),
+            knob="probe: twice the averaged step",
+        ),
+        Arm("lr-2x", ("train.lr=6e-3",), knob="probe: inner lr 6e-3 (default 3e-3)"),
+        Arm("alone", None, peers=1, knob="probe: one peer alone, a quarter of the tokens"),
+        Arm("centralized-2", None, peers=2, baseline="centralized-2", knob="one process, batch 16"),
+        Arm("default-2", (), peers=2, baseline="centralized-2", knob="embedded swarm defaults, AdamW, 2 peers"),
+        Arm(
+            "centralized-muon",
+            None,
+            baseline="centralized-muon",
+            knob="one process, batch 32, Muon",
+            train=("train.optimizer=muon",),
+        ),
+        Arm(
+            "muon",
+            (),
+            baseline="centralized-muon",
+            knob="inner optimizer: Muon (vs centralized-muon)",
+            train=("train.optimizer=muon",),
+        ),
+        Arm(
+            "muon-int8",
+            ("swarm.compression=int8",),
+            baseline="centralized-muon",
+            knob="Muon with int8 pseudo-gradients (spes-1b's and spes-7b's compression)",
+            train=("train.optimizer=muon",),
+        ),
+        Arm(
+            "centralized-2-muon",
+            None,
+            peers=2,
+            baseline="centralized-2-muon",
+            knob="one process, batch 16, Muon",
+            train=("train.optimizer=muon",),
+        ),
+        Arm(
+            "muon-2",
+            (),
+            peers=2,
+            baseline="centralized-2-muon",
+            knob="inner optimizer: Muon, 2 peers",
+            train=("train.optimizer=muon",),
+        ),
+        # today's defaults: Muon, and the parameters AdamW steps (embeddings, head, router, norms) at 4x lr
+        Arm(
+            "centralized-muon-4x",
+            None,
+            baseline="centralized-muon-4x",
+            train=MUON_4X,
+            knob="one process, batch 32, Muon, train.muon_adamw_lr_scale 4",
+        ),
+        Arm(
+            "muon-4x",
+            (),
+            baseline="centralized-muon-4x",
+            train=MUON_4X,
+            knob="Muon, train.muon_adamw_lr_scale 4 (vs centralized-muon-4x)",
+        ),
+        Arm(
+            "muon-4x-nesterov",
+            ("swarm.outer_optimizer=nesterov", "swarm.outer_lr=0.7", "swarm.outer_momentum=0.9"),
+            baseline="centralized-muon-4x",
+            train=MUON_4X,
+            knob="outer optimizer: Nesterov, with today's Muon defaults",
+        ),
+        Arm(
+            "centralized-2-muon-4x",
+            None,
+            peers=2,
+            baseline="centralized-2-muon-4x",
+            train=MUON_4X,
+            knob="one process, batch 16, Muon, train.muon_adamw_lr_scale 4",
+        ),
+        Arm(
+            "muon-4x-2",
+            (),
+            peers=2,
+            baseline="centralized-2-muon-4x",
+            train=MUON_4X,
+            knob="Muon, train.muon_adamw_lr_scale 4, 2 peers",
+        ),
+        # today's defaults without gradient clipping, centralized and swarm alike
+        Arm(
+            "centralized-muon-4x-noclip",
+            None,
+            baseline="centralized-muon-4x-noclip",
+            train=MUON_4X_NOCLIP,
+            knob="one process, batch 32, today's Muon defaults, train.grad_clip 0",
+        ),
+        Arm(
+            "muon-4x-noclip",
+            (),
+            baseline="centralized-muon-4x-noclip",
+            train=MUON_4X_NOCLIP,
+            knob="today's Muon defaults, train.grad_clip 0 (vs centralized-muon-4x-noclip)",
+        ),
+        Arm(
+            "centralized-2-muon-4x-noclip",
+            None,
+            peers=2,
+            baseline="centralized-2-muon-4x-noclip",
+            train=MUON_4X_NOCLIP,
+            knob="one process, batch 16, today's Muon defaults, train.grad_clip 0",
+        ),
+        Arm(
+            "muon-4x-2-noclip",
+            (),
+            peers=2,
+            baseline="centralized-2-muon-4x-noclip",
+            train=MUON_4X_NOCLIP,
+            knob="today's Muon defaults, train.grad_clip 0, 2 peers",
+        ),
+    )
+}
 
 
 def run_metrics(result: dict[str, Any]) -> dict[str, float | None]:
     """MB per peer per sync round and over the whole run, and per-peer training memory (MB) of one run."""
     swarm = result["swarm"]
     if swarm is None:
-        return {"mb_per_round": 0.0, "mb_per_run": 0.0, "memory_mb": result["memory"]["total"] / MB, "sync_memory_mb": 0.0}
-    per_round = [(p["bytes_sent"] + p["bytes_received"]) / p["rounds_joined"]
-                 for p in swarm["peers"] if p.get("rounds_joined")]
+        return {
+            "mb_per_round": 0.0,
+            "mb_per_run": 0.0,
+            "memory_mb": result["memory"]["total"] / MB,
+            "sync_memory_mb": 0.0,
+        }
+    per_round = [
+        (p["bytes_sent"] + p["bytes_received"]) / p["rounds_joined"] for p in swarm["peers"] if p.get("rounds_joined")
+    ]
     per_run = [p["bytes_sent"] + p["bytes_received"] for p in swarm["peers"]]
     memory = [p["memory"]["total"] for p in swarm["peers"] if p.get("memory")]
     sync = [p["sync_memory"]["total"] for p in swarm["peers"] if p.get("sync_memory")]
-    return {"mb_per_round": statistics.fmean(per_round) / MB if per_round else None,
-            "mb_per_run": statistics.fmean(per_run) / MB,
-            "memory_mb": max(memory) / MB if memory else None,
-            "sync_memory_mb": max(sync) / MB if sync else None}
+    return {
+        "mb_per_round": statistics.fmean(per_round) / MB if per_round else None,
+        "mb_per_run": statistics.fmean(per_run) / MB,
+        "memory_mb": max(memory) / MB if memory else None,
+        "sync_memory_mb": max(sync) / MB if sync else None,
+    }
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -189,13 +287,20 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for name, seeds in runs.items():
         finals = {r["seed"]: r["final"] for r in seeds}
         metrics = [run_metrics(r) for r in seeds]
-        out[name] = {"final": convergence.spread(list(finals.values())), "finals": finals,
-                     "seeds": sorted(finals),
-                     **{k: statistics.fmean(m[k] for m in metrics if m[k] is not None)
-                        if any(m[k] is not None for m in metrics) else None for k in metrics[0]},
-                     "rounds": convergence.add_counts([r["swarm"]["round_outcomes"] for r in seeds if r["swarm"]]),
-                     "tokens_trained": [r["tokens_trained"] for r in seeds],
-                     "not_identical_steps": sorted({s for r in seeds for s, n in r["distinct_weights"].items() if n > 1})}
+        out[name] = {
+            "final": convergence.spread(list(finals.values())),
+            "finals": finals,
+            "seeds": sorted(finals),
+            **{
+                k: statistics.fmean(m[k] for m in metrics if m[k] is not None)
+                if any(m[k] is not None for m in metrics)
+                else None
+                for k in metrics[0]
+            },
+            "rounds": convergence.add_counts([r["swarm"]["round_outcomes"] for r in seeds if r["swarm"]]),
+            "tokens_trained": [r["tokens_trained"] for r in seeds],
+            "not_identical_steps": sorted({s for r in seeds for s, n in r["distinct_weights"].items() if n > 1}),
+        }
     for name, o in out.items():
         base = out.get(ARMS[name].baseline) if name in ARMS else None
         paired = [o["finals"][s] / base["finals"][s] - 1 for s in o["finals"] if base and s in base["finals"]]
@@ -204,22 +309,40 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def print_table(console: Console, summary: dict[str, Any], steps: int, batch: int, seq: int) -> None:
-    table = Table(title=f"validation loss at equal tokens ({steps} steps of P x {batch} x {seq} tokens; "
-                        "gap: to the centralized run of the same tokens, per seed, mean and min-max)")
-    for col in ("arm", "knob", "peers", "seeds", "final loss (min-max)", "gap to centralized", "MB / peer / round",
-                "MB / peer / run", "memory / peer MB", "rounds"):
+    table = Table(
+        title=f"validation loss at equal tokens ({steps} steps of P x {batch} x {seq} tokens; "
+        "gap: to the centralized run of the same tokens, per seed, mean and min-max)"
+    )
+    for col in (
+        "arm",
+        "knob",
+        "peers",
+        "seeds",
+        "final loss (min-max)",
+        "gap to centralized",
+        "MB / peer / round",
+        "MB / peer / run",
+        "memory / peer MB",
+        "rounds",
+    ):
         table.add_column(col, justify="left" if col in ("arm", "knob", "rounds") else "right")
     for name, o in summary.items():
         arm = ARMS.get(name, Arm(name, ()))
         f, gap = o["final"], o["gap"]
-        table.add_row(name, arm.knob, str(arm.peers), ",".join(map(str, o["seeds"])),
-                      f"{f['mean']:.4f} ({f['min']:.4f}-{f['max']:.4f})",
-                      "-" if gap is None or name == arm.baseline else
-                      f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
-                      "-" if o["mb_per_round"] is None or arm.overrides is None else f"{o['mb_per_round']:.2f}",
-                      "-" if arm.overrides is None else f"{o['mb_per_run']:.0f}",
-                      "-" if o["memory_mb"] is None else f"{o['memory_mb']:.2f}",
-                      ", ".join(f"{k} {v}" for k, v in sorted(o["rounds"].items())) or "-")
+        table.add_row(
+            name,
+            arm.knob,
+            str(arm.peers),
+            ",".join(map(str, o["seeds"])),
+            f"{f['mean']:.4f} ({f['min']:.4f}-{f['max']:.4f})",
+            "-"
+            if gap is None or name == arm.baseline
+            else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
+            "-" if o["mb_per_round"] is None or arm.overrides is None else f"{o['mb_per_round']:.2f}",
+            "-" if arm.overrides is None else f"{o['mb_per_run']:.0f}",
+            "-" if o["memory_mb"] is None else f"{o['memory_mb']:.2f}",
+            ", ".join(f"{k} {v}" for k, v in sorted(o["rounds"].items())) or "-",
+        )
     console.print(table)
 
 
@@ -229,12 +352,16 @@ def plot(summary: dict[str, Any], out: Path) -> bool:
     plt = convergence.pyplot()
     if plt is None:
         return False
-    points = {n: o for n, o in summary.items() if o["gap"] is not None and ARMS.get(n, Arm(n, ())).overrides is not None}
+    points = {
+        n: o for n, o in summary.items() if o["gap"] is not None and ARMS.get(n, Arm(n, ())).overrides is not None
+    }
     if not points:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, key, label in ((axes[0], "mb_per_run", "MB sent + received per peer over the run (log)"),
-                           (axes[1], "memory_mb", "training memory per peer (MB: weights, gradients, AdamW)")):
+    for ax, key, label in (
+        (axes[0], "mb_per_run", "MB sent + received per peer over the run (log)"),
+        (axes[1], "memory_mb", "training memory per peer (MB: weights, gradients, AdamW)"),
+    ):
         for name, o in points.items():
             if o[key] is None:
                 continue
@@ -258,8 +385,9 @@ def load_previous(json_path: Path, setup_key: dict[str, Any]) -> dict[str, Any]:
     previous = json.loads(json_path.read_text())
     differs = [k for k in setup_key if previous.get(k) != json.loads(json.dumps(setup_key[k]))]
     if differs:
-        raise SystemExit(f"{json_path} was measured with another {', '.join(differs)}; "
-                         "run without --add, or with --out elsewhere")
+        raise SystemExit(
+            f"{json_path} was measured with another {', '.join(differs)}; run without --add, or with --out elsewhere"
+        )
     return previous
 
 
@@ -267,9 +395,15 @@ def setup(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     """The overrides every arm shares (the convergence benchmark's model; schedule and checkpoints at
     ``--eval-every``) and the scored steps. Sync intervals, merging and the rest stay at their defaults."""
     boundaries = list(range(args.eval_every, args.steps + 1, args.eval_every))
-    common = [*convergence.CONFIG, *convergence.schedule(args.steps),
-              f"train.checkpoint_interval={args.eval_every}", f"train.keep_checkpoints={len(boundaries) + 1}",
-              f"train.eval_interval={args.steps}", "train.eval_batches=1", *args.extra]
+    common = [
+        *convergence.CONFIG,
+        *convergence.schedule(args.steps),
+        f"train.checkpoint_interval={args.eval_every}",
+        f"train.keep_checkpoints={len(boundaries) + 1}",
+        f"train.eval_interval={args.steps}",
+        "train.eval_batches=1",
+        *args.extra,
+    ]
     return common, boundaries
 
 
@@ -278,15 +412,21 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--eval-every", type=int, default=100,
-                        help="scored steps (a multiple of every arm's sync interval: 10, 25, 50, 100)")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=100,
+        help="scored steps (a multiple of every arm's sync interval: 10, 25, 50, 100)",
+    )
     parser.add_argument("--batch", type=int, default=8, help="per-peer batch size")
     parser.add_argument("--val-windows", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results path without suffix (.json, .png)")
     parser.add_argument("--add", action="store_true", help="merge into an existing result of the same setup")
     parser.add_argument("--keep-runs", action="store_true")
-    parser.add_argument("--report", action="store_true", help="run nothing: the table, plot and summary of the stored runs")
+    parser.add_argument(
+        "--report", action="store_true", help="run nothing: the table, plot and summary of the stored runs"
+    )
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
     args = parser.parse_args()
     if args.report:
@@ -308,8 +448,10 @@ def main() -> None:
     setup_key = {"config": common, "steps": args.steps, "batch": args.batch, "validation": validation.describe}
     previous = load_previous(json_path, setup_key) if args.add and json_path.exists() else {}
     console = Console(width=220)
-    console.print(f"{len(args.arms)} arms x {len(args.seeds)} seeds, {args.steps} steps; scoring on "
-                  f"{validation.count} validation windows")
+    console.print(
+        f"{len(args.arms)} arms x {len(args.seeds)} seeds, {args.steps} steps; scoring on "
+        f"{validation.count} validation windows"
+    )
     work = Path(tempfile.mkdtemp(prefix="p2p-spes-quality-"))
     runs: dict[str, list[dict[str, Any]]] = {n: list(r) for n, r in previous.get("runs", {}).items()}
     commands: dict[str, str] = dict(previous.get("commands", {}))
@@ -322,13 +464,24 @@ def main() -> None:
     summary = write_results(json_path, setup_key, commands, runs)
     print_table(console, summary, args.steps, args.batch, seq)
     plotted = plot(summary, png)
-    console.print(f"wrote {json_path}" + (f" and {png}" if plotted else "") +
-                  f" ({(time.monotonic() - t_start) / 60:.1f} min)")
+    console.print(
+        f"wrote {json_path}" + (f" and {png}" if plotted else "") + f" ({(time.monotonic() - t_start) / 60:.1f} min)"
+    )
 
 
-def run_all(args: argparse.Namespace, common: list[str], work: Path, validation: convergence.Validation,
-            boundaries: list[int], runs: dict[str, list[dict[str, Any]]], commands: dict[str, str],
-            setup_key: dict[str, Any], json_path: Path, console: Console, t_start: float) -> None:
+def run_all(
+    args: argparse.Namespace,
+    common: list[str],
+    work: Path,
+    validation: convergence.Validation,
+    boundaries: list[int],
+    runs: dict[str, list[dict[str, Any]]],
+    commands: dict[str, str],
+    setup_key: dict[str, Any],
+    json_path: Path,
+    console: Console,
+    t_start: float,
+) -> None:
     """Every arm at every seed (seed-major: an interrupted run has every arm at the first seeds),
     the results file rewritten after each run."""
     command = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
@@ -336,24 +489,44 @@ def run_all(args: argparse.Namespace, common: list[str], work: Path, validation:
         for name in args.arms:
             arm = ARMS[name]
             extra = None if arm.overrides is None else list(arm.overrides)
-            result = convergence.run_arm(name, seed, args, [*common, *arm.train], work, validation, boundaries,
-                                         extra=extra, peers=arm.peers)
+            result = convergence.run_arm(
+                name, seed, args, [*common, *arm.train], work, validation, boundaries, extra=extra, peers=arm.peers
+            )
             runs[name] = [r for r in runs.get(name, []) if r["seed"] != seed] + [convergence.jsonable(result)]
             commands[name] = command
-            console.print(f"{name} seed {seed}: final validation loss {result['final']:.4f} "
-                          f"({(time.monotonic() - t_start) / 60:.1f} min so far)")
+            console.print(
+                f"{name} seed {seed}: final validation loss {result['final']:.4f} "
+                f"({(time.monotonic() - t_start) / 60:.1f} min so far)"
+            )
             write_results(json_path, setup_key, commands, runs)  # after every run: nothing lost
 
 
-def write_results(json_path: Path, setup_key: dict[str, Any], commands: dict[str, str],
-                  runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def write_results(
+    json_path: Path, setup_key: dict[str, Any], commands: dict[str, str], runs: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
     """The setup, every run and their summary, to ``json_path``; returns the summary."""
     summary = summarise(runs)
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({**setup_key, "commands": commands, "arms": {
-        n: {"overrides": ARMS[n].overrides, "train": ARMS[n].train, "peers": ARMS[n].peers, "knob": ARMS[n].knob}
-        for n in runs},
-        "summary": convergence.jsonable(summary), "runs": runs}, indent=1))
+    json_path.write_text(
+        json.dumps(
+            {
+                **setup_key,
+                "commands": commands,
+                "arms": {
+                    n: {
+                        "overrides": ARMS[n].overrides,
+                        "train": ARMS[n].train,
+                        "peers": ARMS[n].peers,
+                        "knob": ARMS[n].knob,
+                    }
+                    for n in runs
+                },
+                "summary": convergence.jsonable(summary),
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
     return summary
 
 

@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2p_spes.config import load_config
 from p2p_spes.memory import expected_memory
@@ -38,13 +35,26 @@ def memory_rows(name: str, peers: int) -> list[dict]:
     e = cfg.moe.num_experts
     rows = []
     for residency in ("full", "partial"):
-        model = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(e // peers)), device="meta",
-                               resident_only=residency == "partial")
+        model = MoETransformer(
+            cfg.model,
+            cfg.moe,
+            local_experts=list(range(e // peers)),
+            device="meta",
+            resident_only=residency == "partial",
+        )
         report = expected_memory(model, cfg.train)
         weights, grads, optim = (sum(d.values()) for d in (report.parameters, report.gradients, report.optimizer))
-        rows.append({"config": name, "residency": residency, "experts_held": f"{e // peers}/{e}",
-                     "weights_bytes": weights, "gradients_bytes": grads, "optimizer_bytes": optim,
-                     "total_bytes": weights + grads + optim})
+        rows.append(
+            {
+                "config": name,
+                "residency": residency,
+                "experts_held": f"{e // peers}/{e}",
+                "weights_bytes": weights,
+                "gradients_bytes": grads,
+                "optimizer_bytes": optim,
+                "total_bytes": weights + grads + optim,
+            }
+        )
     return rows
 
 
@@ -71,9 +81,15 @@ def swarm_rows(config: str, peers: int, steps: int, sync_steps: int, extra: list
 
     rows = []
     for residency in ("full", "partial"):
-        overrides = [f"train.max_steps={steps}", f"swarm.sync_steps={sync_steps}", "swarm.merge_interval=0",
-                     f"train.eval_interval={steps}", f"train.checkpoint_interval={steps}",
-                     f"swarm.residency={residency}", *extra]
+        overrides = [
+            f"train.max_steps={steps}",
+            f"swarm.sync_steps={sync_steps}",
+            "swarm.merge_interval=0",
+            f"train.eval_interval={steps}",
+            f"train.checkpoint_interval={steps}",
+            f"swarm.residency={residency}",
+            *extra,
+        ]
         run_dir = work / residency
         swarm = LocalSwarm(config, overrides, peers=peers, run_dir=run_dir)
         swarm.run(timeout=60 * 60)
@@ -84,15 +100,26 @@ def swarm_rows(config: str, peers: int, steps: int, sync_steps: int, extra: list
             skips = [sum(r["skip_rate"]) / len(r["skip_rate"]) for r in rounds if "skip_rate" in r]
             n_rounds = max(s["rounds_joined"] + s["rounds_failed"], 1)
             mem = s["memory"]
-            rows.append({
-                "residency": residency, "peer": i, "experts": s["local_experts"], "tokens": s["tokens"],
-                "rounds": n_rounds, "mb_received_per_round": s["bytes_received"] / n_rounds / 1e6,
-                "mb_sent_per_round": s["bytes_sent"] / n_rounds / 1e6,
-                "memory_mb": (sum(mem["parameters"].values()) + sum(mem["gradients"].values())
-                              + sum(mem["optimizer"].values())) / 1e6,
-                "peer_val_loss": s["final_val_loss"], "assembled_val_loss": assembled,
-                "mean_skip_rate": sum(skips) / len(skips) if skips else 0.0,
-            })
+            rows.append(
+                {
+                    "residency": residency,
+                    "peer": i,
+                    "experts": s["local_experts"],
+                    "tokens": s["tokens"],
+                    "rounds": n_rounds,
+                    "mb_received_per_round": s["bytes_received"] / n_rounds / 1e6,
+                    "mb_sent_per_round": s["bytes_sent"] / n_rounds / 1e6,
+                    "memory_mb": (
+                        sum(mem["parameters"].values())
+                        + sum(mem["gradients"].values())
+                        + sum(mem["optimizer"].values())
+                    )
+                    / 1e6,
+                    "peer_val_loss": s["final_val_loss"],
+                    "assembled_val_loss": assembled,
+                    "mean_skip_rate": sum(skips) / len(skips) if skips else 0.0,
+                }
+            )
     return rows
 
 
@@ -106,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sync-steps", type=int, default=20)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
     parser.add_argument("--skip-runs", action="store_true", help="memory table only")
-    parser.add_argument("--json", default="benchmarks/results/residency.json")
+    parser.add_argument("--json", default="benchmarks/results/residency/main.json")
     args = parser.parse_args(argv)
 
     console = Console(width=140)
@@ -116,24 +143,54 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_column(col, justify="left" if col in ("config", "residency", "experts") else "right")
     for row in memory:
         full = next(r for r in memory if r["config"] == row["config"] and r["residency"] == "full")
-        table.add_row(row["config"], row["residency"], row["experts_held"], f"{row['weights_bytes'] / GIB:.3f}",
-                      f"{row['gradients_bytes'] / GIB:.3f}", f"{row['optimizer_bytes'] / GIB:.3f}",
-                      f"{row['total_bytes'] / GIB:.3f}", f"{row['total_bytes'] / full['total_bytes']:.2f}x")
+        table.add_row(
+            row["config"],
+            row["residency"],
+            row["experts_held"],
+            f"{row['weights_bytes'] / GIB:.3f}",
+            f"{row['gradients_bytes'] / GIB:.3f}",
+            f"{row['optimizer_bytes'] / GIB:.3f}",
+            f"{row['total_bytes'] / GIB:.3f}",
+            f"{row['total_bytes'] / full['total_bytes']:.2f}x",
+        )
     console.print(table)
 
     runs: list[dict] = []
     if not args.skip_runs:
         with tempfile.TemporaryDirectory(prefix="residency-") as work:
             runs = swarm_rows(args.run_config, args.run_peers, args.steps, args.sync_steps, args.overrides, Path(work))
-        table = Table(title=f"loopback swarm, {args.run_config}, {args.run_peers} peers, {args.steps} steps, "
-                            f"sync every {args.sync_steps}")
-        for col in ("residency", "peer", "experts", "tokens", "rounds", "recv MB/round", "sent MB/round", "memory MB",
-                    "skip rate", "peer val loss", "assembled val loss"):
+        table = Table(
+            title=f"loopback swarm, {args.run_config}, {args.run_peers} peers, {args.steps} steps, "
+            f"sync every {args.sync_steps}"
+        )
+        for col in (
+            "residency",
+            "peer",
+            "experts",
+            "tokens",
+            "rounds",
+            "recv MB/round",
+            "sent MB/round",
+            "memory MB",
+            "skip rate",
+            "peer val loss",
+            "assembled val loss",
+        ):
             table.add_column(col, justify="left" if col in ("residency", "experts") else "right")
         for r in runs:
-            table.add_row(r["residency"], str(r["peer"]), str(r["experts"]), str(r["tokens"]), str(r["rounds"]),
-                          f"{r['mb_received_per_round']:.2f}", f"{r['mb_sent_per_round']:.2f}", f"{r['memory_mb']:.1f}",
-                          f"{r['mean_skip_rate']:.3f}", f"{r['peer_val_loss']:.3f}", f"{r['assembled_val_loss']:.3f}")
+            table.add_row(
+                r["residency"],
+                str(r["peer"]),
+                str(r["experts"]),
+                str(r["tokens"]),
+                str(r["rounds"]),
+                f"{r['mb_received_per_round']:.2f}",
+                f"{r['mb_sent_per_round']:.2f}",
+                f"{r['memory_mb']:.1f}",
+                f"{r['mean_skip_rate']:.3f}",
+                f"{r['peer_val_loss']:.3f}",
+                f"{r['assembled_val_loss']:.3f}",
+            )
         console.print(table)
 
     out = {"memory": memory, "swarm": runs, "args": vars(args)}

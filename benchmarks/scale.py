@@ -9,7 +9,7 @@ Every peer is a ``p2p-spes train`` process on 127.0.0.1 (``p2p_spes/local_swarm.
 each, all sharing this machine's cores, so they reach each boundary spread out as unequal peers on
 the internet do. The model is a micro config (d_model 64, 2 layers, sync every 10 steps) with the same
 number of experts at every N (``--experts``, default the largest N: one expert per peer there), so
-bytes per peer compare across N. Faults (``p2p_spes/chaos.py``):
+bytes per peer compare across N. Faults (``benchmarks/lab/chaos.py``):
 
 * ``kill``: one peer (never the first, whose address the others joined through) SIGKILLed a third of
   the way into the run; it does not come back;
@@ -34,7 +34,7 @@ the median seconds per round, bytes sent + received + downloaded per
 peer per round, how many different shared weights the surviving peers hold at the end (at the last round any of them
 ran or took; ``ended_behind`` counts survivors whose last round is an earlier one), groups that needed a retry and members lost from them, the peak proportional memory (PSS) of a
 peer (its process group: trainer, DHT, p2pd) and of the whole swarm, and processes left behind.
-Writes ``benchmarks/results/scale.json``.
+Writes ``benchmarks/results/scale/main.json``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from p2p_spes.chaos import Chaos, Fault, orphaned, read_metrics
+from benchmarks.lab.chaos import Chaos, Fault, orphaned, read_metrics
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.swarm import sync_deadline
@@ -65,11 +65,24 @@ SYNC_STEPS = 10
 def micro(experts: int, steps: int) -> list[str]:
     """The micro config, small enough for 24 peers on 2 cores."""
     return [
-        "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
-        f"moe.num_experts={experts}", "moe.ffn_dim=64", "moe.top_k=2", "train.batch_size=4", "train.warmup_steps=5",
-        f"train.max_steps={steps}", "train.eval_interval=1000000", "train.log_interval=1",
-        "train.checkpoint_interval=20", "train.keep_checkpoints=2", f"swarm.sync_steps={SYNC_STEPS}",
-        "swarm.matchmaking_time=10", "swarm.averaging_timeout=30", "swarm.merge_interval=0",
+        "model.d_model=64",
+        "model.num_layers=2",
+        "model.num_heads=4",
+        "model.max_seq_len=32",
+        f"moe.num_experts={experts}",
+        "moe.ffn_dim=64",
+        "moe.top_k=2",
+        "train.batch_size=4",
+        "train.warmup_steps=5",
+        f"train.max_steps={steps}",
+        "train.eval_interval=1000000",
+        "train.log_interval=1",
+        "train.checkpoint_interval=20",
+        "train.keep_checkpoints=2",
+        f"swarm.sync_steps={SYNC_STEPS}",
+        "swarm.matchmaking_time=10",
+        "swarm.averaging_timeout=30",
+        "swarm.merge_interval=0",
     ]
 
 
@@ -127,7 +140,9 @@ def summarize(run_dir: Path, peers: int, survivors: list[int], faults: list[Faul
     """The row of one run (see the module docstring)."""
     lines = {i: read_metrics(run_dir / f"peer{i}") for i in range(peers)}  # read once: rounds and catch-ups
     rows = [r for i in range(peers) for r in lines[i] if "sync_round" in r]
-    skipped = sum(len(r["rounds_skipped"]) for i in range(peers) for r in lines[i] if isinstance(r.get("rounds_skipped"), list))
+    skipped = sum(
+        len(r["rounds_skipped"]) for i in range(peers) for r in lines[i] if isinstance(r.get("rounds_skipped"), list)
+    )
     applied = [r for r in rows if r["outcome"] in ("averaged", "adopted")]
     by_round: dict[int, list[dict]] = {}
     for r in rows:
@@ -142,10 +157,21 @@ def summarize(run_dir: Path, peers: int, survivors: list[int], faults: list[Faul
     ended = {i: max((r["time"] for r in lines[i]), default=0.0) for i in range(peers)}
 
     def nobody_else(i: int, t: float) -> bool:
-        return not any(ended[j] > t and not any(f.start <= t < f.end for f in freezes[j]) for j in range(peers) if j != i)
-    after = {id(r) for i in range(peers) for r in lines[i] if "sync_round" in r and nobody_else(i, r["time"] - r["sync_seconds"])}
-    everyone_running = [n for n, rs in by_round.items()
-                        if all(r["outcome"] in ("averaged", "adopted") or id(r) in frozen | after for r in rs)]
+        return not any(
+            ended[j] > t and not any(f.start <= t < f.end for f in freezes[j]) for j in range(peers) if j != i
+        )
+
+    after = {
+        id(r)
+        for i in range(peers)
+        for r in lines[i]
+        if "sync_round" in r and nobody_else(i, r["time"] - r["sync_seconds"])
+    }
+    everyone_running = [
+        n
+        for n, rs in by_round.items()
+        if all(r["outcome"] in ("averaged", "adopted") or id(r) in frozen | after for r in rs)
+    ]
     # each survivor's last shared weights: its last round's, or the state it took when it skipped rounds
     last: dict[int, tuple[int, str]] = {}
     late = [i for i in survivors if any(id(r) in after for r in lines[i])]
@@ -158,19 +184,26 @@ def summarize(run_dir: Path, peers: int, survivors: list[int], faults: list[Faul
     final = max((v[0] for v in last.values()), default=None)
     groups = [g for r in rows for g in r.get("groups", {}).values()]
     return {
-        "peer_rounds": len(rows), "peer_rounds_applied": len(applied),
+        "peer_rounds": len(rows),
+        "peer_rounds_applied": len(applied),
         "applied_share": len(applied) / len(rows) if rows else None,
         "peer_rounds_averaged": sum(r["outcome"] == "averaged" for r in rows),
         # rounds a peer back from a freeze (or restarted) found finished and the next one too: it took
         # the swarm's state instead of running them, and has no line for them
         "peer_rounds_skipped": skipped,
-        "rounds": len(by_round), "rounds_everyone_applied": len(everyone),
+        "rounds": len(by_round),
+        "rounds_everyone_applied": len(everyone),
         "everyone_share": len(everyone) / len(by_round) if by_round else None,
-        "peer_rounds_frozen": len(frozen), "peer_rounds_after_others": len(after), "ended_after_others": len(late),
+        "peer_rounds_frozen": len(frozen),
+        "peer_rounds_after_others": len(after),
+        "ended_after_others": len(late),
         "rounds_everyone_running_applied": len(everyone_running),
         "seconds_per_round": statistics.median(r["sync_seconds"] for r in rows) if rows else None,
-        "mb_per_peer_round": statistics.fmean((r["bytes_sent"] + r["bytes_received"] + r["downloaded_bytes"]) / 1e6
-                                              for r in rows) if rows else None,
+        "mb_per_peer_round": statistics.fmean(
+            (r["bytes_sent"] + r["bytes_received"] + r["downloaded_bytes"]) / 1e6 for r in rows
+        )
+        if rows
+        else None,
         "groups_retried": sum((g.get("attempts") or 1) > 1 for g in groups),
         "members_lost": sum(len(g.get("lost") or []) for g in groups),
         # shared groups run as a grid (rows and columns), and those whose result missed our own contribution
@@ -183,15 +216,17 @@ def summarize(run_dir: Path, peers: int, survivors: list[int], faults: list[Faul
     }
 
 
-def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work: Path,
-             console: Console, extra: list[str]) -> dict[str, Any]:
+def run_size(
+    peers: int, experts: int, faults: str, steps: int, seed: int, work: Path, console: Console, extra: list[str]
+) -> dict[str, Any]:
     overrides = micro(experts, steps) + extra
     cfg = load_config(None, overrides)
     deadline = sync_deadline(cfg.swarm, peers)
     run_dir = work / f"n{peers}-{faults}"
     swarm = LocalSwarm(None, overrides, peers=peers, run_dir=run_dir, run_id=f"scale-{peers}")
-    chaos = Chaos(swarm, SYNC_STEPS, freeze_seconds=deadline + 5, seed=seed, min_live=max(2, peers // 2),
-                  background_freezes=True)
+    chaos = Chaos(
+        swarm, SYNC_STEPS, freeze_seconds=deadline + 5, seed=seed, min_live=max(2, peers // 2), background_freezes=True
+    )
     memory = MemoryWatch(swarm)
     t0 = time.monotonic()
     timeout = 900 + 40 * peers
@@ -235,10 +270,20 @@ def run_size(peers: int, experts: int, faults: str, steps: int, seed: int, work:
         memory.stop()
     left = orphaned(swarm)
     survivors = [i for i, c in enumerate(codes) if c == 0]
-    row = {"peers": peers, "experts": experts, "faults": faults, "steps": steps, "seed": seed, "wall_seconds": round(time.monotonic() - t0, 1),
-           "exit_codes": codes, "fault_log": [vars(f) for f in chaos.faults],
-           **summarize(run_dir, peers, survivors, chaos.faults), "processes_left": left,
-           "peak_pss_peer_mb": round(memory.peak_peer / 2**20), "peak_pss_swarm_mb": round(memory.peak_total / 2**20)}
+    row = {
+        "peers": peers,
+        "experts": experts,
+        "faults": faults,
+        "steps": steps,
+        "seed": seed,
+        "wall_seconds": round(time.monotonic() - t0, 1),
+        "exit_codes": codes,
+        "fault_log": [vars(f) for f in chaos.faults],
+        **summarize(run_dir, peers, survivors, chaos.faults),
+        "processes_left": left,
+        "peak_pss_peer_mb": round(memory.peak_peer / 2**20),
+        "peak_pss_swarm_mb": round(memory.peak_total / 2**20),
+    }
     return row
 
 
@@ -247,45 +292,73 @@ def main() -> int:
     parser.add_argument("--peers", type=int, nargs="+", default=[8, 16, 24])
     parser.add_argument("--faults", choices=["kill", "churn", "none"], default="kill")
     parser.add_argument("--steps", type=int, default=200, help="steps per peer (a round every 10)")
-    parser.add_argument("--experts", type=int, default=None, help="experts of the model at every N (default: the largest N)")
+    parser.add_argument(
+        "--experts", type=int, default=None, help="experts of the model at every N (default: the largest N)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default=None, help="keep the peers' run directories here")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for every peer (e.g. swarm.group_size=0 for one flat shared group)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every peer (e.g. swarm.group_size=0 for one flat shared group)",
+    )
     args = parser.parse_args()
     work = Path(args.run_dir or tempfile.mkdtemp(prefix="p2p-spes-scale-"))
     console = Console(width=170)
     results = []
     for n in args.peers:
         console.print(f"== {n} peers, faults: {args.faults}, run dir {work}")
-        results.append(run_size(n, args.experts or max(args.peers), args.faults, args.steps, args.seed, work, console,
-                                args.overrides))
+        results.append(
+            run_size(
+                n, args.experts or max(args.peers), args.faults, args.steps, args.seed, work, console, args.overrides
+            )
+        )
         r = results[-1]
-        console.print(f"  applied {r['peer_rounds_applied']}/{r['peer_rounds']} peer-rounds "
-                      f"({r['peer_rounds_skipped']} skipped by peers that came back rounds behind), "
-                      f"{r['final_weights']} set(s) of weights at the end, {r['wall_seconds']:.0f} s")
-    table = Table(title=f"scale: micro config, {args.steps} steps, a round every {SYNC_STEPS}, faults: {args.faults}, "
-                        f"seed {args.seed}, group_size {load_config(None, args.overrides).swarm.group_size}")
-    for col in ("peers", "peer-rounds applied", "rounds every peer applied", "... every peer not stopped", "s per round (median)",
-                "MB per peer per round", "vs first N", "groups retried (members lost)", "weights at end",
-                "peak MB (PSS) per peer (swarm)", "left behind"):
+        console.print(
+            f"  applied {r['peer_rounds_applied']}/{r['peer_rounds']} peer-rounds "
+            f"({r['peer_rounds_skipped']} skipped by peers that came back rounds behind), "
+            f"{r['final_weights']} set(s) of weights at the end, {r['wall_seconds']:.0f} s"
+        )
+    table = Table(
+        title=f"scale: micro config, {args.steps} steps, a round every {SYNC_STEPS}, faults: {args.faults}, "
+        f"seed {args.seed}, group_size {load_config(None, args.overrides).swarm.group_size}"
+    )
+    for col in (
+        "peers",
+        "peer-rounds applied",
+        "rounds every peer applied",
+        "... every peer not stopped",
+        "s per round (median)",
+        "MB per peer per round",
+        "vs first N",
+        "groups retried (members lost)",
+        "weights at end",
+        "peak MB (PSS) per peer (swarm)",
+        "left behind",
+    ):
         table.add_column(col, justify="right")
     base = results[0]["mb_per_peer_round"] if results and results[0]["mb_per_peer_round"] else None
     for r in results:
         mb = r["mb_per_peer_round"]
         table.add_row(
-            str(r["peers"]), f"{r['peer_rounds_applied']}/{r['peer_rounds']} ({100 * (r['applied_share'] or 0):.0f}%)",
+            str(r["peers"]),
+            f"{r['peer_rounds_applied']}/{r['peer_rounds']} ({100 * (r['applied_share'] or 0):.0f}%)",
             f"{r['rounds_everyone_applied']}/{r['rounds']} ({100 * (r['everyone_share'] or 0):.0f}%)",
             f"{r['rounds_everyone_running_applied']}/{r['rounds']} ({r['peer_rounds_frozen']} peer-rounds stopped, "
             f"{r.get('peer_rounds_after_others', 0)} after the others ended)",
             f"{r['seconds_per_round']:.1f}" if r["seconds_per_round"] is not None else "-",
-            f"{mb:.2f}" if mb is not None else "-", f"{mb / base:.2f}x" if mb and base else "-",
+            f"{mb:.2f}" if mb is not None else "-",
+            f"{mb / base:.2f}x" if mb and base else "-",
             f"{r['groups_retried']} ({r['members_lost']})",
             f"{r['final_weights']} of {r['survivors'] - r.get('ended_after_others', 0)} peers"
             + (f" (+{r['ended_after_others']} after the others)" if r.get("ended_after_others") else ""),
             f"{r['peak_pss_peer_mb']} ({r['peak_pss_swarm_mb']})",
-            str(r["processes_left"]))
+            str(r["processes_left"]),
+        )
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": ["benchmarks/scale.py", *sys.argv[1:]], "results": results}, indent=1))

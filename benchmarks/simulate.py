@@ -1,4 +1,4 @@
-"""The round protocol at 100 and 1,000 peers, simulated (``p2p_spes/simulation.py``): rounds applied, time, bytes.
+"""The round protocol at 100 and 1,000 peers, simulated (``benchmarks/lab/simulation.py``): rounds applied, time, bytes.
 
     python benchmarks/simulate.py                           # 100 and 1,000 peers, flat and grid, retries 0, 1 and 2, 3 seeds
     python benchmarks/simulate.py --peers 1000 --fail-prob 0.02 --rounds 100
@@ -13,7 +13,7 @@ Per configuration: the share of rounds whose shared average was applied (mean an
 the share of peer-rounds applied among peers that did not fail, the share of the members' contributions
 the applied averages hold (a grid, ``--group-size`` 16, may drop a lost member's row from some
 columns; a flat group counts all), rounds that needed a retry, median and
-90th-percentile seconds per round, MB per peer per round. Writes ``benchmarks/results/simulate.json``.
+90th-percentile seconds per round, MB per peer per round. Writes ``benchmarks/results/simulate/main.json``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.lab.simulation import SimConfig, simulate
 from p2p_spes.config import SwarmConfig
-from p2p_spes.simulation import SimConfig, simulate
 
 RESULTS = Path(__file__).parent / "results" / "simulate.json"
 
@@ -40,8 +40,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--retries", type=int, nargs="+", default=[0, 1, 2], help="swarm.group_retries values")
-    parser.add_argument("--group-size", type=int, nargs="+", default=[0, 16],
-                        help="swarm.group_size values (0: one flat shared group)")
+    parser.add_argument(
+        "--group-size", type=int, nargs="+", default=[0, 16], help="swarm.group_size values (0: one flat shared group)"
+    )
     parser.add_argument("--fail-prob", type=float, default=0.05)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -50,32 +51,69 @@ def main() -> int:
     rows = []
     t0 = time.monotonic()
     for n, size, retries in itertools.product(args.peers, args.group_size, args.retries):
-        sw = SwarmConfig(compression="topk", matchmaking_time=30.0, averaging_timeout=600.0, group_retries=retries,
-                         group_size=size)
-        runs = [simulate(SimConfig(peers=n, rounds=args.rounds, fail_prob=args.fail_prob, swarm=sw, seed=s)).summary()
-                for s in args.seeds]
-        rows.append({"peers": n, "group_size": size, "group_retries": retries, "runs": runs,
-                     **{k: statistics.fmean(r[k] for r in runs) for k in runs[0] if k not in ("peers", "rounds")}})
-    table = Table(title=f"simulated rounds: spes-1b sizes, topk, {args.rounds} rounds, fail probability "
-                        f"{args.fail_prob:g} per peer per round, seeds {args.seeds} (mean; range)")
-    for col in ("peers", "group size", "retries", "rounds applied", "peer-rounds applied", "contributions counted",
-                "rounds retried", "s per round (median / p90)", "MB per peer per round"):
+        sw = SwarmConfig(
+            compression="topk", matchmaking_time=30.0, averaging_timeout=600.0, group_retries=retries, group_size=size
+        )
+        runs = [
+            simulate(SimConfig(peers=n, rounds=args.rounds, fail_prob=args.fail_prob, swarm=sw, seed=s)).summary()
+            for s in args.seeds
+        ]
+        rows.append(
+            {
+                "peers": n,
+                "group_size": size,
+                "group_retries": retries,
+                "runs": runs,
+                **{k: statistics.fmean(r[k] for r in runs) for k in runs[0] if k not in ("peers", "rounds")},
+            }
+        )
+    table = Table(
+        title=f"simulated rounds: spes-1b sizes, topk, {args.rounds} rounds, fail probability "
+        f"{args.fail_prob:g} per peer per round, seeds {args.seeds} (mean; range)"
+    )
+    for col in (
+        "peers",
+        "group size",
+        "retries",
+        "rounds applied",
+        "peer-rounds applied",
+        "contributions counted",
+        "rounds retried",
+        "s per round (median / p90)",
+        "MB per peer per round",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         applied = [x["rounds_applied"] for x in r["runs"]]
-        table.add_row(str(r["peers"]), str(r["group_size"] or "flat"), str(r["group_retries"]),
-                      f"{100 * r['rounds_applied']:.1f}% ({100 * min(applied):.0f}-{100 * max(applied):.0f}%)",
-                      f"{100 * r['peer_rounds_applied']:.1f}%", f"{100 * r['counted_mean']:.1f}%",
-                      f"{100 * r['retried_rounds']:.0f}%",
-                      f"{r['seconds_per_round_median']:.1f} / {r['seconds_per_round_p90']:.1f}",
-                      f"{r['mb_per_peer_round']:.1f}")
+        table.add_row(
+            str(r["peers"]),
+            str(r["group_size"] or "flat"),
+            str(r["group_retries"]),
+            f"{100 * r['rounds_applied']:.1f}% ({100 * min(applied):.0f}-{100 * max(applied):.0f}%)",
+            f"{100 * r['peer_rounds_applied']:.1f}%",
+            f"{100 * r['counted_mean']:.1f}%",
+            f"{100 * r['retried_rounds']:.0f}%",
+            f"{r['seconds_per_round_median']:.1f} / {r['seconds_per_round_p90']:.1f}",
+            f"{r['mb_per_peer_round']:.1f}",
+        )
     Console(width=150).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     default = asdict(SimConfig())
     default.pop("swarm")
-    args.out.write_text(json.dumps({"command": ["benchmarks/simulate.py", *sys.argv[1:]], "model": default,
-                                    "fail_prob": args.fail_prob, "rounds": args.rounds, "seeds": args.seeds,
-                                    "wall_seconds": round(time.monotonic() - t0, 1), "results": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": ["benchmarks/simulate.py", *sys.argv[1:]],
+                "model": default,
+                "fail_prob": args.fail_prob,
+                "rounds": args.rounds,
+                "seeds": args.seeds,
+                "wall_seconds": round(time.monotonic() - t0, 1),
+                "results": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

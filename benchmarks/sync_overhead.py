@@ -9,7 +9,7 @@ training steps (rounds, and anything else outside a step), the wall time per ste
 blocking run at the same interval, and the compute time of the steps a round ran beside (overlap)
 or right after (blocking) against the others. A blocking round stops training for its duration;
 ``swarm.overlap=true`` runs it in the background (p2p_spes/peer.py). Writes
-``benchmarks/results/sync_overhead.json``.
+``benchmarks/results/sync_overhead/main.json``.
 """
 
 from __future__ import annotations
@@ -24,25 +24,36 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from p2p_spes.chaos import read_metrics
+from benchmarks.lab.chaos import read_metrics
 from p2p_spes.local_swarm import LocalSwarm
 
 RESULTS = Path(__file__).parent / "results" / "sync_overhead.json"
 CONFIG = [
-    "model.d_model=128", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=64",
-    "moe.num_experts=8", "moe.ffn_dim=256", "train.batch_size=8", "train.warmup_steps=5",
-    "train.eval_interval=100000", "train.log_interval=1", "train.checkpoint_interval=100000",
-    "swarm.matchmaking_time=3", "swarm.averaging_timeout=20",
+    "model.d_model=128",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=64",
+    "moe.num_experts=8",
+    "moe.ffn_dim=256",
+    "train.batch_size=8",
+    "train.warmup_steps=5",
+    "train.eval_interval=100000",
+    "train.log_interval=1",
+    "train.checkpoint_interval=100000",
+    "swarm.matchmaking_time=3",
+    "swarm.averaging_timeout=20",
 ]
 
 
 def measure(interval: int, overlap: bool, steps: int, run_dir: Path) -> dict[str, float]:
     name = f"every{interval}-{'overlap' if overlap else 'blocking'}"
-    swarm = LocalSwarm(None, CONFIG + [f"swarm.sync_steps={interval}", f"train.max_steps={steps}",
-                                       f"swarm.overlap={str(overlap).lower()}"], peers=2,
-                       run_dir=run_dir / name, run_id=f"overhead-{name}")
+    swarm = LocalSwarm(
+        None,
+        CONFIG + [f"swarm.sync_steps={interval}", f"train.max_steps={steps}", f"swarm.overlap={str(overlap).lower()}"],
+        peers=2,
+        run_dir=run_dir / name,
+        run_id=f"overhead-{name}",
+    )
     swarm.run(timeout=1800, stagger=1.0)
     overheads, per_step, during, between, rounds, joined = [], [], [], [], [], 0
     for i in range(2):
@@ -66,9 +77,12 @@ def measure(interval: int, overlap: bool, steps: int, run_dir: Path) -> dict[str
         for r in steps_:
             (during if r["step"] in busy else between).append(r["step_time_s"])
     return {
-        "overhead_fraction": statistics.fmean(overheads), "wall_s_per_step": statistics.fmean(per_step),
-        "round_seconds": statistics.median(rounds), "rounds_joined": joined,
-        "step_during_round_s": statistics.median(during), "step_between_s": statistics.median(between),
+        "overhead_fraction": statistics.fmean(overheads),
+        "wall_s_per_step": statistics.fmean(per_step),
+        "round_seconds": statistics.median(rounds),
+        "rounds_joined": joined,
+        "step_during_round_s": statistics.median(during),
+        "step_between_s": statistics.median(between),
     }
 
 
@@ -79,8 +93,16 @@ def main() -> None:
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="p2p-spes-overhead-"))
     table = Table(title="sync overhead, 2 loopback peers: blocking rounds vs rounds overlapped with training")
-    for col in ("sync_steps", "rounds", "wall time not computing", "wall s / step", "vs blocking", "median round s",
-                "step during round s", "step otherwise s"):
+    for col in (
+        "sync_steps",
+        "rounds",
+        "wall time not computing",
+        "wall s / step",
+        "vs blocking",
+        "median round s",
+        "step during round s",
+        "step otherwise s",
+    ):
         table.add_column(col, justify="right")
     rows: dict[str, dict[str, float]] = {}
     for interval in args.intervals:
@@ -88,15 +110,30 @@ def main() -> None:
             got = measure(interval, overlap, args.steps, run_dir)
             rows[f"{interval}-{'overlap' if overlap else 'blocking'}"] = got
             base = rows[f"{interval}-blocking"]
-            table.add_row(f"{interval} {'overlap' if overlap else 'blocking'}", str(got["rounds_joined"]),
-                          f"{got['overhead_fraction']:.1%}", f"{got['wall_s_per_step']:.3f}",
-                          f"{got['wall_s_per_step'] / base['wall_s_per_step']:.2f}x", f"{got['round_seconds']:.2f}",
-                          f"{got['step_during_round_s']:.3f}", f"{got['step_between_s']:.3f}")
+            table.add_row(
+                f"{interval} {'overlap' if overlap else 'blocking'}",
+                str(got["rounds_joined"]),
+                f"{got['overhead_fraction']:.1%}",
+                f"{got['wall_s_per_step']:.3f}",
+                f"{got['wall_s_per_step'] / base['wall_s_per_step']:.2f}x",
+                f"{got['round_seconds']:.2f}",
+                f"{got['step_during_round_s']:.3f}",
+                f"{got['step_between_s']:.3f}",
+            )
     console = Console(width=140)
     console.print(table)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": "python benchmarks/sync_overhead.py " + " ".join(sys.argv[1:]),
-                                   "config": CONFIG, "steps": args.steps, "results": rows}, indent=1))
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "command": "python benchmarks/sync_overhead.py " + " ".join(sys.argv[1:]),
+                "config": CONFIG,
+                "steps": args.steps,
+                "results": rows,
+            },
+            indent=1,
+        )
+    )
     console.print(f"wrote {RESULTS}")
 
 

@@ -7,8 +7,8 @@
 Loopback hides the costs a real swarm pays: a joiner's catch-up download takes seconds while the
 others train on, rounds move megabytes over a few Mbit/s, and peers compute at different speeds.
 Each peer runs in its own network namespace behind a veth with ``tbf`` upload and download caps and,
-optionally, a cgroup CPU cap (``p2p_spes/netlab.py``). After the run the script reads every peer's
-``metrics.jsonl`` and ``summary.json`` (``p2p_spes/wan_report.py``) and reports, per peer and per
+optionally, a cgroup CPU cap (``benchmarks/lab/netlab.py``). After the run the script reads every peer's
+``metrics.jsonl`` and ``summary.json`` (``benchmarks/lab/wan_report.py``) and reports, per peer and per
 round: members, outcome, seconds, bytes, tokens contributed, schedule jumps; per peer: steps
 computed, skipped and jumped, tokens processed and averaged, the share of wall time spent computing,
 the final validation loss; and whether all peers ended bit-identical. Writes a self-describing JSON
@@ -31,13 +31,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks.lab.netlab import Lab, LinkSpec
+from benchmarks.lab.wan_report import SwarmReport, read_swarm
 from p2p_spes.config import load_config
 from p2p_spes.errors import SwarmError
 from p2p_spes.local_swarm import LocalSwarm
-from p2p_spes.netlab import Lab, LinkSpec
-from p2p_spes.wan_report import SwarmReport, read_swarm
 
 RESULTS = Path(__file__).parent / "results" / "wan.json"
 # every step logged (the compute share needs each step's time); no mid-run checkpoints to time
@@ -59,8 +57,9 @@ def links_from(args: argparse.Namespace) -> list[LinkSpec]:
     up = per_peer(args.up, mbit, args.peers, "up")
     down = per_peer(args.down, mbit, args.peers, "down")
     slow = set(range(args.peers - args.slow_peers, args.peers)) if args.slow_cpu else set()
-    return [LinkSpec(up_mbit=up[i], down_mbit=down[i], cpu=args.slow_cpu if i in slow else None)
-            for i in range(args.peers)]
+    return [
+        LinkSpec(up_mbit=up[i], down_mbit=down[i], cpu=args.slow_cpu if i in slow else None) for i in range(args.peers)
+    ]
 
 
 def overrides_from(args: argparse.Namespace) -> list[str]:
@@ -87,29 +86,77 @@ def _mb(n: int) -> str:
 
 def print_report(report: SwarmReport, links: list[LinkSpec], console: Console) -> None:
     rounds = Table(title="rounds, per peer")
-    for col in ("peer", "round", "step", "members", "outcome", "seconds", "sent MB", "recv MB", "download MB",
-                "tokens", "jump"):
+    for col in (
+        "peer",
+        "round",
+        "step",
+        "members",
+        "outcome",
+        "seconds",
+        "sent MB",
+        "recv MB",
+        "download MB",
+        "tokens",
+        "jump",
+    ):
         rounds.add_column(col, justify="left" if col == "outcome" else "right")
     for p in report.peers:
         for r in p.rounds:
-            rounds.add_row(str(p.peer), str(r.round), str(r.step), str(r.members), r.outcome, f"{r.seconds:.1f}",
-                           _mb(r.bytes_sent), _mb(r.bytes_received), _mb(r.downloaded_bytes),
-                           "-" if r.tokens_contributed is None else str(r.tokens_contributed),
-                           "-" if r.schedule_jump is None else str(r.schedule_jump))
+            rounds.add_row(
+                str(p.peer),
+                str(r.round),
+                str(r.step),
+                str(r.members),
+                r.outcome,
+                f"{r.seconds:.1f}",
+                _mb(r.bytes_sent),
+                _mb(r.bytes_received),
+                _mb(r.downloaded_bytes),
+                "-" if r.tokens_contributed is None else str(r.tokens_contributed),
+                "-" if r.schedule_jump is None else str(r.schedule_jump),
+            )
     console.print(rounds)
-    peers = Table(title=f"peers (identical weights at the end: {report.identical}"
-                        f"{'' if report.identical else ': ' + '; '.join(report.differences)})")
-    for col in ("peer", "up/down Mbit", "cpu", "steps", "computed", "from", "jumped", "skipped", "rounds avg/all",
-                "tokens", "averaged", "compute share", "val loss", "sent MB", "recv MB"):
+    peers = Table(
+        title=f"peers (identical weights at the end: {report.identical}"
+        f"{'' if report.identical else ': ' + '; '.join(report.differences)})"
+    )
+    for col in (
+        "peer",
+        "up/down Mbit",
+        "cpu",
+        "steps",
+        "computed",
+        "from",
+        "jumped",
+        "skipped",
+        "rounds avg/all",
+        "tokens",
+        "averaged",
+        "compute share",
+        "val loss",
+        "sent MB",
+        "recv MB",
+    ):
         peers.add_column(col, justify="right")
     for p, link in zip(report.peers, links):
         averaged = sum(r.outcome == "averaged" for r in p.rounds)
         peers.add_row(
-            str(p.peer), f"{link.up_mbit or '-'}/{link.down_mbit or '-'}", str(link.cpu or "-"), str(p.final_step),
-            str(p.steps_computed), str(p.start_step), str(p.steps_jumped), str(p.steps_skipped),
-            f"{averaged}/{len(p.rounds)}", str(p.tokens),
-            "-" if p.averaged_share is None else f"{p.averaged_share:.0%}", f"{p.compute_share:.0%}",
-            "-" if p.final_val_loss is None else f"{p.final_val_loss:.4f}", _mb(p.bytes_sent), _mb(p.bytes_received))
+            str(p.peer),
+            f"{link.up_mbit or '-'}/{link.down_mbit or '-'}",
+            str(link.cpu or "-"),
+            str(p.final_step),
+            str(p.steps_computed),
+            str(p.start_step),
+            str(p.steps_jumped),
+            str(p.steps_skipped),
+            f"{averaged}/{len(p.rounds)}",
+            str(p.tokens),
+            "-" if p.averaged_share is None else f"{p.averaged_share:.0%}",
+            f"{p.compute_share:.0%}",
+            "-" if p.final_val_loss is None else f"{p.final_val_loss:.4f}",
+            _mb(p.bytes_sent),
+            _mb(p.bytes_received),
+        )
     console.print(peers)
 
 
@@ -134,9 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--down", type=float, nargs="+", help="download caps, one for all or one per peer (0: none)")
     ap.add_argument("--slow-cpu", type=float, help="CPU cap of the slow peers, in cores (e.g. 0.33)")
     ap.add_argument("--slow-peers", type=int, default=1, help="how many peers (the last ones) get --slow-cpu")
-    ap.add_argument("--slow-from-start", action="store_true",
-                    help="cap the slow peers from their start (default: from their first training step, so "
-                         "they are slow at training, not at importing libraries)")
+    ap.add_argument(
+        "--slow-from-start",
+        action="store_true",
+        help="cap the slow peers from their start (default: from their first training step, so "
+        "they are slow at training, not at importing libraries)",
+    )
     ap.add_argument("--config", help="config file or name (default: the built-in tiny config)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--steps", type=int, default=200, help="train.max_steps")
@@ -162,14 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         error = None
         with Lab(links) as lab:
             network = lab.describe()
-            swarm = LocalSwarm(args.config, overrides, peers=args.peers, run_dir=run_dir, run_id="wan",
-                               place=lab.place)
+            swarm = LocalSwarm(args.config, overrides, peers=args.peers, run_dir=run_dir, run_id="wan", place=lab.place)
             if args.slow_cpu and not args.slow_from_start:
                 slow = [i for i, link in enumerate(links) if link.cpu is not None]
                 for i in slow:
                     lab.set_cpu(i, None)  # full speed while starting up; capped from its first step on
-                threading.Thread(target=cap_after_first_step, args=(lab, run_dir, slow, args.slow_cpu),
-                                 daemon=True).start()
+                threading.Thread(
+                    target=cap_after_first_step, args=(lab, run_dir, slow, args.slow_cpu), daemon=True
+                ).start()
             try:
                 swarm.run(timeout=args.timeout, stagger=args.stagger)
             except SwarmError as exc:  # report what the peers logged anyway
@@ -179,10 +229,18 @@ def main(argv: list[str] | None = None) -> int:
         print_report(report, links, console)
         out = {
             "what": "a swarm on capped links in network namespaces (benchmarks/wan.py)",
-            "command": sys.argv, "started": started, "seconds": round(time.time() - started, 1),
-            "code": code_version(), "num_peers": args.peers, "seed": args.seed, "stagger": args.stagger,
+            "command": sys.argv,
+            "started": started,
+            "seconds": round(time.time() - started, 1),
+            "code": code_version(),
+            "num_peers": args.peers,
+            "seed": args.seed,
+            "stagger": args.stagger,
             "overrides": overrides,
-            "config": dataclasses.asdict(config), "network": network, "error": error, **report.to_dict(),
+            "config": dataclasses.asdict(config),
+            "network": network,
+            "error": error,
+            **report.to_dict(),
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))

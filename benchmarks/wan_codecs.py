@@ -9,7 +9,7 @@ every run) once per codec and arm (``blocking``: the round holds training up; ``
 in which every peer was a member, mean seconds per round (rounds after the last joiner started),
 bytes sent + received per peer per round (the peer's groups, as client), the share of wall time each
 peer spent computing (mean and range over peers), and whether all peers ended bit-identical.
-Per-run JSON goes to ``benchmarks/results/wan-codecs/``, the table to ``benchmarks/results/wan-codecs.json``.
+Per-run JSON goes to ``benchmarks/results/wan_codecs/``, the table to ``benchmarks/results/wan_codecs/main.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from p2p_spes.wan_report import PeerReport, compare_final
+from benchmarks.lab.wan_report import PeerReport, compare_final
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -45,27 +45,42 @@ def summarize(run: dict) -> dict:
             began[r["round"]] = min(began.get(r["round"], r["time"] - r["seconds"]), r["time"] - r["seconds"])
     after = [[r for r in p["rounds"] if began[r["round"]] >= joined] for p in peers]
     rounds = sorted({r["round"] for rows in after for r in rows})
-    full = [k for k in rounds if all(any(r["round"] == k and r["members"] == n and r["outcome"] == "averaged"
-                                         for r in rows) for rows in after)]
+    full = [
+        k
+        for k in rounds
+        if all(
+            any(r["round"] == k and r["members"] == n and r["outcome"] == "averaged" for r in rows) for rows in after
+        )
+    ]
     rows = [r for rows in after for r in rows]
     shares = [p["compute_share"] for p in peers]
     return {
-        "rounds": len(rounds), "rounds_with_everyone": len(full),
+        "rounds": len(rounds),
+        "rounds_with_everyone": len(full),
         "seconds_per_round": statistics.fmean(r["seconds"] for r in rows) if rows else None,
         "seconds_min": min((r["seconds"] for r in rows), default=None),
         "seconds_max": max((r["seconds"] for r in rows), default=None),
-        "mb_per_peer_round": statistics.fmean((r["bytes_sent"] + r["bytes_received"] + r["downloaded_bytes"]) / 1e6
-                                              for r in rows) if rows else None,
-        "compute_share_mean": statistics.fmean(shares), "compute_share_min": min(shares),
-        "compute_share_max": max(shares), "steps_skipped": sum(p["steps_skipped"] for p in peers),
-        "identical": run["identical"], "wall_seconds": run["seconds"],
+        "mb_per_peer_round": statistics.fmean(
+            (r["bytes_sent"] + r["bytes_received"] + r["downloaded_bytes"]) / 1e6 for r in rows
+        )
+        if rows
+        else None,
+        "compute_share_mean": statistics.fmean(shares),
+        "compute_share_min": min(shares),
+        "compute_share_max": max(shares),
+        "steps_skipped": sum(p["steps_skipped"] for p in peers),
+        "identical": run["identical"],
+        "wall_seconds": run["seconds"],
         "final_val_loss": [p["final_val_loss"] for p in peers],
     }
 
 
 def reread(run: dict, codec: str, arm: str) -> dict:
     """A stored run with its peers compared again by the current ``compare_final``."""
-    peers = [PeerReport.from_dict(p, compression=codec.removesuffix("-dense"), overlap=arm == "overlap") for p in run["peers"]]
+    peers = [
+        PeerReport.from_dict(p, compression=codec.removesuffix("-dense"), overlap=arm == "overlap")
+        for p in run["peers"]
+    ]
     last, differences = compare_final(peers)
     return {**run, "last_common_round": last, "identical": not differences, "differences": differences}
 
@@ -78,9 +93,12 @@ def main() -> int:
     ap.add_argument("--mbit", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only-table", action="store_true",
-                    help="run nothing: tabulate the per-run JSON already in results/wan-codecs (read again with "
-                         "the current p2p_spes/wan_report.py)")
+    ap.add_argument(
+        "--only-table",
+        action="store_true",
+        help="run nothing: tabulate the per-run JSON already in results/wan-codecs (read again with "
+        "the current benchmarks/lab/wan_report.py)",
+    )
     args = ap.parse_args()
     out_dir = RESULTS / "wan-codecs"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -90,11 +108,25 @@ def main() -> int:
             out = out_dir / f"{codec}-{arm}.json"
             if args.only_table:
                 if out.exists():
-                    results.append({"codec": codec, "arm": arm, **summarize(reread(json.loads(out.read_text()), codec, arm))})
+                    results.append(
+                        {"codec": codec, "arm": arm, **summarize(reread(json.loads(out.read_text()), codec, arm))}
+                    )
                 continue
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--peers", str(args.peers), "--mbit",
-                   str(args.mbit), "--steps", str(args.steps), "--seed", str(args.seed),
-                   *(a for o in CODECS[codec] for a in ("--set", o)), "--out", str(out)]
+            cmd = [
+                sys.executable,
+                str(ROOT / "benchmarks" / "wan.py"),
+                "--peers",
+                str(args.peers),
+                "--mbit",
+                str(args.mbit),
+                "--steps",
+                str(args.steps),
+                "--seed",
+                str(args.seed),
+                *(a for o in CODECS[codec] for a in ("--set", o)),
+                "--out",
+                str(out),
+            ]
             if arm == "overlap":
                 cmd.append("--overlap")
             print(f"== {codec} / {arm}: {' '.join(cmd[1:])}", flush=True)
@@ -105,13 +137,27 @@ def main() -> int:
                 results.append({"codec": codec, "arm": arm, "error": proc.stderr[-1500:]})
                 continue
             row = {"codec": codec, "arm": arm, **summarize(json.loads(out.read_text()))}
-            print(f"   done in {time.monotonic() - t0:.0f} s: {row['seconds_per_round']:.1f} s/round, "
-                  f"{100 * row['compute_share_mean']:.0f}% computing", flush=True)
+            print(
+                f"   done in {time.monotonic() - t0:.0f} s: {row['seconds_per_round']:.1f} s/round, "
+                f"{100 * row['compute_share_mean']:.0f}% computing",
+                flush=True,
+            )
             results.append(row)
-    table = Table(title=f"{args.peers} peers at {args.mbit:g} Mbit/s up and down each, tiny config, {args.steps} steps, "
-                        f"seed {args.seed}")
-    for col in ("codec", "rounds", "rounds with every peer", "s per round (min-max)", "round time vs none, same arm", "MB per peer per round",
-                "wall time computing (mean, min-max)", "steps skipped", "identical"):
+    table = Table(
+        title=f"{args.peers} peers at {args.mbit:g} Mbit/s up and down each, tiny config, {args.steps} steps, "
+        f"seed {args.seed}"
+    )
+    for col in (
+        "codec",
+        "rounds",
+        "rounds with every peer",
+        "s per round (min-max)",
+        "round time vs none, same arm",
+        "MB per peer per round",
+        "wall time computing (mean, min-max)",
+        "steps skipped",
+        "identical",
+    ):
         table.add_column(col, justify="left" if col == "codec" else "right")
     baseline = {r["arm"]: r["seconds_per_round"] for r in results if r["codec"] == "none" and "error" not in r}
     for r in results:
@@ -121,14 +167,32 @@ def main() -> int:
         base = baseline.get(r["arm"])
         r["seconds_per_round_times_less_than_none"] = base / r["seconds_per_round"] if base else None
         versus = f"{base / r['seconds_per_round']:.1f}x shorter" if base else "-"
-        table.add_row(f"{r['codec']} / {r['arm']}", str(r["rounds"]), str(r["rounds_with_everyone"]),
-                      f"{r['seconds_per_round']:.1f} ({r['seconds_min']:.1f}-{r['seconds_max']:.1f})", versus, f"{r['mb_per_peer_round']:.1f}",
-                      f"{100 * r['compute_share_mean']:.0f}% ({100 * r['compute_share_min']:.0f}-"
-                      f"{100 * r['compute_share_max']:.0f}%)", str(r["steps_skipped"]), str(r["identical"]))
+        table.add_row(
+            f"{r['codec']} / {r['arm']}",
+            str(r["rounds"]),
+            str(r["rounds_with_everyone"]),
+            f"{r['seconds_per_round']:.1f} ({r['seconds_min']:.1f}-{r['seconds_max']:.1f})",
+            versus,
+            f"{r['mb_per_peer_round']:.1f}",
+            f"{100 * r['compute_share_mean']:.0f}% ({100 * r['compute_share_min']:.0f}-"
+            f"{100 * r['compute_share_max']:.0f}%)",
+            str(r["steps_skipped"]),
+            str(r["identical"]),
+        )
     Console(width=160).print(table)
-    (RESULTS / "wan-codecs.json").write_text(json.dumps({
-        "command": ["benchmarks/wan_codecs.py", *sys.argv[1:]], "peers": args.peers, "mbit": args.mbit,
-        "steps": args.steps, "seed": args.seed, "results": results}, indent=1))
+    (RESULTS / "wan-codecs.json").write_text(
+        json.dumps(
+            {
+                "command": ["benchmarks/wan_codecs.py", *sys.argv[1:]],
+                "peers": args.peers,
+                "mbit": args.mbit,
+                "steps": args.steps,
+                "seed": args.seed,
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     return 0 if all("error" not in r for r in results) else 1
 
 

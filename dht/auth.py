@@ -75,8 +75,10 @@ def load_auth(secret_file: str | None, allowed_peers: Iterable[str]) -> RunAuth:
     if secret_file:
         path = Path(secret_file)
         if not path.is_file():
-            raise ConfigError(f"swarm.secret_file {secret_file}: no such file; create one with e.g. "
-                              "`openssl rand -hex 32 > run.secret` and give the same file to every peer")
+            raise ConfigError(
+                f"swarm.secret_file {secret_file}: no such file; create one with e.g. "
+                "`openssl rand -hex 32 > run.secret` and give the same file to every peer"
+            )
         secret = path.read_bytes().strip()
     elif os.environ.get(SECRET_ENV):
         secret = os.environ[SECRET_ENV].encode().strip()
@@ -102,7 +104,7 @@ class RunAuthValidator(RecordValidatorBase):
             found = _TAG.search(record.value)
             if found is None:
                 return False
-            return hmac.compare_digest(found.group(1), self._mac(record, record.value[:found.start()]))
+            return hmac.compare_digest(found.group(1), self._mac(record, record.value[: found.start()]))
         return True
 
     def sign_value(self, record: DHTRecord) -> bytes:
@@ -112,7 +114,7 @@ class RunAuthValidator(RecordValidatorBase):
 
     def strip_value(self, record: DHTRecord) -> bytes:
         found = _TAG.search(record.value) if self.auth.secret is not None else None
-        return record.value[:found.start()] if found else record.value
+        return record.value[: found.start()] if found else record.value
 
     @property
     def priority(self) -> int:

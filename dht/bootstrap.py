@@ -58,10 +58,14 @@ class Bootstrap:
         Path(o.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
         try:
             self.dht, self.identity = start_dht(
-                str(Path(o.identity_path).expanduser()), [o.run_id] if o.run_id else [],
-                initial_peers=list(o.initial_peers) or None, host_maddrs=list(o.host_maddrs),
-                announce_maddrs=list(o.announce_maddrs) or None, use_relay=o.use_relay,
-                use_auto_relay=o.use_auto_relay, startup_timeout=o.startup_timeout,
+                str(Path(o.identity_path).expanduser()),
+                [o.run_id] if o.run_id else [],
+                initial_peers=list(o.initial_peers) or None,
+                host_maddrs=list(o.host_maddrs),
+                announce_maddrs=list(o.announce_maddrs) or None,
+                use_relay=o.use_relay,
+                use_auto_relay=o.use_auto_relay,
+                startup_timeout=o.startup_timeout,
             )
         except SwarmError:
             raise
@@ -84,8 +88,12 @@ class Bootstrap:
         """(Re)store the run's config under our signed subkey; True if the DHT accepted it."""
         if self.published is None:
             return False
-        ok = self.dht.store(run_config_key(self.options.run_id), self.published,
-                            expiration_time=get_dht_time() + self.options.record_ttl, subkey=self.identity.owner)
+        ok = self.dht.store(
+            run_config_key(self.options.run_id),
+            self.published,
+            expiration_time=get_dht_time() + self.options.record_ttl,
+            subkey=self.identity.owner,
+        )
         if not ok:
             log.warning("the DHT did not accept the run config record (will retry)")
         return bool(ok)

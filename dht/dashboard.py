@@ -32,8 +32,11 @@ from dht.inspector import collect, open_dht
 
 log = logging.getLogger(__name__)
 
-STATIC = {"/": ("dashboard.html", "text/html"), "/dashboard.js": ("dashboard.js", "text/javascript"),
-          "/dashboard.css": ("dashboard.css", "text/css")}
+STATIC = {
+    "/": ("dashboard.html", "text/html"),
+    "/dashboard.js": ("dashboard.js", "text/javascript"),
+    "/dashboard.css": ("dashboard.css", "text/css"),
+}
 HISTORY = 2000  # points kept per peer
 ROUNDS = 500  # rounds kept
 
@@ -52,17 +55,29 @@ class WatchState:
 
     def to_json(self, run_id: str) -> dict[str, Any]:
         return {
-            "run_id": run_id, "status": self.status, "message": self.message, "updated": self.updated,
-            "snapshot": self.snapshot, "history": {p: list(h) for p, h in self.history.items()},
-            "rounds": [self.rounds[r] for r in sorted(self.rounds)], "throughput": list(self.throughput),
+            "run_id": run_id,
+            "status": self.status,
+            "message": self.message,
+            "updated": self.updated,
+            "snapshot": self.snapshot,
+            "history": {p: list(h) for p, h in self.history.items()},
+            "rounds": [self.rounds[r] for r in sorted(self.rounds)],
+            "throughput": list(self.throughput),
         }
 
 
 class RunWatch(threading.Thread):
     """Reads the run every ``interval`` seconds into a :class:`WatchState` (see the module docstring)."""
 
-    def __init__(self, initial_peers: list[str], run_id: str, auth: RunAuth | None = None, interval: float = 5.0,
-                 startup_timeout: float = 15.0, label: str | None = None) -> None:
+    def __init__(
+        self,
+        initial_peers: list[str],
+        run_id: str,
+        auth: RunAuth | None = None,
+        interval: float = 5.0,
+        startup_timeout: float = 15.0,
+        label: str | None = None,
+    ) -> None:
         super().__init__(daemon=True, name="dashboard-watch")
         self.initial_peers, self.run_id, self.auth = list(initial_peers), run_id, auth
         self.label = label or run_id  # the run id as the user gave it (a private run's keyspace is hashed)
@@ -94,9 +109,12 @@ class RunWatch(threading.Thread):
             try:
                 self.dht = open_dht(self.initial_peers, self.run_id, self.startup_timeout, auth=self.auth)
             except Exception as exc:  # any failure to join (bad address, nobody there) is shown, then retried
-                self._set("unreachable", f"could not reach the run through {' '.join(self.initial_peers)}: "
-                                         f"{str(exc).strip() or type(exc).__name__}. Check the address (a live peer's or "
-                                         f"the bootstrap's multiaddr); retrying every {self.interval:.0f} s.")
+                self._set(
+                    "unreachable",
+                    f"could not reach the run through {' '.join(self.initial_peers)}: "
+                    f"{str(exc).strip() or type(exc).__name__}. Check the address (a live peer's or "
+                    f"the bootstrap's multiaddr); retrying every {self.interval:.0f} s.",
+                )
                 return
         try:
             snapshot = collect(self.dht, self.run_id)
@@ -120,17 +138,25 @@ class RunWatch(threading.Thread):
                 s.status, s.message = "live", ""
             else:
                 s.status = "empty"
-                s.message = (f"the DHT answers, but no live peer publishes under run id {self.label!r}: check --run-id "
-                             "(the run's swarm.run_id) and, for a private run, --secret-file; or the run has not "
-                             "started yet, or has ended.")
+                s.message = (
+                    f"the DHT answers, but no live peer publishes under run id {self.label!r}: check --run-id "
+                    "(the run's swarm.run_id) and, for a private run, --secret-file; or the run has not "
+                    "started yet, or has ended."
+                )
             for p in snapshot["peers"]:
                 points = s.history.setdefault(p["peer_id"], deque(maxlen=HISTORY))
-                point = {"t": now, "step": p["step"], "tokens": p["tokens"], "loss": p["loss"],
-                         "tokens_per_s": p["tokens_per_s"]}
+                point = {
+                    "t": now,
+                    "step": p["step"],
+                    "tokens": p["tokens"],
+                    "loss": p["loss"],
+                    "tokens_per_s": p["tokens_per_s"],
+                }
                 if not points or points[-1]["step"] != p["step"]:
                     points.append(point)
-            s.throughput.append({"t": now, "peers": len(snapshot["peers"]),
-                                 "tokens_per_s": snapshot["run"]["tokens_per_s"]})
+            s.throughput.append(
+                {"t": now, "peers": len(snapshot["peers"]), "tokens_per_s": snapshot["run"]["tokens_per_s"]}
+            )
             for r in snapshot["rounds"]:
                 s.rounds[r["round"]] = r  # the newest view of a round: more peers may have reported it
             for old in sorted(s.rounds)[:-ROUNDS]:
@@ -184,14 +210,18 @@ class DashboardServer(ThreadingHTTPServer):
 
     def run(self, title: str) -> None:
         """Watch the run and serve until Ctrl-C or SIGTERM, then stop both (the watcher's DHT process too)."""
+
         def interrupt(signum, frame):
             raise KeyboardInterrupt
+
         signal.signal(signal.SIGTERM, interrupt)
         self.watch.start()
         print(f"{title}: {self.url} (JSON at {self.url}api/state); Ctrl-C stops it", flush=True)
         if self.server_address[0] not in ("127.0.0.1", "::1"):
-            print(f"serving on {self.server_address[0]}: anyone who can reach this machine can read the run's status",
-                  flush=True)
+            print(
+                f"serving on {self.server_address[0]}: anyone who can reach this machine can read the run's status",
+                flush=True,
+            )
         try:
             self.serve_forever()
         except KeyboardInterrupt:

@@ -28,8 +28,9 @@ from dht.run_config import read_records
 
 def open_dht(initial_peers: list[str], run_id: str, startup_timeout: float = 15.0, auth: RunAuth | None = None) -> DHT:
     """A client-only DHT with the run's validators: it stores nothing and serves nothing."""
-    dht, _ = start_dht(None, [run_id], auth=auth, initial_peers=initial_peers, client_mode=True,
-                       startup_timeout=startup_timeout)
+    dht, _ = start_dht(
+        None, [run_id], auth=auth, initial_peers=initial_peers, client_mode=True, startup_timeout=startup_timeout
+    )
     return dht
 
 
@@ -41,10 +42,21 @@ def _rounds(raw: dict[str, dict[str, Any]], peer_ids: set[str]) -> list[dict[str
         for r in recent if isinstance(recent, list) else []:
             if not isinstance(r, dict) or not isinstance(r.get("round"), int):
                 continue
-            row = merged.setdefault(r["round"], {
-                "round": r["round"], "step": r.get("step"), "participants": 0, "reported_by": [], "ok": 0,
-                "alone": 0, "seconds": 0.0, "bytes_sent": 0, "bytes_received": 0, "failed_groups": 0,
-            })
+            row = merged.setdefault(
+                r["round"],
+                {
+                    "round": r["round"],
+                    "step": r.get("step"),
+                    "participants": 0,
+                    "reported_by": [],
+                    "ok": 0,
+                    "alone": 0,
+                    "seconds": 0.0,
+                    "bytes_sent": 0,
+                    "bytes_received": 0,
+                    "failed_groups": 0,
+                },
+            )
             row["reported_by"].append(peer_id)
             row["participants"] = max(row["participants"], int(r.get("members") or 0))
             row["ok"] += bool(r.get("ok"))  # averaged with other peers
@@ -65,16 +77,29 @@ def collect(dht: DHT, run_id: str) -> dict[str, Any]:
         if record is None or value.get("left"):
             continue
         extra = record.extra
-        peers.append({
-            "peer_id": peer_id, "maddrs": record.maddrs, "experts": record.experts, "step": record.step,
-            "round": record.round, "loss": extra.get("loss"), "tokens": extra.get("tokens", 0),
-            "tokens_per_s": extra.get("tokens_per_s", 0.0), "bytes_sent": extra.get("bytes_sent", 0),
-            "bytes_received": extra.get("bytes_received", 0), "rounds_joined": extra.get("rounds_joined", 0),
-            "rounds_failed": extra.get("rounds_failed", 0), "sync_seconds": extra.get("sync_seconds"),
-            "last_seen_s": round(now - extra["time"], 1) if isinstance(extra.get("time"), float) else None,
-            "version": extra.get("version"), "device": extra.get("device"), "fingerprint": record.fingerprint,
-            "residency": extra.get("residency", "full"), "experts_taken_over": extra.get("experts_taken_over", 0),
-        })
+        peers.append(
+            {
+                "peer_id": peer_id,
+                "maddrs": record.maddrs,
+                "experts": record.experts,
+                "step": record.step,
+                "round": record.round,
+                "loss": extra.get("loss"),
+                "tokens": extra.get("tokens", 0),
+                "tokens_per_s": extra.get("tokens_per_s", 0.0),
+                "bytes_sent": extra.get("bytes_sent", 0),
+                "bytes_received": extra.get("bytes_received", 0),
+                "rounds_joined": extra.get("rounds_joined", 0),
+                "rounds_failed": extra.get("rounds_failed", 0),
+                "sync_seconds": extra.get("sync_seconds"),
+                "last_seen_s": round(now - extra["time"], 1) if isinstance(extra.get("time"), float) else None,
+                "version": extra.get("version"),
+                "device": extra.get("device"),
+                "fingerprint": record.fingerprint,
+                "residency": extra.get("residency", "full"),
+                "experts_taken_over": extra.get("experts_taken_over", 0),
+            }
+        )
     num_experts = max((r.get("num_experts", 0) for r in raw.values() if isinstance(r, dict)), default=0)
     replicas = max((r.get("replicas", 1) for r in raw.values() if isinstance(r, dict)), default=1)
     holders: dict[int, list[str]] = {e: [] for e in range(num_experts)}
@@ -82,8 +107,12 @@ def collect(dht: DHT, run_id: str) -> dict[str, Any]:
         for e in p["experts"]:
             holders.setdefault(e, []).append(p["peer_id"])
     coverage = [
-        {"expert": e, "holders": len(h), "peers": h,
-         "status": "missing" if not h else ("low" if len(h) < replicas else "ok")}
+        {
+            "expert": e,
+            "holders": len(h),
+            "peers": h,
+            "status": "missing" if not h else ("low" if len(h) < replicas else "ok"),
+        }
         for e, h in sorted(holders.items())
     ]
     fingerprints = sorted({p["fingerprint"] for p in peers})
@@ -92,11 +121,17 @@ def collect(dht: DHT, run_id: str) -> dict[str, Any]:
         if isinstance(value.get("hash"), str):
             configs.setdefault(value["hash"], []).append(publisher)
     return {
-        "run_id": run_id, "time": now, "peers": peers, "coverage": coverage, "replicas": replicas,
+        "run_id": run_id,
+        "time": now,
+        "peers": peers,
+        "coverage": coverage,
+        "replicas": replicas,
         "rounds": _rounds(raw, {p["peer_id"] for p in peers}),
         "run": {
             "config_hashes": [{"hash": h, "publishers": sorted(ps)} for h, ps in sorted(configs.items())],
-            "fingerprints": fingerprints, "peers": len(peers), "total_tokens": sum(p["tokens"] or 0 for p in peers),
+            "fingerprints": fingerprints,
+            "peers": len(peers),
+            "total_tokens": sum(p["tokens"] or 0 for p in peers),
             "tokens_per_s": round(sum(p["tokens_per_s"] or 0 for p in peers), 1),
             "bytes_sent": sum(p["bytes_sent"] or 0 for p in peers),
             "bytes_received": sum(p["bytes_received"] or 0 for p in peers),
@@ -123,17 +158,37 @@ def render(snapshot: dict[str, Any], console: Console) -> None:
         f"config {hashes}, {run['total_tokens']:,} tokens, {run['tokens_per_s']:,} tokens/s"
     )
     peers = Table(title="peers")
-    columns = ("peer", "address", "experts", "step", "round", "loss", "tokens/s", "sent MB", "recv MB", "last seen s",
-               "version", "device")
+    columns = (
+        "peer",
+        "address",
+        "experts",
+        "step",
+        "round",
+        "loss",
+        "tokens/s",
+        "sent MB",
+        "recv MB",
+        "last seen s",
+        "version",
+        "device",
+    )
     for col in columns:
         left = col in ("peer", "address", "experts", "version", "device")
         peers.add_column(col, justify="left" if left else "right")
     for p in snapshot["peers"]:
         peers.add_row(
-            p["peer_id"][-10:], _address(p["maddrs"]), _experts(p), str(p["step"]), str(p["round"]),
-            "-" if p["loss"] is None else f"{p['loss']:.3f}", f"{p['tokens_per_s'] or 0:.0f}",
-            f"{(p['bytes_sent'] or 0) / 1e6:.1f}", f"{(p['bytes_received'] or 0) / 1e6:.1f}",
-            str(p["last_seen_s"]), str(p["version"]), str(p["device"]),
+            p["peer_id"][-10:],
+            _address(p["maddrs"]),
+            _experts(p),
+            str(p["step"]),
+            str(p["round"]),
+            "-" if p["loss"] is None else f"{p['loss']:.3f}",
+            f"{p['tokens_per_s'] or 0:.0f}",
+            f"{(p['bytes_sent'] or 0) / 1e6:.1f}",
+            f"{(p['bytes_received'] or 0) / 1e6:.1f}",
+            str(p["last_seen_s"]),
+            str(p["version"]),
+            str(p["device"]),
         )
     console.print(peers)
     coverage = Table(title=f"expert coverage (target {snapshot['replicas']} holder(s) each)")
@@ -142,20 +197,34 @@ def render(snapshot: dict[str, Any], console: Console) -> None:
     for c in snapshot["coverage"]:
         style = {"missing": "red", "low": "yellow"}.get(c["status"])
         status = {"missing": "MISSING", "low": "LOW"}.get(c["status"], c["status"])
-        coverage.add_row(str(c["expert"]), str(c["holders"]), status, ", ".join(p[-10:] for p in c["peers"]),
-                         style=style)
+        coverage.add_row(
+            str(c["expert"]), str(c["holders"]), status, ", ".join(p[-10:] for p in c["peers"]), style=style
+        )
     console.print(coverage)
     if snapshot["rounds"]:
         rounds = Table(title="sync rounds (latest first)")
-        for col in ("round", "step", "participants", "averaged / alone / reported", "seconds", "sent MB", "recv MB",
-                    "failed groups"):
+        for col in (
+            "round",
+            "step",
+            "participants",
+            "averaged / alone / reported",
+            "seconds",
+            "sent MB",
+            "recv MB",
+            "failed groups",
+        ):
             rounds.add_column(col, justify="right")
         for r in snapshot["rounds"]:
             rounds.add_row(
-                str(r["round"]), str(r["step"]), str(r["participants"]),
+                str(r["round"]),
+                str(r["step"]),
+                str(r["participants"]),
                 f"{r['ok']} / {r['alone']} / {len(r['reported_by'])}",
-                f"{r['seconds']:.2f}", f"{r['bytes_sent'] / 1e6:.1f}", f"{r['bytes_received'] / 1e6:.1f}",
-                str(r["failed_groups"]), style="yellow" if r["failed_groups"] or r["alone"] else None,
+                f"{r['seconds']:.2f}",
+                f"{r['bytes_sent'] / 1e6:.1f}",
+                f"{r['bytes_received'] / 1e6:.1f}",
+                str(r["failed_groups"]),
+                style="yellow" if r["failed_groups"] or r["alone"] else None,
             )
         console.print(rounds)
 
@@ -170,8 +239,9 @@ def _address(maddrs: list[str]) -> str:
     return maddrs[0].split("/p2p/")[0]
 
 
-def watch(dht: DHT, run_id: str, interval: float, console: Console, as_json: bool,
-          iterations: int | None = None) -> None:
+def watch(
+    dht: DHT, run_id: str, interval: float, console: Console, as_json: bool, iterations: int | None = None
+) -> None:
     """Print a snapshot every ``interval`` seconds (``iterations`` bounds it; Ctrl-C stops it)."""
     count = 0
     while iterations is None or count < iterations:

@@ -44,8 +44,9 @@ def check_listen_ports(maddrs: Iterable[str]) -> None:
                     ) from None
 
 
-def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), auth: RunAuth | None = None,
-              **dht_kwargs: Any) -> tuple[hivemind.DHT, Identity]:
+def start_dht(
+    identity_path: str | None = None, run_ids: Sequence[str] = (), auth: RunAuth | None = None, **dht_kwargs: Any
+) -> tuple[hivemind.DHT, Identity]:
     """A hivemind DHT whose peer id is ``identity_path``'s key and which signs and checks records.
 
     Returns ``(dht, identity)``; ``dht_kwargs`` go to ``hivemind.DHT`` (initial_peers, host_maddrs,
@@ -55,8 +56,11 @@ def start_dht(identity_path: str | None = None, run_ids: Sequence[str] = (), aut
     identity = load_identity(identity_path)
     try:
         dht = hivemind.DHT(
-            start=True, identity_path=identity.path, record_validators=run_validators(identity, run_ids, auth),
-            check_if_identity_free=not identity.created, **dht_kwargs,
+            start=True,
+            identity_path=identity.path,
+            record_validators=run_validators(identity, run_ids, auth),
+            check_if_identity_free=not identity.created,
+            **dht_kwargs,
         )
     finally:
         identity.discard()
@@ -99,12 +103,13 @@ class Redial:
         targets = [PeerID.from_base58(p) for p in self.peer_ids]
         if before and not self.force:
             known = set(table.uid_to_peer_id.values())
-            targets = [p for p in targets if p not in known][:self.probe]
+            targets = [p for p in targets if p not in known][: self.probe]
         if not targets:
             return before, before
         try:
-            await asyncio.wait_for(asyncio.gather(*(node.protocol.call_ping(p) for p in targets),
-                                                  return_exceptions=True), self.timeout)
+            await asyncio.wait_for(
+                asyncio.gather(*(node.protocol.call_ping(p) for p in targets), return_exceptions=True), self.timeout
+            )
             if len(table.uid_to_peer_id) > before or self.force:
                 await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), self.timeout)
         except asyncio.TimeoutError:

@@ -122,8 +122,12 @@ class PeerRecord:
 
     def to_value(self) -> dict[str, Any]:
         return {
-            "peer_id": self.peer_id, "experts": self.experts, "step": self.step, "round": self.round,
-            "fingerprint": self.fingerprint, "maddrs": self.maddrs,
+            "peer_id": self.peer_id,
+            "experts": self.experts,
+            "step": self.step,
+            "round": self.round,
+            "fingerprint": self.fingerprint,
+            "maddrs": self.maddrs,
             **{k: finite_or_none(v) for k, v in self.extra.items()},
         }
 
@@ -138,8 +142,15 @@ class PeerRecord:
         if not all(isinstance(e, int) for e in value["experts"]):
             return None
         extra = {k: v for k, v in value.items() if k not in PEER_FIELDS and k != "peer_id"}
-        return cls(peer_id, list(value["experts"]), value["step"], value["round"], value["fingerprint"],
-                   [str(m) for m in value["maddrs"]], extra)
+        return cls(
+            peer_id,
+            list(value["experts"]),
+            value["step"],
+            value["round"],
+            value["fingerprint"],
+            [str(m) for m in value["maddrs"]],
+            extra,
+        )
 
 
 @dataclass
@@ -161,7 +172,9 @@ class VersionRecord:
     def to_value(self) -> dict[str, Any]:
         """The value to store (the wire format: expert indices as strings)."""
         value = {
-            "peer_id": self.peer_id, "ok": self.ok, "shared": self.shared,
+            "peer_id": self.peer_id,
+            "ok": self.ok,
+            "shared": self.shared,
             "experts": {str(e): d for e, d in self.experts.items()},
             "copies": {str(e): d for e, d in self.copies.items()},
         }
@@ -180,8 +193,15 @@ class VersionRecord:
             parsed = VersionValue.parse_obj({**value, "peer_id": peer_id})
         except pydantic.ValidationError:
             return None
-        return cls(peer_id, parsed.ok, parsed.shared, {int(e): d for e, d in parsed.experts.items()},
-                   {int(e): d for e, d in parsed.copies.items()}, parsed.n, frozenset(int(e) for e in parsed.failed))
+        return cls(
+            peer_id,
+            parsed.ok,
+            parsed.shared,
+            {int(e): d for e, d in parsed.experts.items()},
+            {int(e): d for e, d in parsed.copies.items()},
+            parsed.n,
+            frozenset(int(e) for e in parsed.failed),
+        )
 
 
 def signed_values(result: Any) -> dict[str, dict[str, Any]]:

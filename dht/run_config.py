@@ -56,8 +56,12 @@ def config_hash(published: dict[str, Any]) -> str:
 def run_config_record(cfg: Config, since: float | None = None) -> dict[str, Any]:
     """The value a publisher stores under ``run_config_key`` (its peer id is added by the writer)."""
     published = published_config(cfg)
-    return {"config": published, "hash": config_hash(published), "fingerprint": cfg.model_fingerprint(),
-            "time": float(since if since is not None else get_dht_time())}
+    return {
+        "config": published,
+        "hash": config_hash(published),
+        "fingerprint": cfg.model_fingerprint(),
+        "time": float(since if since is not None else get_dht_time()),
+    }
 
 
 def config_from_published(published: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
@@ -107,9 +111,15 @@ def read_records(dht: DHT, run_id: str) -> dict[str, dict[str, Any]]:
     return signed_values(dht.get(run_config_key(run_id), latest=True))
 
 
-def fetch_run_config(initial_peers: Iterable[str], run_id: str, *, expected_hash: str | None = None,
-                     timeout: float = 30.0, bootstrap_timeout: float = 15.0, auth: RunAuth | None = None
-                     ) -> dict[str, Any]:
+def fetch_run_config(
+    initial_peers: Iterable[str],
+    run_id: str,
+    *,
+    expected_hash: str | None = None,
+    timeout: float = 30.0,
+    bootstrap_timeout: float = 15.0,
+    auth: RunAuth | None = None,
+) -> dict[str, Any]:
     """Join the DHT as a client, wait (bounded) for the run's published config, check it and return it.
 
     Returns the chosen record: ``config`` (published dict), ``hash``, ``fingerprint``, ``publishers``.
@@ -119,8 +129,9 @@ def fetch_run_config(initial_peers: Iterable[str], run_id: str, *, expected_hash
         raise SwarmError("fetching the run's config needs --initial-peers MADDR of a live peer or bootstrap")
     try:
         run_id = auth.keyspace(run_id) if auth is not None else run_id
-        dht, _ = start_dht(None, [run_id], auth=auth, initial_peers=initial_peers, client_mode=True,
-                           startup_timeout=bootstrap_timeout)
+        dht, _ = start_dht(
+            None, [run_id], auth=auth, initial_peers=initial_peers, client_mode=True, startup_timeout=bootstrap_timeout
+        )
     except SwarmError:
         raise
     except Exception as exc:

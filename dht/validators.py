@@ -21,8 +21,9 @@ from dht.identity import Identity
 from dht.records import RunSchema
 
 
-def run_validators(identity: Identity | None, run_ids: Iterable[str] = (), auth: RunAuth | None = None
-                   ) -> list[RecordValidatorBase]:
+def run_validators(
+    identity: Identity | None, run_ids: Iterable[str] = (), auth: RunAuth | None = None
+) -> list[RecordValidatorBase]:
     """Signature check for every DHT of a run, plus the record schemas of ``run_ids`` and, for a
     private run, its ``auth`` check (``dht/auth.py``).
 

@@ -33,16 +33,23 @@ from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader
 
 
-def assemble_from_swarm(initial_peers: Sequence[str], run_id: str,
-                        timeout: float = 30.0) -> tuple[Config, MoETransformer, dict[str, Any]]:
+def assemble_from_swarm(
+    initial_peers: Sequence[str], run_id: str, timeout: float = 30.0
+) -> tuple[Config, MoETransformer, dict[str, Any]]:
     """Download the run's current full model; returns (config, model, report).
 
     ``report`` names, per expert, the peer it came from and whether it was a holder or a frozen copy.
     """
     record = fetch_run_config(initial_peers, run_id, timeout=timeout)
-    cfg = config_from_published(record["config"], [
-        f"swarm.run_id={json.dumps(run_id)}", f"swarm.initial_peers={json.dumps(list(initial_peers))}",
-        "swarm.client_mode=true", 'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]'])
+    cfg = config_from_published(
+        record["config"],
+        [
+            f"swarm.run_id={json.dumps(run_id)}",
+            f"swarm.initial_peers={json.dumps(list(initial_peers))}",
+            "swarm.client_mode=true",
+            'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+        ],
+    )
     sw = cfg.swarm
     # a client of the run: its DHT view and downloads, no record, no RPC served, no group joined
     runtime = Runtime(sw, load_auth(sw.secret_file, sw.allowed_peers))
@@ -93,14 +100,23 @@ def assemble_from_swarm(initial_peers: Sequence[str], run_id: str,
         runtime.shutdown()
 
 
-def export_from_swarm(initial_peers: Sequence[str], run_id: str, out_dir: str | Path,
-                      tokenizer: str | Path | None = None, timeout: float = 30.0) -> tuple[Path, dict[str, Any]]:
+def export_from_swarm(
+    initial_peers: Sequence[str],
+    run_id: str,
+    out_dir: str | Path,
+    tokenizer: str | Path | None = None,
+    timeout: float = 30.0,
+) -> tuple[Path, dict[str, Any]]:
     """Assemble the run's full model from its peers and write it as a Hugging Face OLMoE directory."""
     cfg, model, report = assemble_from_swarm(initial_peers, run_id, timeout=timeout)
     tmp = Path(tempfile.mkdtemp(prefix="p2p-spes-assembled-"))
     try:
-        state = {"model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(), "local_experts": [],
-                 "assembled_from_swarm": report}
+        state = {
+            "model_fingerprint": cfg.model_fingerprint(),
+            "config": cfg.to_dict(),
+            "local_experts": [],
+            "assembled_from_swarm": report,
+        }
         path = save_checkpoint(tmp, max(int(report["step"]), 0), model, None, state, keep=1)
         return export_hf(path, out_dir, tokenizer=tokenizer), report
     finally:

@@ -32,9 +32,11 @@ class BatchPlan:
 
     def describe(self) -> str:
         gb = 1e9
-        return (f"batch {self.batch_size} x {self.grad_accum} accumulation step(s) on {self.device}: "
-                f"{self.free_bytes / gb:.1f} GB free, model and optimizer {self.static_bytes / gb:.2f} GB, "
-                f"{self.bytes_per_sample / gb:.3f} GB per sequence")
+        return (
+            f"batch {self.batch_size} x {self.grad_accum} accumulation step(s) on {self.device}: "
+            f"{self.free_bytes / gb:.1f} GB free, model and optimizer {self.static_bytes / gb:.2f} GB, "
+            f"{self.bytes_per_sample / gb:.3f} GB per sequence"
+        )
 
 
 def resolve_device(device: str) -> str:

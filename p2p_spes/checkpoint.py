@@ -68,7 +68,9 @@ def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return out
 
 
-def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+def load_optimizer_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
     """The saved state into ``optimizer``; refused whole when a parameter is unknown or its state is
     another optimizer's (AdamW's moments where Muon keeps a momentum, say)."""
     params = dict(model.named_parameters())
@@ -111,13 +113,23 @@ def save_checkpoint(
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)  # a partial write must not hold the space the next one needs
         reason = getattr(exc, "strerror", None) or str(exc)
-        raise CheckpointError(f"could not write checkpoint {final} ({reason}); the previous checkpoint "
-                              "in that directory is untouched and usable. Free space there (or move train.run_dir) "
-                              "so the next one can be written") from exc
+        raise CheckpointError(
+            f"could not write checkpoint {final} ({reason}); the previous checkpoint "
+            "in that directory is untouched and usable. Free space there (or move train.run_dir) "
+            "so the next one can be written"
+        ) from exc
 
 
-def _write_checkpoint(root: Path, final: Path, tmp: Path, step: int, model: nn.Module,
-                      optimizer: torch.optim.Optimizer | None, trainer_state: dict[str, Any], keep: int) -> Path:
+def _write_checkpoint(
+    root: Path,
+    final: Path,
+    tmp: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    keep: int,
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -130,7 +142,10 @@ def _write_checkpoint(root: Path, final: Path, tmp: Path, step: int, model: nn.M
         files.append(OPTIMIZER)
     state = dict(trainer_state)
     state.update(
-        format=FORMAT, version=VERSION, step=step, saved_at=time.time(),
+        format=FORMAT,
+        version=VERSION,
+        step=step,
+        saved_at=time.time(),
         checksums={name: _sha256(tmp / name) for name in files},
     )
     _write_json(tmp / STATE, state)
@@ -165,9 +180,13 @@ def read_state(checkpoint: str | Path) -> dict[str, Any]:
     try:
         state = json.loads(state_file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{state_file} is unreadable ({exc}); delete this checkpoint to use an older one") from None
+        raise CheckpointError(
+            f"{state_file} is unreadable ({exc}); delete this checkpoint to use an older one"
+        ) from None
     if state.get("format") != FORMAT or state.get("version") != VERSION:
-        raise CheckpointError(f"{path} has format {state.get('format')!r} v{state.get('version')}, expected {FORMAT} v{VERSION}")
+        raise CheckpointError(
+            f"{path} has format {state.get('format')!r} v{state.get('version')}, expected {FORMAT} v{VERSION}"
+        )
     for name, digest in state.get("checksums", {}).items():
         file = path / name
         if not file.exists() or _sha256(file) != digest:
@@ -222,7 +241,9 @@ def load_checkpoint(
     weights = load_file(str(path / WEIGHTS), device=str(device))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise CheckpointError(
+            f"{path}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     if optimizer is not None and (path / OPTIMIZER).exists():
         load_optimizer_tensors(model, optimizer, load_file(str(path / OPTIMIZER)))
     return state

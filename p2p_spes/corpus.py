@@ -36,8 +36,10 @@ DEFAULT_VALIDATION_FRACTION = 0.05
 DOC_SUFFIX = ".rst.txt"
 SOURCES_DIR = "_sources"
 CACHE_ENV = "P2P_SPES_CACHE"
-_REBUILD_HINT = ("reinstall p2p-spes, or rebuild the assets with `python -m p2p_spes.corpus build "
-                 "--source python3.11-doc.deb --out p2p_spes/assets`")
+_REBUILD_HINT = (
+    "reinstall p2p-spes, or rebuild the assets with `python -m p2p_spes.corpus build "
+    "--source python3.11-doc.deb --out p2p_spes/assets`"
+)
 
 
 @dataclass
@@ -55,11 +57,11 @@ def _ar_members(data: bytes, path: Path) -> Iterator[tuple[str, bytes]]:
         raise DataError(f"{path}: not a Debian package (no ar header)")
     offset = 8
     while offset + 60 <= len(data):
-        header = data[offset:offset + 60]
+        header = data[offset : offset + 60]
         name = header[:16].decode("ascii").strip().rstrip("/")
         size = int(header[48:58].decode("ascii").strip())
         offset += 60
-        yield name, data[offset:offset + size]
+        yield name, data[offset : offset + size]
         offset += size + (size % 2)
 
 
@@ -69,9 +71,11 @@ def _open_member_tar(members: dict[str, bytes], prefix: str, path: Path) -> tarf
             try:
                 return tarfile.open(fileobj=io.BytesIO(payload), mode="r:*")
             except tarfile.TarError:
-                raise DataError(f"{path}: cannot open {name} (zstd-compressed packages are not "
-                                "supported); extract it with `dpkg-deb -x` and pass the "
-                                "directory instead") from None
+                raise DataError(
+                    f"{path}: cannot open {name} (zstd-compressed packages are not "
+                    "supported); extract it with `dpkg-deb -x` and pass the "
+                    "directory instead"
+                ) from None
     raise DataError(f"{path}: Debian package has no {prefix}* member")
 
 
@@ -96,8 +100,7 @@ def read_deb(path: Path) -> CorpusSource:
     """Read the reST sources and the Debian copyright file straight from a .deb."""
     members = dict(_ar_members(path.read_bytes(), path))
     control = _open_member_tar(members, "control.tar", path)
-    origin = (f"the Debian package {_control_field(control, 'Package')}, version "
-              f"{_control_field(control, 'Version')}")
+    origin = f"the Debian package {_control_field(control, 'Package')}, version {_control_field(control, 'Version')}"
     documents: dict[str, str] = {}
     licence = ""
     with _open_member_tar(members, "data.tar", path) as data:
@@ -117,16 +120,21 @@ def _find_sources_root(root: Path) -> Path:
         return root
     candidates = sorted(p for p in root.rglob(SOURCES_DIR) if p.is_dir())
     if len(candidates) != 1:
-        raise DataError(f"{root}: expected exactly one {SOURCES_DIR} directory of *{DOC_SUFFIX} "
-                        f"files, found {len(candidates)}; pass that directory as --source")
+        raise DataError(
+            f"{root}: expected exactly one {SOURCES_DIR} directory of *{DOC_SUFFIX} "
+            f"files, found {len(candidates)}; pass that directory as --source"
+        )
     return candidates[0]
 
 
 def read_directory(root: Path) -> CorpusSource:
     """Read the reST sources from an extracted package (or a bare `_sources` directory)."""
     sources = _find_sources_root(root)
-    documents = {p.relative_to(sources).as_posix(): p.read_text(encoding="utf-8")
-                 for p in sorted(sources.rglob(f"*{DOC_SUFFIX}")) if p.is_file()}
+    documents = {
+        p.relative_to(sources).as_posix(): p.read_text(encoding="utf-8")
+        for p in sorted(sources.rglob(f"*{DOC_SUFFIX}"))
+        if p.is_file()
+    }
     copyrights = sorted(root.glob("usr/share/doc/*-doc/copyright"))
     if copyrights:
         licence = copyrights[0].read_text(encoding="utf-8")
@@ -148,8 +156,10 @@ def read_source(source: Path) -> CorpusSource:
     if not corpus.documents:
         raise DataError(f"{source}: no *{DOC_SUFFIX} documents found")
     if not corpus.licence:
-        raise DataError(f"{source}: no licence text found (a *-doc/copyright file or "
-                        f"license{DOC_SUFFIX}); the corpus cannot be redistributed without it")
+        raise DataError(
+            f"{source}: no licence text found (a *-doc/copyright file or "
+            f"license{DOC_SUFFIX}); the corpus cannot be redistributed without it"
+        )
     return corpus
 
 
@@ -195,10 +205,13 @@ def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
-                                  special_tokens=[EOS_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=False)
@@ -213,8 +226,13 @@ def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int) -> None:
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def build_assets(source: Path, out: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                 validation_fraction: float = DEFAULT_VALIDATION_FRACTION) -> dict[str, int]:
+def build_assets(
+    source: Path,
+    out: Path,
+    *,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+) -> dict[str, int]:
     """Write the corpus splits, their licence and the tokenizer under `out`; return split sizes."""
     if not 0 < validation_fraction < 1:
         raise DataError(f"--validation-fraction must be in (0, 1), got {validation_fraction}")
@@ -225,8 +243,9 @@ def build_assets(source: Path, out: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZ
         records[split].append({"text": corpus.documents[relative], "source": relative})
     counts = {split: len(records[split]) for split in SPLITS}
     if min(counts.values()) == 0:
-        raise DataError(f"{source}: too few documents to split ({counts}); use more documents "
-                        "or change --validation-fraction")
+        raise DataError(
+            f"{source}: too few documents to split ({counts}); use more documents or change --validation-fraction"
+        )
     corpus_dir = out / "corpus"
     corpus_dir.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
@@ -299,8 +318,9 @@ def _publish(tmp: Path, target: Path) -> None:
     shutil.rmtree(stale, ignore_errors=True)
 
 
-def prepare_embedded_data(cache_dir: Path | None = None, *, num_workers: int = 1,
-                          progress: bool = False) -> dict[str, Path]:
+def prepare_embedded_data(
+    cache_dir: Path | None = None, *, num_workers: int = 1, progress: bool = False
+) -> dict[str, Path]:
     """Tokenize the embedded splits once into a cache keyed by the assets; return split dirs.
 
     Safe to call from several processes at once: each builds in its own temporary directory and
@@ -319,8 +339,13 @@ def prepare_embedded_data(cache_dir: Path | None = None, *, num_workers: int = 1
     tmp.mkdir()
     try:
         for split, corpus_file in embedded_corpus_files().items():
-            tokenize_files([glob.escape(str(corpus_file))], embedded_tokenizer_path(), tmp / split,
-                           num_workers=num_workers, progress=progress)
+            tokenize_files(
+                [glob.escape(str(corpus_file))],
+                embedded_tokenizer_path(),
+                tmp / split,
+                num_workers=num_workers,
+                progress=progress,
+            )
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -332,20 +357,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m p2p_spes.corpus", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="build the embedded corpus and tokenizer")
-    build.add_argument("--source", type=Path, required=True,
-                       help="python3.11-doc .deb file, or a directory it was extracted to")
+    build.add_argument(
+        "--source", type=Path, required=True, help="python3.11-doc .deb file, or a directory it was extracted to"
+    )
     build.add_argument("--out", type=Path, default=ASSETS_DIR, help="assets directory to write")
     build.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     build.add_argument("--validation-fraction", type=float, default=DEFAULT_VALIDATION_FRACTION)
     args = parser.parse_args(argv)
     try:
-        counts = build_assets(args.source, args.out, vocab_size=args.vocab_size,
-                              validation_fraction=args.validation_fraction)
+        counts = build_assets(
+            args.source, args.out, vocab_size=args.vocab_size, validation_fraction=args.validation_fraction
+        )
     except DataError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {counts['train']} train and {counts['validation']} validation documents and "
-          f"a {args.vocab_size}-token tokenizer to {args.out}")
+    print(
+        f"wrote {counts['train']} train and {counts['validation']} validation documents and "
+        f"a {args.vocab_size}-token tokenizer to {args.out}"
+    )
     return 0
 
 

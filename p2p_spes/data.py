@@ -40,31 +40,44 @@ def _read_manifest(root: Path) -> dict[str, Any]:
     if not root.is_dir():
         raise DataError(f"token directory {root} does not exist; {_RETOKENIZE}")
     if not path.is_file():
-        raise DataError(f"{path} is missing, so {root} is not a finished token directory; "
-                        f"{_RETOKENIZE}")
+        raise DataError(f"{path} is missing, so {root} is not a finished token directory; {_RETOKENIZE}")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise DataError(f"{path} is not valid JSON ({error}); {_RETOKENIZE}") from None
-    _require(isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT,
-             f"{path} is not a {MANIFEST_FORMAT} manifest; {_RETOKENIZE}")
-    _require(manifest.get("version") == MANIFEST_VERSION and manifest.get("dtype") == "uint32",
-             f"{path} has version {manifest.get('version')!r} and dtype {manifest.get('dtype')!r}; "
-             f"this p2p-spes reads version {MANIFEST_VERSION} uint32 shards; {_RETOKENIZE}")
+    _require(
+        isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT,
+        f"{path} is not a {MANIFEST_FORMAT} manifest; {_RETOKENIZE}",
+    )
+    _require(
+        manifest.get("version") == MANIFEST_VERSION and manifest.get("dtype") == "uint32",
+        f"{path} has version {manifest.get('version')!r} and dtype {manifest.get('dtype')!r}; "
+        f"this p2p-spes reads version {MANIFEST_VERSION} uint32 shards; {_RETOKENIZE}",
+    )
     tokenizer = manifest.get("tokenizer")
     shards = manifest.get("shards")
     well_formed = (
         isinstance(tokenizer, dict)
         and all(isinstance(tokenizer.get(k), int) for k in ("vocab_size", "eos_token_id"))
         and isinstance(tokenizer.get("fingerprint"), str)
-        and isinstance(shards, list) and len(shards) > 0
-        and all(isinstance(s, dict) and isinstance(s.get("file"), str)
-                and "/" not in s["file"] and "\\" not in s["file"]
-                and isinstance(s.get("num_tokens"), int) and isinstance(s.get("sha256"), str)
-                and isinstance(s.get("max_token_id"), int) for s in shards)
+        and isinstance(shards, list)
+        and len(shards) > 0
+        and all(
+            isinstance(s, dict)
+            and isinstance(s.get("file"), str)
+            and "/" not in s["file"]
+            and "\\" not in s["file"]
+            and isinstance(s.get("num_tokens"), int)
+            and isinstance(s.get("sha256"), str)
+            and isinstance(s.get("max_token_id"), int)
+            for s in shards
+        )
     )
-    _require(well_formed, f"{path} is missing fields or has fields of the wrong type (tokenizer, "
-                          f"shards: file, num_tokens, sha256, max_token_id); {_RETOKENIZE}")
+    _require(
+        well_formed,
+        f"{path} is missing fields or has fields of the wrong type (tokenizer, "
+        f"shards: file, num_tokens, sha256, max_token_id); {_RETOKENIZE}",
+    )
     return manifest
 
 
@@ -72,20 +85,26 @@ def _check_shard_size(path: Path, num_tokens: int) -> None:
     size = path.stat().st_size
     itemsize = TOKEN_DTYPE.itemsize
     if size == 0 or num_tokens == 0:
-        raise DataError(f"shard {path} is empty ({size} bytes, {num_tokens} tokens in the "
-                        f"manifest); delete the directory and {_RETOKENIZE}")
+        raise DataError(
+            f"shard {path} is empty ({size} bytes, {num_tokens} tokens in the "
+            f"manifest); delete the directory and {_RETOKENIZE}"
+        )
     if size % itemsize or size == num_tokens * 2:
-        raise DataError(f"shard {path} holds {size} bytes, which is not {num_tokens} uint32 "
-                        "tokens: it looks like another dtype (uint16 data is half the size); "
-                        f"shards must be uint32 little-endian, {_RETOKENIZE}")
+        raise DataError(
+            f"shard {path} holds {size} bytes, which is not {num_tokens} uint32 "
+            "tokens: it looks like another dtype (uint16 data is half the size); "
+            f"shards must be uint32 little-endian, {_RETOKENIZE}"
+        )
     if size != num_tokens * itemsize:
-        raise DataError(f"shard {path} is truncated or overwritten: {size} bytes, but the "
-                        f"manifest says {num_tokens} uint32 tokens ({num_tokens * itemsize} "
-                        f"bytes); {_RETOKENIZE}")
+        raise DataError(
+            f"shard {path} is truncated or overwritten: {size} bytes, but the "
+            f"manifest says {num_tokens} uint32 tokens ({num_tokens * itemsize} "
+            f"bytes); {_RETOKENIZE}"
+        )
 
 
 def _data_max(tokens: np.ndarray) -> int:
-    return max(int(tokens[i:i + _MAX_CHUNK].max()) for i in range(0, tokens.size, _MAX_CHUNK))
+    return max(int(tokens[i : i + _MAX_CHUNK].max()) for i in range(0, tokens.size, _MAX_CHUNK))
 
 
 class TokenDataset:
@@ -96,8 +115,14 @@ class TokenDataset:
     shard and scans it for its real largest id, which reads all the data once.
     """
 
-    def __init__(self, path: str | Path, *, vocab_size: int | None = None,
-                 tokenizer: str | Path | None = None, verify: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        vocab_size: int | None = None,
+        tokenizer: str | Path | None = None,
+        verify: bool = True,
+    ) -> None:
         self.path = Path(path)
         self.manifest = _read_manifest(self.path)
         info = self.manifest["tokenizer"]
@@ -108,18 +133,23 @@ class TokenDataset:
         self.shards: list[np.ndarray] = []
         for entry in self.manifest["shards"]:
             shard_path = self.path / entry["file"]
-            _require(shard_path.is_file(), f"shard {shard_path} listed in "
-                     f"{self.path / MANIFEST_NAME} is missing; copy the whole directory again or "
-                     f"{_RETOKENIZE}")
+            _require(
+                shard_path.is_file(),
+                f"shard {shard_path} listed in "
+                f"{self.path / MANIFEST_NAME} is missing; copy the whole directory again or "
+                f"{_RETOKENIZE}",
+            )
             _check_shard_size(shard_path, entry["num_tokens"])
             if vocab_size is not None:
-                self._check_id(entry["max_token_id"], vocab_size, shard_path,
-                               "manifest's max_token_id")
+                self._check_id(entry["max_token_id"], vocab_size, shard_path, "manifest's max_token_id")
             if verify:
                 digest = file_sha256(shard_path)
-                _require(digest == entry["sha256"], f"shard {shard_path} fails its checksum "
-                         f"(sha256 {digest[:16]}..., manifest {entry['sha256'][:16]}...): the "
-                         f"file is corrupt; copy it again or {_RETOKENIZE}")
+                _require(
+                    digest == entry["sha256"],
+                    f"shard {shard_path} fails its checksum "
+                    f"(sha256 {digest[:16]}..., manifest {entry['sha256'][:16]}...): the "
+                    f"file is corrupt; copy it again or {_RETOKENIZE}",
+                )
             tokens = np.memmap(shard_path, dtype=TOKEN_DTYPE, mode="r")
             if verify and vocab_size is not None:
                 self._check_id(_data_max(tokens), vocab_size, shard_path, "data")
@@ -129,20 +159,22 @@ class TokenDataset:
     @staticmethod
     def _check_id(token_id: int, vocab_size: int, where: Path, what: str) -> None:
         if token_id >= vocab_size:
-            raise DataError(f"{where}: token id {token_id} ({what}) is out of range for the "
-                            f"model vocab of {vocab_size}; set model.vocab_size to at least the "
-                            "tokenizer's vocab size, or tokenize with the model's tokenizer")
+            raise DataError(
+                f"{where}: token id {token_id} ({what}) is out of range for the "
+                f"model vocab of {vocab_size}; set model.vocab_size to at least the "
+                "tokenizer's vocab size, or tokenize with the model's tokenizer"
+            )
 
     def _check_tokenizer(self, tokenizer: str | Path, expected: dict[str, Any]) -> None:
         actual = tokenizer_info(load_tokenizer(tokenizer), tokenizer)
-        if (actual["fingerprint"], actual["vocab_size"]) != (expected["fingerprint"],
-                                                              expected["vocab_size"]):
+        if (actual["fingerprint"], actual["vocab_size"]) != (expected["fingerprint"], expected["vocab_size"]):
             raise DataError(
                 f"{self.path / MANIFEST_NAME}: the shards were made with tokenizer "
                 f"{expected.get('name_or_path')!r} (vocab {expected['vocab_size']}, fingerprint "
                 f"{expected['fingerprint'][:12]}), not {str(tokenizer)!r} (vocab "
                 f"{actual['vocab_size']}, fingerprint {actual['fingerprint'][:12]}); use the "
-                f"same tokenizer, or {_RETOKENIZE}")
+                f"same tokenizer, or {_RETOKENIZE}"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -172,9 +204,11 @@ class TokenDataset:
         """Windows of `seq_len + 1` tokens at stride `seq_len`; DataError if there are none."""
         count = int(self._starts(seq_len)[-1])
         if count == 0:
-            raise DataError(f"{self.path} has {self.num_tokens} tokens in "
-                            f"{len(self.shards)} shard(s), too few for one window of "
-                            f"{seq_len + 1} tokens; add data or lower the sequence length")
+            raise DataError(
+                f"{self.path} has {self.num_tokens} tokens in "
+                f"{len(self.shards)} shard(s), too few for one window of "
+                f"{seq_len + 1} tokens; add data or lower the sequence length"
+            )
         return count
 
     def windows(self, indices: np.ndarray | list[int], seq_len: int) -> np.ndarray:
@@ -187,7 +221,7 @@ class TokenDataset:
         out = np.empty((indices.size, seq_len + 1), dtype=np.int64)
         for row, (index, shard) in enumerate(zip(indices.tolist(), shard_ids.tolist(), strict=True)):
             offset = (index - int(starts[shard])) * seq_len
-            out[row] = self.shards[shard][offset:offset + seq_len + 1]
+            out[row] = self.shards[shard][offset : offset + seq_len + 1]
         return out
 
 
@@ -207,13 +241,23 @@ class BatchLoader:
     orders (``data.partition: shared``).
     """
 
-    def __init__(self, dataset: TokenDataset, seq_len: int, batch_size: int, *, seed: int,
-                 peer_index: int = 0, num_peers: int = 1, shared: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int,
+        peer_index: int = 0,
+        num_peers: int = 1,
+        shared: bool = False,
+    ) -> None:
         if batch_size < 1:
             raise DataError(f"batch_size must be at least 1, got {batch_size}")
         if num_peers < 1 or not 0 <= peer_index < num_peers:
-            raise DataError(f"peer_index must be in [0, num_peers), got peer_index {peer_index} "
-                            f"with num_peers {num_peers}")
+            raise DataError(
+                f"peer_index must be in [0, num_peers), got peer_index {peer_index} with num_peers {num_peers}"
+            )
         self.dataset = dataset
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -223,9 +267,11 @@ class BatchLoader:
         self.shared = shared
         self.total_windows = dataset.num_windows(seq_len)
         if self.total_windows < num_peers:
-            raise DataError(f"{dataset.path} has {self.total_windows} windows of {seq_len + 1} "
-                            f"tokens, fewer than the {num_peers} peers; add data or lower the "
-                            "sequence length")
+            raise DataError(
+                f"{dataset.path} has {self.total_windows} windows of {seq_len + 1} "
+                f"tokens, fewer than the {num_peers} peers; add data or lower the "
+                "sequence length"
+            )
         self.epoch = 0
         self.position = 0
         self._order: np.ndarray | None = None
@@ -238,10 +284,12 @@ class BatchLoader:
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
             if self.shared:
-                self._order = np.random.default_rng([self.seed, self.epoch, self.peer_index]).permutation(self.total_windows)
+                self._order = np.random.default_rng([self.seed, self.epoch, self.peer_index]).permutation(
+                    self.total_windows
+                )
             else:
                 permutation = np.random.default_rng([self.seed, self.epoch]).permutation(self.total_windows)
-                self._order = permutation[self.peer_index::self.num_peers][:self.windows_per_epoch]
+                self._order = permutation[self.peer_index :: self.num_peers][: self.windows_per_epoch]
         return self._order
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +299,7 @@ class BatchLoader:
         while needed:
             order = self._epoch_order()
             take = min(needed, self.windows_per_epoch - self.position)
-            picked.append(order[self.position:self.position + take])
+            picked.append(order[self.position : self.position + take])
             self.position += take
             needed -= take
             if self.position == self.windows_per_epoch:
@@ -262,9 +310,15 @@ class BatchLoader:
 
     def state_dict(self) -> dict[str, int]:
         """Plain ints (JSON-serialisable) from which `load_state_dict` resumes exactly."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "seq_len": self.seq_len, "total_windows": self.total_windows,
-                "peer_index": self.peer_index, "num_peers": self.num_peers}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "total_windows": self.total_windows,
+            "peer_index": self.peer_index,
+            "num_peers": self.num_peers,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the saved epoch and position.
@@ -275,30 +329,34 @@ class BatchLoader:
         """
         missing = {"epoch", "position", "seed", "seq_len", "total_windows"} - set(state)
         if missing:
-            raise DataError(f"loader state lacks {', '.join(sorted(missing))}; it was not written "
-                            "by BatchLoader.state_dict")
+            raise DataError(
+                f"loader state lacks {', '.join(sorted(missing))}; it was not written by BatchLoader.state_dict"
+            )
         for key in ("seed", "seq_len", "total_windows"):
             if int(state[key]) != getattr(self, key):
-                raise DataError(f"loader state has {key}={state[key]} but this run has "
-                                f"{key}={getattr(self, key)}; resume with the same data, "
-                                "sequence length and data seed, or start the data order afresh")
+                raise DataError(
+                    f"loader state has {key}={state[key]} but this run has "
+                    f"{key}={getattr(self, key)}; resume with the same data, "
+                    "sequence length and data seed, or start the data order afresh"
+                )
         self.epoch = int(state["epoch"])
         self.position = min(int(state["position"]), self.windows_per_epoch - 1)
         self._order = None
 
 
-def validation_batches(dataset: TokenDataset, seq_len: int, batch_size: int,
-                       max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def validation_batches(
+    dataset: TokenDataset, seq_len: int, batch_size: int, max_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first windows in order, as up to `max_batches` batches, so validation is comparable.
 
     With fewer than `batch_size` windows in all, a single smaller batch holds them.
     """
     if batch_size < 1 or max_batches < 1:
-        raise DataError(f"batch_size and max_batches must be at least 1, got {batch_size} and "
-                        f"{max_batches}")
+        raise DataError(f"batch_size and max_batches must be at least 1, got {batch_size} and {max_batches}")
     total = dataset.num_windows(seq_len)
     if total < batch_size:
         return [_to_tensors(dataset.windows(np.arange(total), seq_len))]
     count = min(max_batches, total // batch_size)
-    return [_to_tensors(dataset.windows(np.arange(i * batch_size, (i + 1) * batch_size), seq_len))
-            for i in range(count)]
+    return [
+        _to_tensors(dataset.windows(np.arange(i * batch_size, (i + 1) * batch_size), seq_len)) for i in range(count)
+    ]

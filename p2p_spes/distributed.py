@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from p2p_spes.averaging import tensor_digest
 from p2p_spes.errors import ConfigError
 from p2p_spes.healing import take_on_experts
-from p2p_spes.transport import tensor_digest
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Node:
         offset = 0
         for p, g in zip(params, grads):
             n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(g).to(g.dtype)
+            p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
             offset += n
 
     def broadcast_weights(self, model: nn.Module) -> None:
@@ -156,7 +156,7 @@ class NodeSync:
         experts = trainer.model.local_experts
         control = torch.full((2 + self.num_experts,), -1, dtype=torch.int64)
         control[0], control[1] = trainer.step, int(changed)
-        control[2:2 + len(experts)] = torch.tensor(experts, dtype=torch.int64)
+        control[2 : 2 + len(experts)] = torch.tensor(experts, dtype=torch.int64)
         dist.broadcast(control, 0)
         if not self.node.main:
             trainer.step = int(control[0])

@@ -192,7 +192,6 @@ def write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path
 def resolve_tokenizer(cfg: Config, tokenizer: str | Path | None) -> Path:
     """The tokenizer given, else the run's (``data.tokenizer``), else the embedded one."""
     if tokenizer is None and cfg.data.tokenizer is None:
-
         return embedded_tokenizer_path()
     path = Path(tokenizer if tokenizer is not None else cfg.data.tokenizer).expanduser()
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():

@@ -37,7 +37,10 @@ def _tiebreak(peer_id: str, expert: int) -> int:
 
 
 def plan_takeover(
-    held: Mapping[str, Sequence[int]], capacity: Mapping[str, int], num_experts: int, replicas: int,
+    held: Mapping[str, Sequence[int]],
+    capacity: Mapping[str, int],
+    num_experts: int,
+    replicas: int,
     experts: Iterable[int] | None = None,
 ) -> dict[str, list[int]]:
     """Which peer takes which under-replicated expert: {peer id: experts to take on}.
@@ -73,7 +76,9 @@ def initial_expert(cfg: Config, expert: int) -> list[torch.Tensor]:
 
     model = MoETransformer(cfg.model, cfg.moe, local_experts=[expert], resident_only=True)
     model.init_weights(cfg.train.seed)
-    return [getattr(store, f"local_{name}")[0].detach().clone() for store in model.expert_modules() for name in MATRICES]
+    return [
+        getattr(store, f"local_{name}")[0].detach().clone() for store in model.expert_modules() for name in MATRICES
+    ]
 
 
 def take_on_experts(

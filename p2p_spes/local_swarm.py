@@ -3,7 +3,7 @@
 Each peer runs ``p2p-spes train`` in its own process group, so stopping a peer stops its DHT and
 p2pd children too. The first peer starts the run; the others join through its multiaddr. A
 ``place`` puts each peer elsewhere than loopback: a command prefix (a network namespace and a
-cgroup of ``p2p_spes/netlab.py``'s lab) and the address it listens on, so the multiaddrs it prints
+cgroup of ``benchmarks/lab/netlab.py``'s lab) and the address it listens on, so the multiaddrs it prints
 can be dialled by the others.
 """
 
@@ -56,9 +56,18 @@ class LocalSwarm:
     """Start, watch and stop peers (on loopback unless ``place`` says otherwise); every process is
     tracked by its own id."""
 
-    def __init__(self, config: str | None, overrides: list[str], peers: int, run_dir: str | Path,
-                 run_id: str = "local", threads: int = 1, place: Callable[[int], PeerPlace] | None = None,
-                 tensorboard: str | Path | None = None, bootstrap_port: int | None = None) -> None:
+    def __init__(
+        self,
+        config: str | None,
+        overrides: list[str],
+        peers: int,
+        run_dir: str | Path,
+        run_id: str = "local",
+        threads: int = 1,
+        place: Callable[[int], PeerPlace] | None = None,
+        tensorboard: str | Path | None = None,
+        bootstrap_port: int | None = None,
+    ) -> None:
         """``tensorboard``: a directory under which each peer writes TensorBoard scalars (``peerN``).
         ``bootstrap_port``: start a ``p2p-spes bootstrap`` on that loopback port first, and have every
         peer join through it (as a real run does), instead of through the first peer."""
@@ -75,11 +84,27 @@ class LocalSwarm:
         self.retired: list[subprocess.Popen] = []  # earlier processes of restarted peers, stopped too
 
     def _command(self, index: int, initial_peers: list[str]) -> list[str]:
-        cmd = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--run-dir", str(self.run_dir / f"peer{index}")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "p2p_spes",
+            "train",
+            "--no-progress",
+            "--run-dir",
+            str(self.run_dir / f"peer{index}"),
+        ]
         if self.config:
             cmd += ["--config", self.config]
-        cmd += ["--set", f"peer.count={self.num_peers}", "--set", f"train.threads={self.threads}",
-                "--set", f"swarm.host_maddrs=[{self.place(index).host_maddr}]", "--run-id", self.run_id]
+        cmd += [
+            "--set",
+            f"peer.count={self.num_peers}",
+            "--set",
+            f"train.threads={self.threads}",
+            "--set",
+            f"swarm.host_maddrs=[{self.place(index).host_maddr}]",
+            "--run-id",
+            self.run_id,
+        ]
         if self.tensorboard:
             cmd += ["--tensorboard", str(Path(self.tensorboard) / f"peer{index}")]
         for item in self.overrides:
@@ -119,8 +144,13 @@ class LocalSwarm:
         out = self.run_dir / "bootstrap.json"
         if self.bootstrap is not None:
             self.retired.append(self.bootstrap)
-        self.bootstrap = spawn_bootstrap(self.run_dir / "bootstrap.key", self.bootstrap_port, out,
-                                         self.run_dir / "bootstrap.log", ["--run-id", self.run_id])
+        self.bootstrap = spawn_bootstrap(
+            self.run_dir / "bootstrap.key",
+            self.bootstrap_port,
+            out,
+            self.run_dir / "bootstrap.log",
+            ["--run-id", self.run_id],
+        )
         deadline = time.monotonic() + timeout
         while not out.exists():
             if self.bootstrap.poll() is not None or time.monotonic() > deadline:
@@ -226,31 +256,59 @@ class LocalSwarm:
 
     def print_summary(self, console: Console | None = None) -> None:
         table = Table(title=f"local swarm: {len(self.procs)} peers, run dir {self.run_dir}")
-        for col in ("peer", "exit", "experts", "steps", "train loss", "val loss", "rounds averaged / alone / failed",
-                    "tokens averaged", "sent MB", "recv MB"):
+        for col in (
+            "peer",
+            "exit",
+            "experts",
+            "steps",
+            "train loss",
+            "val loss",
+            "rounds averaged / alone / failed",
+            "tokens averaged",
+            "sent MB",
+            "recv MB",
+        ):
             table.add_column(col, justify="left" if col in ("peer", "experts") else "right")
         for i, (proc, s) in enumerate(zip(self.procs, self.summaries())):
             averaged = s.get("tokens_averaged")
             table.add_row(
-                str(i), str(proc.poll()), str(s.get("local_experts", "-")), str(s.get("step", "-")),
-                _fmt(s.get("final_train_loss")), _fmt(s.get("final_val_loss")),
+                str(i),
+                str(proc.poll()),
+                str(s.get("local_experts", "-")),
+                str(s.get("step", "-")),
+                _fmt(s.get("final_train_loss")),
+                _fmt(s.get("final_val_loss")),
                 f"{s.get('rounds_joined', '-')} / {s.get('rounds_alone', 0)} / {s.get('rounds_failed', 0)}",
                 "-" if averaged is None or not s.get("tokens") else f"{averaged / s['tokens']:.0%}",
-                _fmt(s.get("bytes_sent", 0) / 1e6 if s else None), _fmt(s.get("bytes_received", 0) / 1e6 if s else None),
+                _fmt(s.get("bytes_sent", 0) / 1e6 if s else None),
+                _fmt(s.get("bytes_received", 0) / 1e6 if s else None),
             )
         (console or Console(width=150)).print(table)
 
 
-def spawn_bootstrap(identity: Path, port: int, maddrs_file: Path, log: Path,
-                    extra: list[str] | None = None) -> subprocess.Popen:
+def spawn_bootstrap(
+    identity: Path, port: int, maddrs_file: Path, log: Path, extra: list[str] | None = None
+) -> subprocess.Popen:
     """``p2p-spes bootstrap`` on ``127.0.0.1:port`` in a session of its own, appending to ``log``; it writes
     its multiaddrs to ``maddrs_file`` (removed first, so that the file's appearance says it is up)."""
     maddrs_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "p2p_spes", "bootstrap", "--identity", str(identity),
-           "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--write-maddrs", str(maddrs_file), *(extra or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "p2p_spes",
+        "bootstrap",
+        "--identity",
+        str(identity),
+        "--host-maddrs",
+        f"/ip4/127.0.0.1/tcp/{port}",
+        "--write-maddrs",
+        str(maddrs_file),
+        *(extra or []),
+    ]
     with open(log, "a") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        return subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        )
 
 
 def _exit_state(code: int, log: Path) -> tuple[str, str]:

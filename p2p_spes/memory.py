@@ -87,8 +87,9 @@ def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     return report
 
 
-def expected_memory(model: nn.Module, train: TrainConfig | None = None,
-                    grad_bytes_per_element: int | None = None) -> MemoryReport:
+def expected_memory(
+    model: nn.Module, train: TrainConfig | None = None, grad_bytes_per_element: int | None = None
+) -> MemoryReport:
     """Bytes a model *will* use, from shapes alone (works on the ``meta`` device).
 
     Trainable parameters get a gradient of their own dtype (or ``grad_bytes_per_element``) and the

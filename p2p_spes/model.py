@@ -78,8 +78,9 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig, local_experts, device,
-                 resident_only: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, moe_cfg: MoEConfig, local_experts, device, resident_only: bool = False
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device)
         self.self_attn = Attention(cfg, device=device)
@@ -240,8 +241,6 @@ def auxiliary_losses(
     """
     num_layers, num_tokens = len(stats), stats[0].num_tokens
     scale = cfg.lb_loss_weight * cfg.num_experts / (num_layers * num_tokens * cfg.top_k)
-    lb = sum(
-        torch.dot(s.tokens_per_expert * (1 if count_scale is None else count_scale), s.mean_probs) for s in stats
-    )
+    lb = sum(torch.dot(s.tokens_per_expert * (1 if count_scale is None else count_scale), s.mean_probs) for s in stats)
     rz = sum(s.router_z for s in stats)
     return scale * lb, cfg.router_z_loss_weight * rz

@@ -32,8 +32,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     """``train.optimizer``: AdamW with weight decay on matrices and none on norm weights, or
     :class:`MuonAdamW` (Muon on the hidden matrices, the same AdamW on the rest)."""
     if cfg.optimizer == "muon":
-        return MuonAdamW(muon_parameter_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                         adamw_lr_scale=cfg.muon_adamw_lr_scale)
+        return MuonAdamW(
+            muon_parameter_groups(model, cfg),
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            adamw_lr_scale=cfg.muon_adamw_lr_scale,
+        )
     return torch.optim.AdamW(parameter_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
@@ -107,10 +112,29 @@ class MuonAdamW(torch.optim.Optimizer):
     names (``exp_avg``, ``exp_avg_sq``, ``step``) as ``torch.optim.AdamW``.
     """
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
-                 momentum: float = 0.95, update_rms: float = 0.2, adamw_lr_scale: float = 1.0) -> None:
-        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0, "muon": False,
-                                  "momentum": momentum, "update_rms": update_rms, "adamw_lr_scale": adamw_lr_scale})
+    def __init__(
+        self,
+        groups: list[dict],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        momentum: float = 0.95,
+        update_rms: float = 0.2,
+        adamw_lr_scale: float = 1.0,
+    ) -> None:
+        super().__init__(
+            groups,
+            {
+                "lr": lr,
+                "betas": betas,
+                "eps": eps,
+                "weight_decay": 0.0,
+                "muon": False,
+                "momentum": momentum,
+                "update_rms": update_rms,
+                "adamw_lr_scale": adamw_lr_scale,
+            },
+        )
 
     def matrix_shapes(self) -> dict[tuple[int, ...], torch.device]:
         """The distinct matrix shapes Muon steps (an expert stack counts as its experts' matrix), and
@@ -129,8 +153,10 @@ class MuonAdamW(torch.optim.Optimizer):
             error = bf16_error(shape, device)
             if not math.isfinite(error) or error > 0.1:
                 _BF16_REFUSED.add((str(device), shape))
-                findings.append(f"Muon's bf16 Newton-Schulz on {device} for a {shape[0]}x{shape[1]} matrix is "
-                                f"{error:.3g} away from fp32 (relative); using fp32")
+                findings.append(
+                    f"Muon's bf16 Newton-Schulz on {device} for a {shape[0]}x{shape[1]} matrix is "
+                    f"{error:.3g} away from fp32 (relative); using fp32"
+                )
         return findings
 
     @torch.no_grad()
@@ -167,11 +193,22 @@ class MuonAdamW(torch.optim.Optimizer):
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         adam_update(
-            params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-            [s["step"] for s in states], foreach=False, decoupled_weight_decay=True, amsgrad=False,
-            beta1=beta1, beta2=beta2, lr=group["lr"] * group["adamw_lr_scale"], weight_decay=group["weight_decay"],
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            foreach=False,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"] * group["adamw_lr_scale"],
+            weight_decay=group["weight_decay"],
             eps=group["eps"],
-            maximize=False)
+            maximize=False,
+        )
 
 
 ADAMW_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})

@@ -67,8 +67,9 @@ class SwarmSync:
     decided: the matchmaking window is where a peer ahead waits for the others.
     """
 
-    def __init__(self, swarm: Swarm, sync_steps: int, tokens: int = 0, overlap: bool = False,
-                 next_round: int = 1) -> None:
+    def __init__(
+        self, swarm: Swarm, sync_steps: int, tokens: int = 0, overlap: bool = False, next_round: int = 1
+    ) -> None:
         self.swarm, self.sync_steps, self.overlap = swarm, sync_steps, overlap
         self.tokens_at_last_sync = tokens  # a resumed peer weighs only what it trained since
         self._pending: tuple[_Background, torch.nn.Module, list[torch.Tensor], int] | None = None
@@ -85,8 +86,12 @@ class SwarmSync:
 
     def __call__(self, trainer: Trainer) -> None:
         m = trainer.last_metrics
-        self.swarm.update_status(step=trainer.step, loss=round(m.get("loss", float("nan")), 4),
-                                 tokens=trainer.tokens, tokens_per_s=round(m.get("tokens_per_s", 0.0), 1))
+        self.swarm.update_status(
+            step=trainer.step,
+            loss=round(m.get("loss", float("nan")), 4),
+            tokens=trainer.tokens,
+            tokens_per_s=round(m.get("tokens_per_s", 0.0), 1),
+        )
         last = trainer.step >= trainer.cfg.train.max_steps
         if self._pending is not None and (self._due(trainer) or last or self._pending[0].done()):
             self.finish(trainer)
@@ -184,8 +189,14 @@ class SwarmSync:
             return
         trainer.optimizer = take_on_experts(trainer.model, trainer.optimizer, mine, trainer.cfg.train)
         self.swarm.took_on(mine, weights)
-        trainer.log_record({"step": trainer.step, "took_over": mine, "local_experts": trainer.model.local_experts,
-                            "bytes_received_total": int(self.swarm.stats["bytes_received"])})
+        trainer.log_record(
+            {
+                "step": trainer.step,
+                "took_over": mine,
+                "local_experts": trainer.model.local_experts,
+                "bytes_received_total": int(self.swarm.stats["bytes_received"]),
+            }
+        )
 
     def _rejoin(self, trainer: Trainer) -> bool:
         """After a round that failed for us (or that we spent alone), rejoin like a newcomer if the swarm
@@ -203,16 +214,28 @@ class SwarmSync:
         if meta is None:
             return False
         target = max(int(meta["step"]), trainer.step)
-        log.warning("behind the swarm (round %d, others at %d): took the state of round %s, step %d -> %d",
-                    self.next_round - 1, ahead, meta["round"], trainer.step, target)
+        log.warning(
+            "behind the swarm (round %d, others at %d): took the state of round %s, step %d -> %d",
+            self.next_round - 1,
+            ahead,
+            meta["round"],
+            trainer.step,
+            target,
+        )
         self.swarm.stats["steps_skipped"] += target - trainer.step
         trainer.step = target
         skipped = list(range(self.next_round, int(meta["round"]) + 1))
         self.next_round = max(self.next_round, int(meta["round"]) + 1)
         self.tokens_at_last_sync = trainer.tokens  # what we trained since our last round was replaced
         self.swarm.stats["rounds_skipped"] += len(skipped)
-        trainer.log_record({"step": trainer.step, "rounds_skipped": skipped, "caught_up_round": int(meta["round"]),
-                            "shared_digest": meta.get("digest")})
+        trainer.log_record(
+            {
+                "step": trainer.step,
+                "rounds_skipped": skipped,
+                "caught_up_round": int(meta["round"]),
+                "shared_digest": meta.get("digest"),
+            }
+        )
         return True
 
 
@@ -253,8 +276,9 @@ def run_follower(cfg: Config, run_dir: str | Path, node: Node, resume: str | Non
     return trainer.run(progress=False)
 
 
-def run_peer(cfg: Config, run_dir: str | Path, progress: bool = True, resume: str | None = None,
-             node: Node | None = None) -> dict[str, Any]:
+def run_peer(
+    cfg: Config, run_dir: str | Path, progress: bool = True, resume: str | None = None, node: Node | None = None
+) -> dict[str, Any]:
     """Join the swarm named by ``cfg.swarm`` and train to ``train.max_steps``; returns the summary.
 
     With ``resume`` ("auto" or a checkpoint path) a restarting peer takes back the experts, optimizer

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2p_spes.chaos import read_metrics
+from benchmarks.lab.chaos import read_metrics
 from p2p_spes.errors import ConfigError, DataError
 
 
@@ -54,8 +54,10 @@ def run_dirs(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
             continue
         found = sorted(d for d in given.glob("*") if (d / "metrics.jsonl").exists()) if given.is_dir() else []
         if not found:
-            raise DataError(f"{given}: no metrics.jsonl in it or in its subdirectories; give the run directory of "
-                            "`p2p-spes train` (--run-dir) or of `p2p-spes swarm` (runs/swarm)")
+            raise DataError(
+                f"{given}: no metrics.jsonl in it or in its subdirectories; give the run directory of "
+                "`p2p-spes train` (--run-dir) or of `p2p-spes swarm` (runs/swarm)"
+            )
         out += [(d, f"{given.name}/{d.name}") for d in found]
     return out
 
@@ -76,8 +78,12 @@ def plot_runs(paths: Iterable[str | Path], out: str | Path, title: str = "") -> 
         (axes[0][0], "training loss", "tokens", lambda c: c.train),
         (axes[0][1], "validation loss", "tokens", lambda c: c.val),
         (axes[1][0], "seconds per sync round", "round", lambda c: [(r, s) for r, s, _ in c.rounds]),
-        (axes[1][1], "MB moved per sync round (sent + received + downloaded)", "round",
-         lambda c: [(r, mb) for r, _, mb in c.rounds]),
+        (
+            axes[1][1],
+            "MB moved per sync round (sent + received + downloaded)",
+            "round",
+            lambda c: [(r, mb) for r, _, mb in c.rounds],
+        ),
     ]
     for ax, name, xlabel, points in panels:
         drawn = False
@@ -95,8 +101,15 @@ def plot_runs(paths: Iterable[str | Path], out: str | Path, title: str = "") -> 
         if drawn:
             ax.legend(fontsize=8)
         else:
-            ax.text(0.5, 0.5, "no data (no sync rounds: trained alone?)" if "round" in xlabel else "no data",
-                    ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                "no data (no sync rounds: trained alone?)" if "round" in xlabel else "no data",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="gray",
+            )
     fig.suptitle(title or ", ".join(c.label for c in runs))
     fig.tight_layout()
     out = Path(out)

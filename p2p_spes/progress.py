@@ -105,8 +105,15 @@ class MetricsTail:
 class ProgressView:
     """The live view of a run's peers (see the module docstring). Use it as a context manager."""
 
-    def __init__(self, names: Iterable[str], max_steps: int, console: Console | None = None,
-                 live: bool | None = None, plain_every: float = 10.0, title: str = "") -> None:
+    def __init__(
+        self,
+        names: Iterable[str],
+        max_steps: int,
+        console: Console | None = None,
+        live: bool | None = None,
+        plain_every: float = 10.0,
+        title: str = "",
+    ) -> None:
         self.console = console or Console()
         self.peers = {name: PeerProgress(name, max_steps) for name in names}
         self.max_steps, self.title = max_steps, title
@@ -149,8 +156,10 @@ class ProgressView:
             self.event(f"{name} took over expert(s) {record['took_over']} (now trains {record.get('local_experts')})")
         elif "caught_up_round" in record:
             skipped = record.get("rounds_skipped") or []
-            self.event(f"{name} fell behind the swarm: took its state of round {record['caught_up_round']} "
-                       f"(skipped {len(skipped)} round(s)) and goes on from step {record.get('step')}")
+            self.event(
+                f"{name} fell behind the swarm: took its state of round {record['caught_up_round']} "
+                f"(skipped {len(skipped)} round(s)) and goes on from step {record.get('step')}"
+            )
         else:
             if isinstance(record.get("loss"), (int, float)):
                 p.loss = float(record["loss"])
@@ -169,8 +178,10 @@ class ProgressView:
             self.event(f"{p.name} joined the run: averaged round {p.round} with {p.members} peer(s)")
         elif p.round_outcome == "failed":
             failed = ", ".join(r.get("groups_failed") or []) or "shared"
-            self.event(f"round {p.round} failed on {p.name} (groups: {failed}); it keeps its own weights "
-                       "and tries again next round")
+            self.event(
+                f"round {p.round} failed on {p.name} (groups: {failed}); it keeps its own weights "
+                "and tries again next round"
+            )
         elif p.round_outcome == "adopted":
             self.event(f"{p.name} missed round {p.round} and took the result the others agreed on")
         if p.round_outcome == "averaged" and isinstance(p.members, int):
@@ -195,16 +206,34 @@ class ProgressView:
     # Output ------------------------------------------------------------------------------
     def table(self) -> Table:
         table = Table(title=self.title or None)
-        for col in ("peer", "state", "step", "loss", "val loss", "last round", "round s", "sent MB", "recv MB",
-                    "tok/s", "ETA"):
+        for col in (
+            "peer",
+            "state",
+            "step",
+            "loss",
+            "val loss",
+            "last round",
+            "round s",
+            "sent MB",
+            "recv MB",
+            "tok/s",
+            "ETA",
+        ):
             table.add_column(col, justify="left" if col in ("peer", "state", "last round") else "right")
         for p in self.peers.values():
             eta = p.eta_seconds() if p.state == "training" else None
             last = "-" if p.round is None else f"{p.round} {p.round_outcome} ({p.members})"
             table.add_row(
-                p.name, p.state, f"{p.step}/{p.max_steps}", _num(p.loss), _num(p.val_loss), last,
-                "-" if p.round_seconds is None else f"{p.round_seconds:.1f}", f"{p.sent_mb:.1f}",
-                f"{p.received_mb:.1f}", "-" if not p.tokens_per_s else f"{p.tokens_per_s:,.0f}",
+                p.name,
+                p.state,
+                f"{p.step}/{p.max_steps}",
+                _num(p.loss),
+                _num(p.val_loss),
+                last,
+                "-" if p.round_seconds is None else f"{p.round_seconds:.1f}",
+                f"{p.sent_mb:.1f}",
+                f"{p.received_mb:.1f}",
+                "-" if not p.tokens_per_s else f"{p.tokens_per_s:,.0f}",
                 "-" if eta is None else _duration(eta),
                 style={"died": "red", "failed": "red"}.get(p.state),
             )

@@ -35,8 +35,10 @@ def summary_writer() -> type:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
-        raise ConfigError(f"train.tensorboard needs the tensorboard package ({exc}): "
-                          "pip install 'p2p-spes[tensorboard]', or leave train.tensorboard false") from None
+        raise ConfigError(
+            f"train.tensorboard needs the tensorboard package ({exc}): "
+            "pip install 'p2p-spes[tensorboard]', or leave train.tensorboard false"
+        ) from None
     return SummaryWriter
 
 

@@ -49,11 +49,12 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
     files: list[Path] = []
     seen: set[str] = set()
     for pattern in patterns:
-        matches = sorted(m for m in glob.glob(os.path.expanduser(pattern), recursive=True)
-                         if os.path.isfile(m))
+        matches = sorted(m for m in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(m))
         if not matches:
-            raise DataError(f"input pattern {pattern!r} matches no files; check the path "
-                            "(quote it so that the shell does not expand it)")
+            raise DataError(
+                f"input pattern {pattern!r} matches no files; check the path "
+                "(quote it so that the shell does not expand it)"
+            )
         for match in matches:
             key = os.path.abspath(match)
             if key not in seen:
@@ -68,13 +69,11 @@ def input_format(path: Path) -> str:
     for suffix in SUPPORTED_SUFFIXES:
         if name.endswith(suffix):
             return suffix
-    raise DataError(f"{path}: unsupported file type; supported suffixes are "
-                    f"{', '.join(SUPPORTED_SUFFIXES)}")
+    raise DataError(f"{path}: unsupported file type; supported suffixes are {', '.join(SUPPORTED_SUFFIXES)}")
 
 
 def _field_error(path: Path, where: str, field: str, detail: str) -> DataError:
-    return DataError(f"{path}, {where}: {detail}; choose the text field with --field "
-                     f"(currently --field {field})")
+    return DataError(f"{path}, {where}: {detail}; choose the text field with --field (currently --field {field})")
 
 
 def _jsonl_documents(path: Path, stream: io.TextIOBase, field: str) -> Iterator[str]:
@@ -84,15 +83,17 @@ def _jsonl_documents(path: Path, stream: io.TextIOBase, field: str) -> Iterator[
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise DataError(f"{path}, line {line_number}: not valid JSON ({error.msg}); each "
-                            "line of a .jsonl file must be one JSON object") from None
+            raise DataError(
+                f"{path}, line {line_number}: not valid JSON ({error.msg}); each "
+                "line of a .jsonl file must be one JSON object"
+            ) from None
         if not isinstance(record, dict) or field not in record:
-            raise _field_error(path, f"line {line_number}", field,
-                               f"record has no field {field!r}")
+            raise _field_error(path, f"line {line_number}", field, f"record has no field {field!r}")
         text = record[field]
         if not isinstance(text, str):
-            raise _field_error(path, f"line {line_number}", field,
-                               f"field {field!r} is {type(text).__name__}, not a string")
+            raise _field_error(
+                path, f"line {line_number}", field, f"field {field!r} is {type(text).__name__}, not a string"
+            )
         yield text
 
 
@@ -104,15 +105,17 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
     except Exception as error:
         raise DataError(f"{path}: cannot read as Parquet ({error})") from None
     if field not in parquet.schema_arrow.names:
-        raise _field_error(path, "schema", field,
-                           f"no column {field!r} (columns: {', '.join(parquet.schema_arrow.names)})")
+        raise _field_error(
+            path, "schema", field, f"no column {field!r} (columns: {', '.join(parquet.schema_arrow.names)})"
+        )
     row = 0
     for batch in parquet.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             row += 1
             if not isinstance(text, str):
-                raise _field_error(path, f"row {row}", field,
-                                   f"column {field!r} is {type(text).__name__}, not a string")
+                raise _field_error(
+                    path, f"row {row}", field, f"column {field!r} is {type(text).__name__}, not a string"
+                )
             yield text
 
 
@@ -142,18 +145,23 @@ def load_tokenizer(tokenizer: str | Path) -> Any:
             f"tokenizer {str(tokenizer)!r} is not a local directory with tokenizer.json; give the "
             "path of a tokenizer directory (for example the embedded one, or one saved with "
             "`AutoTokenizer.from_pretrained(name).save_pretrained(dir)` on a machine with "
-            "internet access)")
+            "internet access)"
+        )
     from transformers import AutoTokenizer
 
     try:
         loaded = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as error:
-        raise DataError(f"tokenizer directory {path} cannot be loaded ({error}); it must hold "
-                        "tokenizer.json (and tokenizer_config.json) as written by "
-                        "save_pretrained") from None
+        raise DataError(
+            f"tokenizer directory {path} cannot be loaded ({error}); it must hold "
+            "tokenizer.json (and tokenizer_config.json) as written by "
+            "save_pretrained"
+        ) from None
     if loaded.eos_token_id is None:
-        raise DataError(f"tokenizer {path} has no eos_token; set \"eos_token\" in its "
-                        "tokenizer_config.json, it is appended after every document")
+        raise DataError(
+            f'tokenizer {path} has no eos_token; set "eos_token" in its '
+            "tokenizer_config.json, it is appended after every document"
+        )
     return loaded
 
 
@@ -175,13 +183,12 @@ def tokenizer_info(tokenizer: Any, name_or_path: str | Path) -> dict[str, Any]:
 
 def _encode(tokenizer: Any, texts: list[str]) -> np.ndarray:
     eos = tokenizer.eos_token_id
-    encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
-                        verbose=False)["input_ids"]
+    encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     total = sum(len(ids) for ids in encoded) + len(encoded)
     out = np.empty(total, dtype=TOKEN_DTYPE)
     position = 0
     for ids in encoded:
-        out[position:position + len(ids)] = ids
+        out[position : position + len(ids)] = ids
         position += len(ids)
         out[position] = eos
         position += 1
@@ -269,8 +276,9 @@ class _ShardWriter:
         self._file.close()
         self._file = None
         os.replace(self._tmp, self.out_dir / name)
-        self.shards.append({"file": name, "num_tokens": self._count,
-                            "sha256": self._hash.hexdigest(), "max_token_id": self._max})
+        self.shards.append(
+            {"file": name, "num_tokens": self._count, "sha256": self._hash.hexdigest(), "max_token_id": self._max}
+        )
 
 
 def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -285,16 +293,18 @@ def _remove_stale_shards(out_dir: Path, keep: set[str]) -> None:
             stale.unlink()
 
 
-def _token_arrays(batches: Iterator[list[str]], tokenizer: Any, tokenizer_path: Path,
-                  num_workers: int) -> Iterator[tuple[int, np.ndarray]]:
+def _token_arrays(
+    batches: Iterator[list[str]], tokenizer: Any, tokenizer_path: Path, num_workers: int
+) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (documents, tokens) per batch in input order, however many workers encode them."""
     if num_workers == 1:
         for batch in batches:
             yield len(batch), _encode(tokenizer, batch)
         return
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_init_worker,
-                             initargs=(str(tokenizer_path),)) as pool:
+    with ProcessPoolExecutor(
+        num_workers, mp_context=context, initializer=_init_worker, initargs=(str(tokenizer_path),)
+    ) as pool:
         pending: deque[tuple[int, Future]] = deque()
         for batch in batches:
             pending.append((len(batch), pool.submit(_encode_in_worker, batch)))
@@ -306,9 +316,16 @@ def _token_arrays(batches: Iterator[list[str]], tokenizer: Any, tokenizer_path: 
             yield count, future.result()
 
 
-def tokenize_files(inputs: list[str], tokenizer: str | Path, out_dir: str | Path, *,
-                   num_workers: int = 2, shard_tokens: int = 2**26, field: str = "text",
-                   progress: bool = True) -> dict:
+def tokenize_files(
+    inputs: list[str],
+    tokenizer: str | Path,
+    out_dir: str | Path,
+    *,
+    num_workers: int = 2,
+    shard_tokens: int = 2**26,
+    field: str = "text",
+    progress: bool = True,
+) -> dict:
     """Tokenize text files into uint32 shards in `out_dir` and return the written manifest.
 
     Documents are read in sorted file order and encoded in order-preserving batches, so the
@@ -333,8 +350,7 @@ def tokenize_files(inputs: list[str], tokenizer: str | Path, out_dir: str | Path
     num_tokens = 0
     with tqdm(desc="tokenizing", unit="doc", disable=not progress) as bar:
         try:
-            for count, tokens in _token_arrays(_batches(files, field), loaded,
-                                               tokenizer_path, num_workers):
+            for count, tokens in _token_arrays(_batches(files, field), loaded, tokenizer_path, num_workers):
                 writer.write(tokens)
                 num_documents += count
                 num_tokens += int(tokens.size)

@@ -50,7 +50,6 @@ def resolve_data(cfg: Config) -> tuple[str, str, str]:
     """Train and validation shard directories and the tokenizer; the embedded corpus by default."""
     data = cfg.data
     if data.train is None:
-
         if data.validation is not None:
             raise ConfigError("data.validation is set but data.train is not; set both or neither")
         dirs = prepare_embedded_data()
@@ -105,12 +104,23 @@ class Trainer:
         resident_only = cfg.swarm.residency == "partial"
         # On a GPU the MoE backend and expert kernel are checked there once against the per-expert loop,
         # falling back if they fail (moe/selfcheck.py); elsewhere this is the configured choice, unchecked.
-        self.moe_backend = choose_backend(cfg.moe, cfg.model.d_model, self.device, self.autocast_dtype,
-                                          local_experts=local, resident_only=resident_only)
+        self.moe_backend = choose_backend(
+            cfg.moe,
+            cfg.model.d_model,
+            self.device,
+            self.autocast_dtype,
+            local_experts=local,
+            resident_only=resident_only,
+        )
         if self.moe_backend.checked:
             log.info("MoE backend %s (checked on %s)", self.moe_backend.label, self.device)
-        self.model = MoETransformer(cfg.model, self.moe_backend.apply(cfg.moe), local_experts=local,
-                                    device=self.device, resident_only=resident_only)
+        self.model = MoETransformer(
+            cfg.model,
+            self.moe_backend.apply(cfg.moe),
+            local_experts=local,
+            device=self.device,
+            resident_only=resident_only,
+        )
         self.model.init_weights(tr.seed)
         if tr.init_from:
             self.load_initial_weights(tr.init_from)
@@ -127,8 +137,12 @@ class Trainer:
         rank, world = (node.rank, node.world) if node else (0, 1)
         self.world = world
         self.loader = BatchLoader(  # rank r of a node reads slice r of its peer's partition
-            self.train_data, cfg.model.max_seq_len, tr.batch_size,
-            seed=cfg.data.seed, peer_index=partition * world + rank, num_peers=cfg.peer.count * world,
+            self.train_data,
+            cfg.model.max_seq_len,
+            tr.batch_size,
+            seed=cfg.data.seed,
+            peer_index=partition * world + rank,
+            num_peers=cfg.peer.count * world,
             shared=cfg.data.partition == "shared",
         )
         self.val_batches = validation_batches(self.val_data, cfg.model.max_seq_len, tr.batch_size, tr.eval_batches)
@@ -140,8 +154,9 @@ class Trainer:
         self.summary_extras: dict[str, Any] = {}
         self.first_loss: float | None = None  # of this process's first step, for the summary
         self.view: ProgressView | None = None  # the live view, while run() shows one
-        self.tensorboard = ScalarLog(tr.tensorboard_dir or self.run_dir / "tensorboard") \
-            if tr.tensorboard and self.is_main else None
+        self.tensorboard = (
+            ScalarLog(tr.tensorboard_dir or self.run_dir / "tensorboard") if tr.tensorboard and self.is_main else None
+        )
 
     # State -----------------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -160,8 +175,14 @@ class Trainer:
         if not self.is_main:
             return None
         try:
-            path = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.trainer_state(),
-                                   keep=self.cfg.train.keep_checkpoints)
+            path = save_checkpoint(
+                self.run_dir,
+                self.step,
+                self.model,
+                self.optimizer,
+                self.trainer_state(),
+                keep=self.cfg.train.keep_checkpoints,
+            )
         except CheckpointError as exc:
             if final:
                 raise
@@ -197,7 +218,9 @@ class Trainer:
         """Start from another checkpoint's weights (an upcycled model, say): step 0, fresh optimizer."""
         path = find_checkpoint(checkpoint)
         if path is None:
-            raise CheckpointError(f"train.init_from={checkpoint}: no checkpoint there; give a checkpoint or run directory")
+            raise CheckpointError(
+                f"train.init_from={checkpoint}: no checkpoint there; give a checkpoint or run directory"
+            )
         load_checkpoint(path, self.model, fingerprint=self.cfg.model_fingerprint())
         log.info("initial weights from %s", path)
         return path
@@ -249,8 +272,13 @@ class Trainer:
         self.step += 1
         self.tokens += step_tokens
         self.last_metrics = {
-            "step": self.step, **parts, "lr": lr, "grad_norm": grad_norm,
-            "tokens": self.tokens, "tokens_per_s": step_tokens / elapsed, "step_time_s": elapsed,
+            "step": self.step,
+            **parts,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": self.tokens,
+            "tokens_per_s": step_tokens / elapsed,
+            "step_time_s": elapsed,
         }
         if self.model.resident_only:  # fraction of top-k assignments dropped, per layer
             self.last_metrics["skip_rate"] = [round(r, 4) for r in skips]
@@ -291,8 +319,11 @@ class Trainer:
 
         With ``progress`` the live view (``progress.py``) shows this peer's step, loss, rounds and ETA."""
         tr = self.cfg.train
-        self.view = ProgressView([self.run_dir.name], tr.max_steps, console=Console(stderr=True)) \
-            if progress and self.is_main else None
+        self.view = (
+            ProgressView([self.run_dir.name], tr.max_steps, console=Console(stderr=True))
+            if progress and self.is_main
+            else None
+        )
         try:
             with self.view or contextlib.nullcontext():
                 while self.step < tr.max_steps:
@@ -342,8 +373,13 @@ class Trainer:
             **self.summary_extras,
         }
         if self.node is not None:  # one line per rank: equal digests mean the ranks stayed identical
-            node = {"rank": self.node.rank, "world": self.node.world, "step": self.step,
-                    "local_experts": self.model.local_experts, "digest": self.node.digest(self.model)}
+            node = {
+                "rank": self.node.rank,
+                "world": self.node.world,
+                "step": self.step,
+                "local_experts": self.model.local_experts,
+                "digest": self.node.digest(self.model),
+            }
             (self.run_dir / f"node-rank{self.node.rank}.json").write_text(json.dumps(node))
             summary["node"] = node
         if self.is_main:

@@ -19,16 +19,29 @@ from pathlib import Path
 
 from hivemind.proto import averaging_pb2
 
+from benchmarks.lab.chaos import group_alive
 from dht.node import start_dht
-from p2p_spes.allreduce import GroupAllReduce
-from p2p_spes.chaos import group_alive
+from p2p_spes.averaging.allreduce import GroupAllReduce
+from p2p_spes.averaging.reducer import PartServer
 from p2p_spes.local_swarm import spawn_bootstrap
-from p2p_spes.reducer import PartServer
 
 __all__ = [
-    "P2P", "ROOT", "SMALL", "SMALL_MODEL", "assert_groups_applied_whole", "assert_identical_after_rounds",
-    "free_port", "group_alive", "join_once", "last_step", "rounds", "start_bootstrap", "start_volunteer", "stop",
-    "volunteer_output", "wait_for",
+    "P2P",
+    "ROOT",
+    "SMALL",
+    "SMALL_MODEL",
+    "assert_groups_applied_whole",
+    "assert_identical_after_rounds",
+    "free_port",
+    "group_alive",
+    "join_once",
+    "last_step",
+    "rounds",
+    "start_bootstrap",
+    "start_volunteer",
+    "stop",
+    "volunteer_output",
+    "wait_for",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,15 +49,30 @@ P2P = [sys.executable, "-m", "p2p_spes"]
 
 # A model small enough for one-process unit tests (no data, no swarm): 8 experts top-2, vocab 97.
 SMALL_MODEL = [
-    "model.vocab_size=97", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-    "model.max_seq_len=16", "moe.num_experts=8", "moe.top_k=2", "moe.ffn_dim=48",
+    "model.vocab_size=97",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=16",
+    "moe.num_experts=8",
+    "moe.top_k=2",
+    "moe.ffn_dim=48",
 ]
 
 # A loopback swarm run that trains in seconds per round on 2 shared cores: 6 experts, a round every 10 steps.
 SMALL = [
-    "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
-    "moe.num_experts=6", "moe.ffn_dim=64", "train.batch_size=4", "train.warmup_steps=2",
-    "train.eval_interval=30", "train.log_interval=5", "swarm.sync_steps=10", "swarm.matchmaking_time=8",
+    "model.d_model=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=32",
+    "moe.num_experts=6",
+    "moe.ffn_dim=64",
+    "train.batch_size=4",
+    "train.warmup_steps=2",
+    "train.eval_interval=30",
+    "train.log_interval=5",
+    "swarm.sync_steps=10",
+    "swarm.matchmaking_time=8",
     "swarm.averaging_timeout=15",
 ]
 
@@ -96,7 +124,9 @@ def start_bootstrap(tmp_path: Path, port: int, name: str, extra: list[str] = ())
 # Runs a command with SIGINT back at its default. A suite started as a background job of a non-interactive
 # shell inherits SIGINT ignored, and bash cannot trap a signal ignored on entry, so the volunteer script
 # would never see the Ctrl-C the tests send it. (A preexec_fn would do it too, but is unsafe with threads.)
-RESET_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+RESET_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+)
 WITH_DEFAULT_SIGINT = [sys.executable, "-c", RESET_SIGINT]
 
 
@@ -104,10 +134,30 @@ def start_volunteer(tmp_path: Path, maddrs: list[str], run_id: str) -> subproces
     """launch/volunteer.sh on loopback, CPU, with the already-installed interpreter (no install step)."""
     with open(tmp_path / "volunteer.out", "w") as f:
         return subprocess.Popen(
-            [*WITH_DEFAULT_SIGINT, "bash", str(ROOT / "launch" / "volunteer.sh"), "--initial-peers", *maddrs, "--run-id", run_id,
-             "--no-install", "--device", "cpu", "--dir", str(tmp_path / "vol"), "--max-restarts", "0",
-             "--", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--set", "train.threads=1"],
-            stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                *WITH_DEFAULT_SIGINT,
+                "bash",
+                str(ROOT / "launch" / "volunteer.sh"),
+                "--initial-peers",
+                *maddrs,
+                "--run-id",
+                run_id,
+                "--no-install",
+                "--device",
+                "cpu",
+                "--dir",
+                str(tmp_path / "vol"),
+                "--max-restarts",
+                "0",
+                "--",
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                "--set",
+                "train.threads=1",
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env=dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"),
         )
 
@@ -119,8 +169,19 @@ def volunteer_output(tmp_path: Path) -> str:
 
 def join_once(run_dir: Path, maddrs: list[str], overrides: list[str]) -> subprocess.CompletedProcess:
     """A peer of run ``local`` with ``overrides`` started against ``maddrs`` and run to its end (or refusal)."""
-    cmd = [*P2P, "train", "--no-progress", "--run-dir", str(run_dir), "--run-id", "local", "--initial-peers", *maddrs,
-           "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"]
+    cmd = [
+        *P2P,
+        "train",
+        "--no-progress",
+        "--run-dir",
+        str(run_dir),
+        "--run-id",
+        "local",
+        "--initial-peers",
+        *maddrs,
+        "--set",
+        "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]",
+    ]
     for item in overrides:
         cmd += ["--set", item]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True)
@@ -153,10 +214,14 @@ def assert_identical_after_rounds(dirs: list[Path], min_common: int) -> None:
     per_peer = [rounds(d) for d in dirs]
     common = sorted(set.intersection(*(set(r) for r in per_peer)))
     complete = [
-        n for n in common
+        n
+        for n in common
         if all(
-            r[n]["shared_ok"] and r[n]["shared_members"] == len(dirs) and not r[n]["groups_failed"]
-            and not r[n]["refresh_missed"] for r in per_peer
+            r[n]["shared_ok"]
+            and r[n]["shared_members"] == len(dirs)
+            and not r[n]["groups_failed"]
+            and not r[n]["refresh_missed"]
+            for r in per_peer
         )
     ]
     assert len(complete) >= min_common, (common, [{n: r[n]["shared_members"] for n in r} for r in per_peer])
@@ -205,10 +270,14 @@ def assert_groups_applied_whole(per_peer: dict[str, dict[int, dict]]) -> int:
                     results[(n, group, g["group_id"])][peer] = _held_digest(r, group)
     for key, by_peer in sizes.items():
         assert len(set(by_peer.values())) == 1, f"round {key[0]} group {key[1]}: members disagree on its size {by_peer}"
-        assert len(by_peer) <= next(iter(by_peer.values())), f"round {key[0]} group {key[1]}: more members than its size"
+        assert len(by_peer) <= next(iter(by_peer.values())), (
+            f"round {key[0]} group {key[1]}: more members than its size"
+        )
     for (n, group, gid), by_peer in results.items():
         assert None not in by_peer.values(), f"round {n}: a member of {group} does not hold it {by_peer}"
-        assert len(set(by_peer.values())) == 1, f"round {n}: members of {group} ({gid}) hold different results {by_peer}"
+        assert len(set(by_peer.values())) == 1, (
+            f"round {n}: members of {group} ({gid}) hold different results {by_peer}"
+        )
     for peer, records in per_peer.items():
         for n, r in records.items():
             shared = r["groups"]["shared"]
@@ -277,4 +346,5 @@ class Dies(GroupAllReduce):
 
         def gone():
             raise RuntimeError("this member died after joining")
+
         return await super().run(round_no, group, gone, weight, expected, **kwargs)

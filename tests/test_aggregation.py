@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_spes.aggregation import build_aggregator, centered_clip, trimmed_mean, weighted_mean
+from p2p_spes.averaging.aggregation import build_aggregator, centered_clip, trimmed_mean, weighted_mean
 from p2p_spes.config import load_config
 from p2p_spes.errors import ConfigError
 from p2p_spes.swarm.outer import UpdateGuard

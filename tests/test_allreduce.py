@@ -9,13 +9,13 @@ import torch
 from helpers import Dies, Peers
 from hivemind.proto import averaging_pb2
 
-from p2p_spes import allreduce
-from p2p_spes.aggregation import build_aggregator
-from p2p_spes.allreduce import HOLD, GroupAllReduce, weighted_mean
-from p2p_spes.compression import Codec
-from p2p_spes.matchmaking import ABORT_HOLD, DECISION_LAG
-from p2p_spes.reducer import PartServer
-from p2p_spes.transport import TransportError, TruncatedStream, parse_tensor, serialize_parts, tensor_digest
+from p2p_spes.averaging import allreduce
+from p2p_spes.averaging.aggregation import build_aggregator
+from p2p_spes.averaging.allreduce import HOLD, GroupAllReduce, weighted_mean
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.matchmaking import ABORT_HOLD, DECISION_LAG
+from p2p_spes.averaging.reducer import PartServer
+from p2p_spes.averaging.transport import TransportError, TruncatedStream, parse_tensor, serialize_parts, tensor_digest
 
 WINDOW = 2.0  # seconds a group stays open for members after the first one arrives (matchmaking_time)
 
@@ -27,8 +27,9 @@ def dhts():
     peers.close()
 
 
-def run_group(peers, tensors, weights, compression, run_id, present=None, aggregate=None, kinds=None, timeouts=None,
-              delays=None):
+def run_group(
+    peers, tensors, weights, compression, run_id, present=None, aggregate=None, kinds=None, timeouts=None, delays=None
+):
     """Each present peer runs group "g" of round 0; ``delays`` (seconds, by index) hold a peer back first."""
     present = list(range(len(peers))) if present is None else present
     timeouts, delays = timeouts or {}, delays or {}
@@ -39,9 +40,17 @@ def run_group(peers, tensors, weights, compression, run_id, present=None, aggreg
         reducers = []
         for i in present:
             p2p = peers.p2ps[i]
-            reducer = kinds.get(i, GroupAllReduce)(dhts[i], p2p, dhts[i].peer_id.to_base58(), run_id, owner=peers.owners[i],
-                                     compression=compression, matchmaking_time=WINDOW, timeout=10.0,
-                                     aggregate=aggregate)
+            reducer = kinds.get(i, GroupAllReduce)(
+                dhts[i],
+                p2p,
+                dhts[i].peer_id.to_base58(),
+                run_id,
+                owner=peers.owners[i],
+                compression=compression,
+                matchmaking_time=WINDOW,
+                timeout=10.0,
+                aggregate=aggregate,
+            )
             await reducer.start()
             reducers.append(reducer)
         expected = {dhts[i].peer_id.to_base58() for i in range(len(dhts))}
@@ -49,6 +58,7 @@ def run_group(peers, tensors, weights, compression, run_id, present=None, aggreg
         async def member(r, i):
             await asyncio.sleep(delays.get(i, 0.0))
             return await r.run(0, "g", tensors[i], weights[i], expected, timeout=timeouts.get(i))
+
         return await asyncio.gather(*(member(r, i) for r, i in zip(reducers, present)))
 
     return peers.call(main())
@@ -102,8 +112,9 @@ def test_a_denser_result_carries_more_of_the_members_messages(dhts):
     # encoded at 12 a block: the codec of three contributions decodes every part (it refuses any other k)
     assert torch.equal(codec.result_for(3).decode_parts(results[0].messages, 10_001), results[0].tensor)
     topk = Codec("topk")  # each member encodes its tensor in one part per reducer
-    sent = torch.stack([torch.cat([topk.decode(topk.encode(c), len(c)) for c in torch.tensor_split(t, 3)])
-                        for t in tensors]).mean(0)
+    sent = torch.stack(
+        [torch.cat([topk.decode(topk.encode(c), len(c)) for c in torch.tensor_split(t, 3)]) for t in tensors]
+    ).mean(0)
     # nothing of what the members sent is held back: the result is non-zero wherever the messages were
     # (a block whose mean holds fewer than 12 values is padded with others, at the codec's smallest level)
     assert bool((results[0].tensor[sent != 0] != 0).all())
@@ -223,7 +234,9 @@ def test_a_malicious_member_moves_robust_results_a_bounded_amount(dhts, rule):
     outcome = {}
     for name, aggregate in (("mean", None), (rule, build_aggregator(rule))):
         for attempt in range(3):
-            results = run_group(dhts, tensors, weights, "none", run_id=f"bad-{rule}-{name}-{attempt}", aggregate=aggregate)
+            results = run_group(
+                dhts, tensors, weights, "none", run_id=f"bad-{rule}-{name}-{attempt}", aggregate=aggregate
+            )
             if all(r.ok for r in results):
                 break
         assert all(r.ok for r in results), [r.error for r in results]
@@ -265,8 +278,9 @@ def test_a_member_lost_mid_round_costs_the_others_a_retry_not_the_round(dhts, fa
     gone_id = dhts.nodes[2].peer_id.to_base58()
     assert not gone.ok and len(gone.members) == 3, "the lost member was not in the first attempt"
     assert all(r.ok for r in survivors), [r.error for r in survivors]
-    assert all(r.attempts == 2 and r.lost == [gone_id] and len(r.members) == 2 for r in survivors), \
-        [(r.attempts, r.lost, r.members) for r in survivors]
+    assert all(r.attempts == 2 and r.lost == [gone_id] and len(r.members) == 2 for r in survivors), [
+        (r.attempts, r.lost, r.members) for r in survivors
+    ]
     assert len({tensor_digest([r.tensor]) for r in survivors}) == 1, "the survivors' copies differ"
     torch.testing.assert_close(survivors[0].tensor, (tensors[0] + 3 * tensors[1]) / 4)
     # the retry forms once the first attempt's 10 s deadline has passed for every member (counted from
@@ -289,6 +303,7 @@ class KilledAfterJoining(GroupAllReduce):
                 await node.store(*args, **kwargs)
                 await asyncio.get_running_loop().run_in_executor(None, node.shutdown)
                 raise ConnectionAbortedError("killed after joining")
+
         self.dht = Dying()
 
     async def run(self, *args, **kwargs) -> allreduce.GroupResult:
@@ -306,11 +321,20 @@ def test_a_member_killed_before_the_transfers_costs_a_retry_that_does_not_wait_o
     peers = Peers(4)
     try:
         tensors = [torch.randn(2_001, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-        results = run_group(peers, tensors, [1.0, 3.0, 1.0], "none", run_id="t-killed", present=[0, 1, 2],
-                            kinds={2: KilledAfterJoining}, delays={2: 0.3})
+        results = run_group(
+            peers,
+            tensors,
+            [1.0, 3.0, 1.0],
+            "none",
+            run_id="t-killed",
+            present=[0, 1, 2],
+            kinds={2: KilledAfterJoining},
+            delays={2: 0.3},
+        )
         survivors = results[:2]
-        assert all(r.ok and r.attempts == 2 and len(r.members) == 2 for r in survivors), \
-            [(r.ok, r.attempts, r.members, r.error) for r in survivors]
+        assert all(r.ok and r.attempts == 2 and len(r.members) == 2 for r in survivors), [
+            (r.ok, r.attempts, r.members, r.error) for r in survivors
+        ]
         assert all(r.lost == [peers.nodes[2].peer_id.to_base58()] for r in survivors)
         assert tensor_digest([survivors[0].tensor]) == tensor_digest([survivors[1].tensor])
         torch.testing.assert_close(survivors[0].tensor, (tensors[0] + 3 * tensors[1]) / 4)
@@ -331,10 +355,12 @@ class SlowToTake(PartServer):
 
 def serving_with(handlers: type[PartServer]):
     """A GroupAllReduce whose reducer side is ``handlers`` (a member whose link or server misbehaves)."""
+
     def make(*args, **kwargs) -> GroupAllReduce:
         reducer = GroupAllReduce(*args, **kwargs)
         reducer.server = handlers(reducer.codec, reducer.aggregate, reducer.server.wait)
         return reducer
+
     return make
 
 
@@ -345,10 +371,18 @@ def test_members_keep_the_longest_deadline_any_of_them_proposed(dhts):
     inside it); the group keeps the longest deadline proposed, and every member completes the first
     attempt with the same mean."""
     tensors = [torch.randn(4_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
-    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-deadline", kinds={2: serving_with(SlowToTake)},
-                        timeouts={0: 1.0, 1: 8.0, 2: 8.0})
-    assert all(r.ok and r.attempts == 1 and len(r.members) == 3 for r in results), \
-        [(r.ok, r.attempts, r.error) for r in results]
+    results = run_group(
+        dhts,
+        tensors,
+        [1.0, 1.0, 1.0],
+        "none",
+        run_id="t-deadline",
+        kinds={2: serving_with(SlowToTake)},
+        timeouts={0: 1.0, 1: 8.0, 2: 8.0},
+    )
+    assert all(r.ok and r.attempts == 1 and len(r.members) == 3 for r in results), [
+        (r.ok, r.attempts, r.error) for r in results
+    ]
     assert len({tensor_digest([r.tensor]) for r in results}) == 1
     torch.testing.assert_close(results[0].tensor, sum(tensors) / 3)
 
@@ -367,7 +401,9 @@ def test_members_do_not_form_again_when_one_of_them_applied_the_attempt(dhts):
     themselves would give them an average that differs from the one member 0 applied: they see that it
     did (its "done" record) and fail instead, leaving the round's adopt path to take its result."""
     tensors = [torch.randn(4_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
-    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-done", kinds={0: serving_with(RefusesFetches)})
+    results = run_group(
+        dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-done", kinds={0: serving_with(RefusesFetches)}
+    )
     assert results[0].ok and len(results[0].members) == 3, results[0].error
     torch.testing.assert_close(results[0].tensor, sum(tensors) / 3)
     for r in results[1:]:
@@ -381,8 +417,10 @@ def test_no_retry_when_retries_are_off(dhts):
 
     def no_retries(*args, **kwargs) -> GroupAllReduce:
         return GroupAllReduce(*args, **kwargs, retries=0)
-    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-no-retry",
-                        kinds={0: no_retries, 1: no_retries, 2: Dies})
+
+    results = run_group(
+        dhts, tensors, [1.0, 1.0, 1.0], "none", run_id="t-no-retry", kinds={0: no_retries, 1: no_retries, 2: Dies}
+    )
     assert not any(r.ok for r in results)
     assert all(r.attempts == 1 for r in results[:2])
     assert all("refused our contribution" in r.error for r in results[:2]), [r.error for r in results[:2]]
@@ -395,8 +433,9 @@ def test_a_late_peer_joins_the_retry_of_the_group_it_missed(dhts):
     from one a member applied). The late member computes the attempt's deadline from the decision and
     joins its retry: 0 and 2 end with their own weighted mean, bit-identical."""
     tensors = [torch.randn(5_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
-    results = run_group(dhts, tensors, [1.0, 1.0, 3.0], "none", run_id="t-late-retry", kinds={1: Dies},
-                        delays={2: WINDOW + 1.5})
+    results = run_group(
+        dhts, tensors, [1.0, 1.0, 3.0], "none", run_id="t-late-retry", kinds={1: Dies}, delays={2: WINDOW + 1.5}
+    )
     first, late = results[0], results[2]
     assert first.ok and late.ok, [first.error, late.error]
     assert first.attempts == late.attempts == 2
@@ -421,10 +460,12 @@ def test_the_retry_waits_for_a_member_that_read_the_decision_late(dhts, monkeypa
         if peer_id == slow and not key.endswith("~2"):
             await asyncio.sleep(2.5)
         return joined
+
     monkeypatch.setattr(allreduce, "join_group", reads_late)
     tensors = [torch.randn(5_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
-    results = run_group(dhts, tensors, [1.0, 1.0, 3.0], "none", run_id="t-late-decision", kinds={1: Freezes},
-                        delays={2: WINDOW + 1.5})
+    results = run_group(
+        dhts, tensors, [1.0, 1.0, 3.0], "none", run_id="t-late-decision", kinds={1: Freezes}, delays={2: WINDOW + 1.5}
+    )
     first, late = results[0], results[2]
     assert first.ok and late.ok, [first.error, late.error]
     assert first.attempts == late.attempts == 2 and first.members == late.members and len(first.members) == 2
@@ -439,7 +480,9 @@ def test_a_late_peer_of_a_group_that_succeeds_reports_it_without_forming_another
     deadline and 30 s: a peer a round behind), waits for the retry that never forms (they said they
     applied the attempt) and reports the group it missed, whose result it may adopt."""
     tensors = [torch.randn(5_001, generator=torch.Generator().manual_seed(i)) for i in range(len(dhts))]
-    results = run_group(dhts, tensors, [1.0, 1.0, 1.0], "none", run_id=f"t-late-done-{late_by:.0f}", delays={2: late_by})
+    results = run_group(
+        dhts, tensors, [1.0, 1.0, 1.0], "none", run_id=f"t-late-done-{late_by:.0f}", delays={2: late_by}
+    )
     assert all(r.ok and len(r.members) == 2 for r in results[:2]), [r.error for r in results[:2]]
     late = results[2]
     late_id = dhts.nodes[2].peer_id.to_base58()
@@ -459,8 +502,10 @@ class DiesInTheRetry(GroupAllReduce):
 
     async def _attempt(self, round_no, group, key, tensor, *args, **kwargs):
         if key != group:
+
             def gone():
                 raise RuntimeError("this member died inside the retry")
+
             tensor = gone
         return await super()._attempt(round_no, group, key, tensor, *args, **kwargs)
 
@@ -475,11 +520,19 @@ def test_two_deaths_in_one_round_cost_a_second_retry_not_the_round():
 
         def two_retries(*args, **kwargs) -> GroupAllReduce:
             return GroupAllReduce(*args, **{**kwargs, "retries": 2})
-        results = run_group(peers, tensors, [1.0, 2.0, 1.0, 1.0], "none", run_id="t-two-deaths",
-                            kinds={0: two_retries, 1: two_retries, 2: DiesInTheRetry, 3: Dies})
+
+        results = run_group(
+            peers,
+            tensors,
+            [1.0, 2.0, 1.0, 1.0],
+            "none",
+            run_id="t-two-deaths",
+            kinds={0: two_retries, 1: two_retries, 2: DiesInTheRetry, 3: Dies},
+        )
         survivors = results[:2]
-        assert all(r.ok and r.attempts == 3 and len(r.members) == 2 for r in survivors), \
-            [(r.ok, r.attempts, r.error) for r in survivors]
+        assert all(r.ok and r.attempts == 3 and len(r.members) == 2 for r in survivors), [
+            (r.ok, r.attempts, r.error) for r in survivors
+        ]
         assert not results[2].ok and results[2].attempts == 2
         assert tensor_digest([survivors[0].tensor]) == tensor_digest([survivors[1].tensor])
         torch.testing.assert_close(survivors[0].tensor, (tensors[0] + 2 * tensors[1]) / 3)

@@ -23,8 +23,14 @@ from p2p_spes.moe import BackendChoice, MegaBlocksMoE, TorchMoE, choose_backend,
 from p2p_spes.moe.selfcheck import candidates
 
 SMALL = [
-    "model.vocab_size=97", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-    "model.max_seq_len=16", "moe.num_experts=8", "moe.top_k=2", "moe.ffn_dim=48",
+    "model.vocab_size=97",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=16",
+    "moe.num_experts=8",
+    "moe.top_k=2",
+    "moe.ffn_dim=48",
 ]
 CPU = torch.device("cpu")
 
@@ -103,16 +109,20 @@ def test_a_backend_that_raises_falls_back_to_the_next_and_is_logged(caplog):
     assert (applied.impl, applied.torch_kernel) == ("torch", "grouped_mm")
 
 
-@pytest.mark.parametrize("how, finding", [
-    ("output", "output differs from the per-expert loop"),
-    ("gradient", "gradient of the input differs"),
-    ("eval", "eval-mode output differs"),
-    ("statistics", "mean_probs differs"),
-    ("nan", "output is not finite"),
-])
+@pytest.mark.parametrize(
+    "how, finding",
+    [
+        ("output", "output differs from the per-expert loop"),
+        ("gradient", "gradient of the input differs"),
+        ("eval", "eval-mode output differs"),
+        ("statistics", "mean_probs differs"),
+        ("nan", "output is not finite"),
+    ],
+)
 def test_a_kernel_that_disagrees_falls_back_to_the_loop(how, finding):
-    choice = choose_backend(moe_config(), 32, CPU, check=True, megablocks=False,
-                            builders={"torch:grouped_mm": disagreeing(how)})
+    choice = choose_backend(
+        moe_config(), 32, CPU, check=True, megablocks=False, builders={"torch:grouped_mm": disagreeing(how)}
+    )
     assert choice.label == "torch:loop" and choice.checked
     assert choice.findings[0] == "megablocks: not installed"
     assert choice.findings[1].startswith("torch:grouped_mm: ") and finding in choice.findings[1]
@@ -122,8 +132,11 @@ def test_a_kernel_that_disagrees_falls_back_to_the_loop(how, finding):
 
 def test_an_explicit_megablocks_that_fails_is_an_error_with_the_finding():
     cfg = moe_config("moe.impl=megablocks")
-    with pytest.raises(BackendError, match="moe.impl=megablocks failed its start-up check on cpu: megablocks: "
-                                           "RuntimeError: CUDA error: no kernel image"):
+    with pytest.raises(
+        BackendError,
+        match="moe.impl=megablocks failed its start-up check on cpu: megablocks: "
+        "RuntimeError: CUDA error: no kernel image",
+    ):
         choose_backend(cfg, 32, CPU, check=True, megablocks=True, builders={"megablocks": raising})
     with pytest.raises(BackendError, match="moe.impl=megablocks failed .*not importable"):  # the real one, here
         choose_backend(cfg, 32, CPU, check=True)
@@ -144,8 +157,9 @@ def test_when_megablocks_passes_it_is_chosen(monkeypatch):
     def build(cfg, d_model, local, device, resident_only):
         return MegaBlocksMoE(cfg, d_model, local, device=device, api=api)
 
-    choice = choose_backend(moe_config(), 32, CPU, local_experts=[1, 6], check=True, megablocks=True,
-                            builders={"megablocks": build})
+    choice = choose_backend(
+        moe_config(), 32, CPU, local_experts=[1, 6], check=True, megablocks=True, builders={"megablocks": build}
+    )
     assert (choice.label, choice.checked, choice.findings) == ("megablocks", True, [])
     assert choice.apply(moe_config()).impl == "megablocks"
 
@@ -181,4 +195,7 @@ def test_the_trainer_builds_with_the_choice_and_reports_it(tmp_path, monkeypatch
     assert all(e.kernel == "loop" for e in trainer.model.expert_modules())
     summary = trainer.write_summary()
     assert (summary["moe_backend"], summary["moe_backend_checked"], summary["moe_backend_findings"]) == (
-        "torch:loop", True, found)
+        "torch:loop",
+        True,
+        found,
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 
-from p2p_spes.chaos import Chaos, analyse, orphaned, read_metrics
+from benchmarks.lab.chaos import Chaos, analyse, orphaned, read_metrics
 from p2p_spes.checkpoint import find_checkpoint, read_state
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
@@ -25,10 +25,20 @@ pytestmark = pytest.mark.slow  # a 4-peer loopback swarm through faults
 
 MATCHMAKING, TIMEOUT, SYNC = 4.0, 8.0, 10
 CHAOS = [
-    "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
-    "moe.num_experts=8", "moe.ffn_dim=64", "train.batch_size=4", "train.warmup_steps=2",
-    "train.eval_interval=1000", "train.log_interval=1", "train.checkpoint_interval=10",
-    f"swarm.sync_steps={SYNC}", f"swarm.matchmaking_time={MATCHMAKING}", f"swarm.averaging_timeout={TIMEOUT}",
+    "model.d_model=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=32",
+    "moe.num_experts=8",
+    "moe.ffn_dim=64",
+    "train.batch_size=4",
+    "train.warmup_steps=2",
+    "train.eval_interval=1000",
+    "train.log_interval=1",
+    "train.checkpoint_interval=10",
+    f"swarm.sync_steps={SYNC}",
+    f"swarm.matchmaking_time={MATCHMAKING}",
+    f"swarm.averaging_timeout={TIMEOUT}",
     "swarm.replicas=2",
 ]
 
@@ -37,8 +47,10 @@ def wait_for_round(swarm: LocalSwarm, peers: list[int], round_no: int, timeout: 
     """Until each of ``peers`` has logged a sync round numbered ``round_no`` or later."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        reached = [max((r["sync_round"] for r in read_metrics(swarm.run_dir / f"peer{i}") if "sync_round" in r), default=-1)
-                   for i in peers]
+        reached = [
+            max((r["sync_round"] for r in read_metrics(swarm.run_dir / f"peer{i}") if "sync_round" in r), default=-1)
+            for i in peers
+        ]
         if min(reached) >= round_no:
             return
         time.sleep(0.5)
@@ -94,8 +106,9 @@ def test_a_run_outlives_its_bootstrap_and_a_full_disk_during_a_checkpoint(tmp_pa
     # with no error, the full disk cost that peer one checkpoint, and its final checkpoint is written.
     if os.geteuid() != 0:
         pytest.skip("filling a disk needs a tmpfs of its own: run as root")
-    swarm = LocalSwarm(None, CHAOS + ["train.max_steps=90"], peers=2, run_dir=tmp_path, run_id="boot",
-                       bootstrap_port=free_port())
+    swarm = LocalSwarm(
+        None, CHAOS + ["train.max_steps=90"], peers=2, run_dir=tmp_path, run_id="boot", bootstrap_port=free_port()
+    )
     chaos = Chaos(swarm, SYNC, freeze_seconds=0, seed=2)
     (tmp_path / "peer1").mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(tmp_path / "peer1")], check=True)
@@ -123,9 +136,20 @@ def test_a_run_outlives_its_bootstrap_and_a_full_disk_during_a_checkpoint(tmp_pa
 def test_analyse_names_the_experts_and_peers_whose_versions_differ(tmp_path: Path) -> None:
     """Pure: two clean members of one shared group that hold different versions of expert 3 fail the
     check, and the failure says which expert and which peers; the round before, with equal versions, passes."""
+
     def row(rnd: int, digests: dict[str, str]) -> dict:
-        return {"time": 100.0 + rnd, "step": 10 * rnd, "sync_round": rnd, "shared_ok": True, "groups_failed": [],
-                "refresh_missed": [], "shared_group": "g", "shared_digest": "s", "expert_digests": digests}
+        return {
+            "time": 100.0 + rnd,
+            "step": 10 * rnd,
+            "sync_round": rnd,
+            "shared_ok": True,
+            "groups_failed": [],
+            "refresh_missed": [],
+            "shared_group": "g",
+            "shared_digest": "s",
+            "expert_digests": digests,
+        }
+
     same = {"1": "a", "3": "b"}
     for i, third in enumerate(("b", "c")):
         (tmp_path / f"peer{i}").mkdir()
@@ -133,4 +157,6 @@ def test_analyse_names_the_experts_and_peers_whose_versions_differ(tmp_path: Pat
         (tmp_path / f"peer{i}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     report = analyse(tmp_path, 2, [], deadline=10.0)
     assert report.consistency_checks == 4
-    assert report.consistency_failures == ["round 2: clean members of group g (peers [0, 1]) hold different versions of experts ['3']"]
+    assert report.consistency_failures == [
+        "round 2: clean members of group g (peers [0, 1]) hold different versions of experts ['3']"
+    ]

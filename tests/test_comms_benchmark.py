@@ -3,16 +3,10 @@ without a server can move (``benchmarks/comms.py``, ``docs/method.md``)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import comms
-
-from p2p_spes.compression import BLOCK, CODECS, HEADER_BYTES, Codec
+from benchmarks import comms
+from p2p_spes.averaging.compression import BLOCK, CODECS, HEADER_BYTES, Codec
 
 DENSE = ("none", "fp16", "int8", "int4")  # every value sent, averaged parts as dense as the messages
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from helpers import SMALL, assert_identical_after_rounds, join_once, rounds
 
+from p2p_spes.averaging.transport import tensor_digest
 from p2p_spes.checkpoint import find_checkpoint, load_checkpoint
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.model import MoETransformer
-from p2p_spes.transport import tensor_digest
 
 
 def checkpoint_digests(run_dir, local: list[int]) -> dict[str, str]:
@@ -41,9 +41,20 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
     # machine a peer whose record came late at two boundaries looked gone, and the other took over
     # one of its experts (then 2 holders averaged it, and the test's premise no longer held). 70 steps give
     # 7 boundaries: a peer that starts late under CI load still joins at least 4 rounds
-    swarm = LocalSwarm(None, SMALL + ["train.max_steps=70", "swarm.merge_interval=20", "swarm.max_experts_per_peer=3",
-                                      f"swarm.compression={compression}", f"swarm.keep_local_progress={keep}", *dense],
-                       peers=2, run_dir=tmp_path)
+    swarm = LocalSwarm(
+        None,
+        SMALL
+        + [
+            "train.max_steps=70",
+            "swarm.merge_interval=20",
+            "swarm.max_experts_per_peer=3",
+            f"swarm.compression={compression}",
+            f"swarm.keep_local_progress={keep}",
+            *dense,
+        ],
+        peers=2,
+        run_dir=tmp_path,
+    )
     try:
         swarm.start()
         codes = swarm.wait(timeout=300)
@@ -66,8 +77,9 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
         records = sorted(rounds(d).items())
         first = min(n for n, r in records if r["outcome"] == "averaged")
         later = [r for n, r in records if n > first]
-        assert later and all(r["refreshed_by_delta"] == r["refreshed"] == 3 for r in later), \
-            [(r["refreshed"], r["refreshed_by_delta"]) for r in later]
+        assert later and all(r["refreshed_by_delta"] == r["refreshed"] == 3 for r in later), [
+            (r["refreshed"], r["refreshed_by_delta"]) for r in later
+        ]
         assert s["delta_refreshes"] >= 3 * len(later)
         # anchors (shared + 3 own experts) and the residual of what our shared messages dropped, on the
         # CPU; the experts each peer holds alone keep none: their anchors trail the weights instead
@@ -89,8 +101,9 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
         # a lone holder's update is a group of one's result: 4 of 256 values a block under topk (0.007 of
         # fp32, and the framing), 16 with topk_result_fraction 4/64 (0.022)
         limit = {"topk": 0.03 if dense else 0.012, "int8": 0.3}[compression] * 3 * expert_bytes()
-        assert all(r["downloaded_bytes"] < limit for r in later), \
+        assert all(r["downloaded_bytes"] < limit for r in later), (
             f"refreshes downloaded {[r['downloaded_bytes'] for r in later]} bytes, 3 whole experts are {3 * expert_bytes()}"
+        )
 
 
 @pytest.mark.slow
@@ -106,5 +119,7 @@ def test_a_peer_with_another_codec_is_refused_before_sending_anything(tmp_path):
     assert "encodes its sync rounds differently" in proc.stderr, proc.stderr[-2000:]
     assert "compression topk (topk_fraction 0.015625) there, compression int8 here" in proc.stderr
     assert "run-wide" in proc.stderr
-    assert not (tmp_path / "other" / "metrics.jsonl").exists() or "sync_round" not in \
-        (tmp_path / "other" / "metrics.jsonl").read_text()
+    assert (
+        not (tmp_path / "other" / "metrics.jsonl").exists()
+        or "sync_round" not in (tmp_path / "other" / "metrics.jsonl").read_text()
+    )

@@ -1,4 +1,4 @@
-"""Codecs for pseudo-gradients (p2p_spes/compression.py): round trips, refusals, error feedback."""
+"""Codecs for pseudo-gradients (p2p_spes/averaging/compression.py): round trips, refusals, error feedback."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import hashlib
 import pytest
 import torch
 
-from p2p_spes.compression import BLOCK, CODECS, HEADER_BYTES, Codec, ErrorFeedback
+from p2p_spes.averaging.compression import BLOCK, CODECS, HEADER_BYTES, Codec, ErrorFeedback
+from p2p_spes.averaging.transport import TransportError
 from p2p_spes.swarm.membership import describe_sync, sync_settings
-from p2p_spes.transport import TransportError
 
 SIZES = [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17, 20_000]
 
@@ -45,7 +45,7 @@ def test_round_trip_size_and_error(name, numel):
         k = codec.k
         for b, row in enumerate(rows):
             length = min(BLOCK, numel - b * BLOCK)
-            kept = y[b * BLOCK: b * BLOCK + length].nonzero().flatten()
+            kept = y[b * BLOCK : b * BLOCK + length].nonzero().flatten()
             largest = row[:length].abs().topk(min(k, length)).indices.sort().values
             assert torch.equal(kept, largest), f"block {b} kept other positions than its {k} largest"
             scale = row[:length].abs().max()
@@ -100,7 +100,7 @@ def test_well_sealed_but_invalid_bodies_are_refused():
     with pytest.raises(TransportError, match="out of order or repeated"):
         topk.decode(reseal(swapped), 2 * BLOCK)
     inf_scale = message.clone()
-    inf_scale[HEADER_BYTES:HEADER_BYTES + 2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
+    inf_scale[HEADER_BYTES : HEADER_BYTES + 2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
     with pytest.raises(TransportError, match="scales"):
         topk.decode(reseal(inf_scale), 2 * BLOCK)
     int8 = Codec("int8")
@@ -119,8 +119,10 @@ def test_parts_decode_in_tensor_split_order():
     codec = Codec("int8")
     x = torch.randn(1001)
     messages = [codec.encode(c) for c in torch.tensor_split(x, 3)]
-    torch.testing.assert_close(codec.decode_parts(messages, 1001), torch.cat([codec.decode(m, len(c)) for m, c in
-                                                                               zip(messages, torch.tensor_split(x, 3))]))
+    torch.testing.assert_close(
+        codec.decode_parts(messages, 1001),
+        torch.cat([codec.decode(m, len(c)) for m, c in zip(messages, torch.tensor_split(x, 3))]),
+    )
 
 
 @pytest.mark.parametrize("name", ["int4", "topk"])
@@ -165,7 +167,9 @@ def test_a_denser_result_codec_is_topk_only_and_refused_by_the_members_codec():
     two are told apart by the header's k, so a part decoded with the wrong one is refused."""
     codec = Codec("topk", 1 / 64, 4 / 64)
     assert (codec.k, codec.result.k) == (4, 16) and codec.result.result == codec.result
-    assert Codec("topk").result == Codec("topk") and Codec("int8", result_fraction=0.5).result == Codec("int8", result_fraction=0.5)
+    assert Codec("topk").result == Codec("topk") and Codec("int8", result_fraction=0.5).result == Codec(
+        "int8", result_fraction=0.5
+    )
     torch.manual_seed(3)
     x = torch.randn(1000)
     message = codec.result.encode(x)
@@ -209,8 +213,10 @@ def test_the_result_share_is_run_wide_but_absent_from_runs_that_leave_it_unset()
     assert sync_settings("topk", 1 / 64, None) == sync_settings("topk", 1 / 64)
     assert sync_settings("topk", 1 / 64, 0.0625) != sync_settings("topk", 1 / 64)
     assert sync_settings("int8", 1 / 64, 0.0625) == sync_settings("int8", 1 / 64)
-    assert describe_sync(sync_settings("topk", 1 / 64, 0.0625)) == \
-        "compression topk (topk_fraction 0.015625) (topk_result_fraction 0.0625)"
+    assert (
+        describe_sync(sync_settings("topk", 1 / 64, 0.0625))
+        == "compression topk (topk_fraction 0.015625) (topk_result_fraction 0.0625)"
+    )
 
 
 @pytest.mark.parametrize("k_share", [1 / 64, 4 / 64])
@@ -225,4 +231,4 @@ def test_a_sparse_last_block_names_only_its_own_positions(k_share):
         out = codec.decode(codec.encode(x), x.numel())
         assert out[2 * BLOCK + rest - 1] == pytest.approx(0.5, rel=1e-3)
         zeros = codec.decode(codec.encode(torch.zeros(rest)), rest)  # nothing to send: the smallest scale
-        assert zeros.abs().max() <= 2.0 ** -14
+        assert zeros.abs().max() <= 2.0**-14

@@ -14,7 +14,9 @@ def test_tiny_yaml_is_the_embedded_default():
 
 
 def test_overrides_are_typed():
-    cfg = load_config("tiny", ["model.num_layers=2", "train.lr=1e-3", "train.betas=[0.8, 0.9]", "experts.decayed_lb=true"])
+    cfg = load_config(
+        "tiny", ["model.num_layers=2", "train.lr=1e-3", "train.betas=[0.8, 0.9]", "experts.decayed_lb=true"]
+    )
     assert cfg.model.num_layers == 2 and isinstance(cfg.model.num_layers, int)
     assert cfg.train.lr == 1e-3 and cfg.train.betas == (0.8, 0.9) and cfg.experts.decayed_lb is True
     assert parse_override("data.train=/some/where") == ("data.train", "/some/where")
@@ -86,8 +88,20 @@ def test_scopes_live_on_the_fields_and_the_lists_derive_from_them():
 
     cfg = load_config(None)
     assert cfg.model_defining() == {
-        "model": {k: getattr(cfg.model, k) for k in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len",
-                                                     "rope_theta", "norm_eps", "qk_norm", "init_std")},
+        "model": {
+            k: getattr(cfg.model, k)
+            for k in (
+                "vocab_size",
+                "d_model",
+                "num_layers",
+                "num_heads",
+                "max_seq_len",
+                "rope_theta",
+                "norm_eps",
+                "qk_norm",
+                "init_std",
+            )
+        },
         "moe": {"num_experts": 8, "top_k": 2, "ffn_dim": 512, "normalize_top_k": False},
     }
     assert scope_of("swarm", "run_id") == "local" and scope_of("experts", "placement") == "run"
@@ -101,10 +115,13 @@ def test_scopes_live_on_the_fields_and_the_lists_derive_from_them():
     assert run_config_record(load_config(None, ["experts.placement=spes"]))["hash"] != base
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--run-id", "a.b"], r"swarm.run_id 'a.b' must be non-empty, without spaces, dots or slashes"),
-    (["--initial-peers", "not-an-address"], None),  # a multiaddr is checked when the swarm starts, not here
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--run-id", "a.b"], r"swarm.run_id 'a.b' must be non-empty, without spaces, dots or slashes"),
+        (["--initial-peers", "not-an-address"], None),  # a multiaddr is checked when the swarm starts, not here
+    ],
+)
 def test_command_line_flags_are_validated_like_set(flags, message, capsys, tmp_path):
     from p2p_spes.cli import _overrides, build_parser
 

@@ -37,8 +37,13 @@ SAMPLES = [
 def test_assets_exist_and_are_small():
     files = [p for p in corpus.ASSETS_DIR.rglob("*") if p.is_file()]
     names = {p.relative_to(corpus.ASSETS_DIR).as_posix() for p in files}
-    assert {"corpus/train.jsonl.xz", "corpus/validation.jsonl.xz", "corpus/LICENSE",
-            "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= names
+    assert {
+        "corpus/train.jsonl.xz",
+        "corpus/validation.jsonl.xz",
+        "corpus/LICENSE",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+    } <= names
     assert sum(p.stat().st_size for p in files) <= 5 * 1024 * 1024
     licence = (corpus.ASSETS_DIR / "corpus" / "LICENSE").read_text()
     assert "python3.11-doc" in licence and "PSF License" in licence and "PYTHON SOFTWARE FOUNDATION" in licence
@@ -95,8 +100,9 @@ def _token_dirs(root: Path, text: str) -> Path:
     for split in corpus.SPLITS:
         (root / f"{split}.txt").parent.mkdir(parents=True, exist_ok=True)
         (root / f"{split}.txt").write_text(text)
-        tokenize_files([str(root / f"{split}.txt")], embedded_tokenizer_path(), root / split, num_workers=1,
-                       progress=False)
+        tokenize_files(
+            [str(root / f"{split}.txt")], embedded_tokenizer_path(), root / split, num_workers=1, progress=False
+        )
     return root
 
 
@@ -123,8 +129,10 @@ def test_cache_location_follows_the_environment(tmp_path, monkeypatch):
 
 
 def _documents() -> dict[str, str]:
-    return {f"library/mod{i}.rst.txt": f"Module {i}\n========\n\n.. function:: f{i}(x)\n\n   Returns x.\n" * 3
-            for i in range(12)}
+    return {
+        f"library/mod{i}.rst.txt": f"Module {i}\n========\n\n.. function:: f{i}(x)\n\n   Returns x.\n" * 3
+        for i in range(12)
+    }
 
 
 def _check_built(out: Path, counts: dict[str, int], documents: int) -> None:
@@ -170,9 +178,15 @@ def test_build_from_a_deb(tmp_path):
     data = {f"./usr/share/doc/python3.11/html/_sources/{name}": text.encode() for name, text in _documents().items()}
     data["./usr/share/doc/python3.11-doc/copyright"] = b"LICENCE TEXT"
     deb = tmp_path / "python3.11-doc_3.11.2_all.deb"
-    deb.write_bytes(_ar({"debian-binary": b"2.0\n",
-                         "control.tar.xz": _tar_xz({"./control": b"Package: python3.11-doc\nVersion: 9.9\n"}),
-                         "data.tar.xz": _tar_xz(data)}))
+    deb.write_bytes(
+        _ar(
+            {
+                "debian-binary": b"2.0\n",
+                "control.tar.xz": _tar_xz({"./control": b"Package: python3.11-doc\nVersion: 9.9\n"}),
+                "data.tar.xz": _tar_xz(data),
+            }
+        )
+    )
     counts = build_assets(deb, tmp_path / "out", vocab_size=300, validation_fraction=0.3)
     _check_built(tmp_path / "out", counts, len(_documents()))
     assert "python3.11-doc, version 9.9" in (tmp_path / "out" / "corpus" / "LICENSE").read_text()

@@ -17,10 +17,10 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
+from p2p_spes.averaging.transport import TransportError, parse_tensor
 from p2p_spes.checkpoint import find_checkpoint, load_checkpoint, read_state
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
-from p2p_spes.transport import TransportError, parse_tensor
 
 BIG = ["model.d_model=256", "model.num_layers=4", "model.num_heads=4", "moe.num_experts=8", "moe.ffn_dim=512"]
 
@@ -48,8 +48,9 @@ def test_sigkill_during_checkpoint_writes_always_leaves_a_complete_checkpoint(tm
     cfg = load_config(None, BIG)
     step = 0
     for attempt in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", script, str(step), *BIG], start_new_session=True,
-                                stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(step), *BIG], start_new_session=True, stderr=subprocess.PIPE
+        )
         deadline = time.monotonic() + 120
         while find_checkpoint(tmp_path) is None or read_state(find_checkpoint(tmp_path))["step"] <= step:
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
@@ -75,9 +76,21 @@ def test_a_port_in_use_is_a_clear_error(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "p2p_spes", "train", "--run-dir", str(tmp_path), "--swarm",
-             "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"],
-            capture_output=True, text=True, timeout=120, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "p2p_spes",
+                "train",
+                "--run-dir",
+                str(tmp_path),
+                "--swarm",
+                "--host-maddrs",
+                f"/ip4/127.0.0.1/tcp/{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
         )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"port {port} on 127.0.0.1 is in use" in proc.stderr
@@ -98,8 +111,12 @@ def test_pickles_in_tensor_messages_are_refused_unloaded(tmp_path, dtype, compre
     are refused as a malformed tensor, under every dtype and codec tag a sender can claim."""
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Exploit(str(marker)))
-    forged = runtime_pb2.Tensor(buffer=payload, size=[len(payload) // 4], dtype=dtype,
-                                compression=getattr(runtime_pb2.CompressionType, compression))
+    forged = runtime_pb2.Tensor(
+        buffer=payload,
+        size=[len(payload) // 4],
+        dtype=dtype,
+        compression=getattr(runtime_pb2.CompressionType, compression),
+    )
     try:  # read as raw numbers (harmless) or refused; never unpickled
         parse_tensor([forged], (len(payload) // 4,), torch.float32)
     except TransportError as exc:

@@ -26,15 +26,43 @@ from p2p_spes.local_swarm import LocalSwarm
 
 
 def snapshot(peers: dict[str, list[int]], experts: int = 4, step: int = 10, rounds=()) -> dict:
-    rows = [{"peer_id": p, "maddrs": [], "experts": e, "step": step, "round": 1, "loss": 5.0 + i, "tokens": 100 * step,
-             "tokens_per_s": 50.0, "bytes_sent": 1, "bytes_received": 2, "rounds_joined": 1, "rounds_failed": 0}
-            for i, (p, e) in enumerate(sorted(peers.items()))]
+    rows = [
+        {
+            "peer_id": p,
+            "maddrs": [],
+            "experts": e,
+            "step": step,
+            "round": 1,
+            "loss": 5.0 + i,
+            "tokens": 100 * step,
+            "tokens_per_s": 50.0,
+            "bytes_sent": 1,
+            "bytes_received": 2,
+            "rounds_joined": 1,
+            "rounds_failed": 0,
+        }
+        for i, (p, e) in enumerate(sorted(peers.items()))
+    ]
     holders = {x: [p for p, e in peers.items() if x in e] for x in range(experts)}
-    return {"run_id": "r", "time": 0.0, "peers": rows, "replicas": 1, "rounds": list(rounds),
-            "coverage": [{"expert": x, "holders": len(h), "peers": h, "status": "ok" if h else "missing"}
-                         for x, h in holders.items()],
-            "run": {"config_hashes": [], "fingerprints": ["f"], "peers": len(rows), "total_tokens": 0,
-                    "tokens_per_s": 50.0 * len(rows), "bytes_sent": 0, "bytes_received": 0}}
+    return {
+        "run_id": "r",
+        "time": 0.0,
+        "peers": rows,
+        "replicas": 1,
+        "rounds": list(rounds),
+        "coverage": [
+            {"expert": x, "holders": len(h), "peers": h, "status": "ok" if h else "missing"} for x, h in holders.items()
+        ],
+        "run": {
+            "config_hashes": [],
+            "fingerprints": ["f"],
+            "peers": len(rows),
+            "total_tokens": 0,
+            "tokens_per_s": 50.0 * len(rows),
+            "bytes_sent": 0,
+            "bytes_received": 0,
+        },
+    }
 
 
 def test_the_watch_keeps_history_from_the_moment_it_started_and_says_when_the_run_is_empty():
@@ -42,7 +70,9 @@ def test_the_watch_keeps_history_from_the_moment_it_started_and_says_when_the_ru
     round1 = {"round": 1, "step": 10, "participants": 2}
     watch.take(snapshot({"A": [0, 1], "B": [2]}, step=10, rounds=[round1]), now=100.0)
     watch.take(snapshot({"A": [0, 1], "B": [2]}, step=10), now=105.0)  # no new step: no new point
-    watch.take(snapshot({"A": [0, 1], "B": [2]}, step=20, rounds=[{"round": 2, "step": 20, "participants": 2}]), now=110.0)
+    watch.take(
+        snapshot({"A": [0, 1], "B": [2]}, step=20, rounds=[{"round": 2, "step": 20, "participants": 2}]), now=110.0
+    )
     state = watch.snapshot_json()
     assert state["status"] == "live" and state["message"] == ""
     assert [p["step"] for p in state["history"]["A"]] == [10, 20]
@@ -62,14 +92,20 @@ def test_the_server_serves_the_page_its_assets_and_the_state_and_nothing_else():
     thread.start()
     try:
         page = urllib.request.urlopen(server.url, timeout=10).read().decode()
-        assert 'id="coverage"' in page and 'src="/dashboard.js"' in page and "http" not in page.split("<body>")[1].split("api/state")[0]
+        assert (
+            'id="coverage"' in page
+            and 'src="/dashboard.js"' in page
+            and "http" not in page.split("<body>")[1].split("api/state")[0]
+        )
         script = urllib.request.urlopen(server.url + "dashboard.js", timeout=10).read().decode()
         assert "innerHTML" not in script  # run data goes in as text only
         state = json.loads(urllib.request.urlopen(server.url + "api/state", timeout=10).read())
         assert state["snapshot"]["peers"][0]["peer_id"] == "A"
         for method in ("POST", "PUT", "DELETE"):
             with pytest.raises(urllib.error.HTTPError) as err:
-                urllib.request.urlopen(urllib.request.Request(server.url + "api/state", data=b"x", method=method), timeout=10)
+                urllib.request.urlopen(
+                    urllib.request.Request(server.url + "api/state", data=b"x", method=method), timeout=10
+                )
             assert err.value.code == 405
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(server.url + "etc/passwd", timeout=10)
@@ -90,8 +126,16 @@ def chromium() -> str:
 
 def browse(url: str, profile: Path, screenshot: Path | None = None) -> str:
     """The page's DOM after its scripts ran for a few (virtual) seconds, and optionally a screenshot."""
-    args = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
-            "--virtual-time-budget=8000", "--window-size=1280,1700"]
+    args = [
+        chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=8000",
+        "--window-size=1280,1700",
+    ]
     args += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
     done = subprocess.run([*args, url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -101,16 +145,36 @@ def browse(url: str, profile: Path, screenshot: Path | None = None) -> str:
 def section(dom: str, element_id: str) -> str:
     """The markup inside the element with ``element_id`` (up to the next section)."""
     start = dom.index(f'id="{element_id}"')
-    return dom[start:dom.find("</section>", start)]
+    return dom[start : dom.find("</section>", start)]
 
 
 def start_dashboard(tmp_path: Path, name: str, initial_peers: list[str], run_id: str) -> tuple[subprocess.Popen, str]:
     with open(tmp_path / f"{name}.log", "w") as log:
-        proc = subprocess.Popen([*P2P, "dashboard", "--initial-peers", *initial_peers, "--run-id", run_id, "--port",
-                                 "0", "--interval", "1", "--bootstrap-timeout", "5"], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    text = wait_for(lambda: re.search(r"(http://127\.0\.0\.1:\d+/) ", (tmp_path / f"{name}.log").read_text()), 60,
-                    f"the {name} dashboard's address", proc)
+        proc = subprocess.Popen(
+            [
+                *P2P,
+                "dashboard",
+                "--initial-peers",
+                *initial_peers,
+                "--run-id",
+                run_id,
+                "--port",
+                "0",
+                "--interval",
+                "1",
+                "--bootstrap-timeout",
+                "5",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    text = wait_for(
+        lambda: re.search(r"(http://127\.0\.0\.1:\d+/) ", (tmp_path / f"{name}.log").read_text()),
+        60,
+        f"the {name} dashboard's address",
+        proc,
+    )
     return proc, text.group(1)
 
 
@@ -132,12 +196,14 @@ def test_the_dashboard_in_a_browser_shows_a_live_run_and_explains_a_wrong_addres
         peer_id = maddrs[0].rsplit("/", 1)[1]
         gone, gone_url = start_dashboard(tmp_path, "unreachable", [f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id}"], "dash")
         procs = [live, wrong, gone]
+
         # both peers publish their experts and have averaged a round together (the first peer may have
         # run round 1 alone while the second was starting)
         def both_peers_and_a_round() -> dict | None:
             s = state(live_url)
             together = any(r["participants"] == 2 for r in s["rounds"] or [])
             return s if s["snapshot"] and len(s["snapshot"]["peers"]) == 2 and together else None
+
         ready = wait_for(both_peers_and_a_round, 180, "both peers and a round in the dashboard's state", live)
         peers = {p["peer_id"]: p["experts"] for p in ready["snapshot"]["peers"]}
         experts = len(ready["snapshot"]["coverage"])
@@ -152,7 +218,9 @@ def test_the_dashboard_in_a_browser_shows_a_live_run_and_explains_a_wrong_addres
         for pid in peers:
             assert pid[-10:] in coverage and pid[-10:] in table, f"peer {pid} not on the page"
         assert coverage.count("data-expert=") == experts
-        assert coverage.count('class="held"') == sum(len(e) for e in peers.values())  # one cell per expert a peer trains
+        assert coverage.count('class="held"') == sum(
+            len(e) for e in peers.values()
+        )  # one cell per expert a peer trains
         assert "live: 2 peer(s)" in dom and "run dash" in dom
         assert re.search(r"<td>\d+</td><td>\d+</td><td>2</td>", section(dom, "rounds"))  # a round with 2 participants
         shot = run_dir / "dashboard.png"

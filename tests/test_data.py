@@ -33,8 +33,9 @@ def _doc(i: int) -> str:
 def corpus_dir(tmp_path_factory) -> Path:
     """One file of every supported format; files sort as a, b, c, d."""
     root = tmp_path_factory.mktemp("corpus")
-    (root / "a.jsonl").write_text("".join(json.dumps({"text": _doc(i), "id": i}) + "\n" for i in range(10))
-                                  + "\n", encoding="utf-8")
+    (root / "a.jsonl").write_text(
+        "".join(json.dumps({"text": _doc(i), "id": i}) + "\n" for i in range(10)) + "\n", encoding="utf-8"
+    )
     with gzip.open(root / "b.jsonl.gz", "wt", encoding="utf-8") as stream:
         for i in range(10, 20):
             stream.write(json.dumps({"text": _doc(i)}) + "\n")
@@ -46,27 +47,44 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tokenized(corpus_dir, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("tokens") / "one_worker"
-    manifest = tokenize_files([str(corpus_dir / "*")], embedded_tokenizer_path(), out,
-                              num_workers=1, shard_tokens=1000, progress=False)
+    manifest = tokenize_files(
+        [str(corpus_dir / "*")], embedded_tokenizer_path(), out, num_workers=1, shard_tokens=1000, progress=False
+    )
     return out, manifest
 
 
-def write_token_dir(root: Path, shards: list[np.ndarray], *, max_ids: list[int] | None = None,
-                    vocab_size: int = 1 << 20) -> Path:
+def write_token_dir(
+    root: Path, shards: list[np.ndarray], *, max_ids: list[int] | None = None, vocab_size: int = 1 << 20
+) -> Path:
     """A token directory written by hand, so that any field can be made wrong on purpose."""
     root.mkdir(parents=True, exist_ok=True)
     entries = []
     for i, tokens in enumerate(shards):
         data = np.asarray(tokens, dtype="<u4").tobytes()
         (root / f"shard_{i:05d}.bin").write_bytes(data)
-        entries.append({"file": f"shard_{i:05d}.bin", "num_tokens": len(tokens),
-                        "sha256": hashlib.sha256(data).hexdigest(),
-                        "max_token_id": max_ids[i] if max_ids else int(np.max(tokens, initial=0))})
-    manifest = {"format": "p2p-spes-tokens", "version": 1, "dtype": "uint32",
-                "tokenizer": {"name_or_path": "synthetic", "vocab_size": vocab_size, "eos_token_id": 0,
-                              "fingerprint": "0" * 64},
-                "num_documents": 1, "num_tokens": int(sum(len(s) for s in shards)), "shards": entries,
-                "sources": []}
+        entries.append(
+            {
+                "file": f"shard_{i:05d}.bin",
+                "num_tokens": len(tokens),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "max_token_id": max_ids[i] if max_ids else int(np.max(tokens, initial=0)),
+            }
+        )
+    manifest = {
+        "format": "p2p-spes-tokens",
+        "version": 1,
+        "dtype": "uint32",
+        "tokenizer": {
+            "name_or_path": "synthetic",
+            "vocab_size": vocab_size,
+            "eos_token_id": 0,
+            "fingerprint": "0" * 64,
+        },
+        "num_documents": 1,
+        "num_tokens": int(sum(len(s) for s in shards)),
+        "shards": entries,
+        "sources": [],
+    }
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 
@@ -77,8 +95,12 @@ def make_tiny_tokenizer(root: Path, *, eos: bool = True) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([_doc(i) for i in range(50)], trainer=trainer)
     root.mkdir(parents=True)
     tokenizer.save(str(root / "tokenizer.json"))
@@ -129,18 +151,26 @@ def test_manifest_and_shards_hold_every_document_in_order(tokenized, corpus_dir)
 
 def test_worker_count_does_not_change_the_output(tokenized, corpus_dir, tmp_path):
     out, manifest = tokenized
-    manifest_2 = tokenize_files([str(corpus_dir / "*.*")], embedded_tokenizer_path(), tmp_path,
-                                num_workers=2, shard_tokens=1000, progress=False)
+    manifest_2 = tokenize_files(
+        [str(corpus_dir / "*.*")], embedded_tokenizer_path(), tmp_path, num_workers=2, shard_tokens=1000, progress=False
+    )
     assert manifest_2["shards"] == manifest["shards"]
     for shard in manifest["shards"]:
         assert (tmp_path / shard["file"]).read_bytes() == (out / shard["file"]).read_bytes()
 
 
 def test_retokenizing_into_a_used_directory_removes_stale_shards(corpus_dir, tmp_path):
-    tokenize_files([str(corpus_dir / "a.jsonl")], embedded_tokenizer_path(), tmp_path, num_workers=1,
-                   shard_tokens=50, progress=False)
-    manifest = tokenize_files([str(corpus_dir / "d.txt")], embedded_tokenizer_path(), tmp_path, num_workers=1,
-                              progress=False)
+    tokenize_files(
+        [str(corpus_dir / "a.jsonl")],
+        embedded_tokenizer_path(),
+        tmp_path,
+        num_workers=1,
+        shard_tokens=50,
+        progress=False,
+    )
+    manifest = tokenize_files(
+        [str(corpus_dir / "d.txt")], embedded_tokenizer_path(), tmp_path, num_workers=1, progress=False
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard_00000.bin"]
     assert manifest["num_documents"] == 1
     TokenDataset(tmp_path, vocab_size=8192, tokenizer=embedded_tokenizer_path())
@@ -150,8 +180,9 @@ def test_recursive_glob(corpus_dir, tmp_path):
     nested = tmp_path / "x" / "y"
     nested.mkdir(parents=True)
     (nested / "e.txt").write_text("nested document")
-    manifest = tokenize_files([str(tmp_path / "**" / "*.txt")], embedded_tokenizer_path(), tmp_path / "out",
-                              num_workers=1, progress=False)
+    manifest = tokenize_files(
+        [str(tmp_path / "**" / "*.txt")], embedded_tokenizer_path(), tmp_path / "out", num_workers=1, progress=False
+    )
     assert manifest["sources"] == [str(nested / "e.txt")]
 
 
@@ -178,8 +209,9 @@ def test_missing_parquet_column_names_the_option(tmp_path):
 def test_other_field_can_be_chosen(tmp_path):
     path = tmp_path / "other.jsonl"
     path.write_text(json.dumps({"content": "some text"}) + "\n")
-    manifest = tokenize_files([str(path)], embedded_tokenizer_path(), tmp_path / "out", num_workers=1,
-                              field="content", progress=False)
+    manifest = tokenize_files(
+        [str(path)], embedded_tokenizer_path(), tmp_path / "out", num_workers=1, field="content", progress=False
+    )
     assert manifest["num_documents"] == 1
 
 
@@ -194,8 +226,7 @@ def test_invalid_json_and_unknown_suffix(tmp_path):
 
 def test_missing_tokenizer_path_says_it_must_be_local(corpus_dir, tmp_path):
     with pytest.raises(DataError, match="not a local directory with tokenizer.json.*save_pretrained"):
-        tokenize_files([str(corpus_dir / "d.txt")], tmp_path / "no-such-tokenizer", tmp_path / "out",
-                       progress=False)
+        tokenize_files([str(corpus_dir / "d.txt")], tmp_path / "no-such-tokenizer", tmp_path / "out", progress=False)
     with pytest.raises(DataError, match="not a local directory"):
         tokenize_files([str(corpus_dir / "d.txt")], "Qwen/Qwen2.5-0.5B", tmp_path / "out", progress=False)
 

@@ -14,12 +14,12 @@ import torch
 from helpers import SMALL_MODEL
 
 from dht.records import PeerRecord, VersionRecord
-from p2p_spes.compression import Codec
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.transport import TransportError, tensor_digest
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.agreement import Refresher
 from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
-from p2p_spes.transport import TransportError, tensor_digest
 
 EXPERT = 1
 
@@ -125,8 +125,10 @@ def test_a_copy_follows_the_holder_whose_group_succeeded():
     _, model, downloader, _, _, digest = setup(codec)
     failed_digest = "f" * 64  # larger than any hex digest of B's
     peers = {p: PeerRecord(p, [EXPERT], 40, 4, "fp", []) for p in ("A", "B")}
-    versions = {"A": VersionRecord("A", True, "s", {EXPERT: failed_digest}, failed=frozenset({EXPERT})),
-                "B": VersionRecord("B", True, "s", {EXPERT: digest})}
+    versions = {
+        "A": VersionRecord("A", True, "s", {EXPERT: failed_digest}, failed=frozenset({EXPERT})),
+        "B": VersionRecord("B", True, "s", {EXPERT: digest}),
+    }
     asked = []
     download = downloader.download
     downloader.download = lambda peer, uid, like, attempts=4: asked.append((peer, uid)) or download(peer, uid, like)

@@ -18,14 +18,26 @@ from p2p_spes.local_swarm import LocalSwarm
 pytestmark = pytest.mark.slow  # torchrun process groups, a loopback swarm
 
 ROOT = Path(__file__).resolve().parent.parent
-NODE = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "p2p_spes",
-        "train", "--no-progress"]
+NODE = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc-per-node",
+    "2",
+    "-m",
+    "p2p_spes",
+    "train",
+    "--no-progress",
+]
 
 
 def start_node(args: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
-        return subprocess.Popen(NODE + args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
+        return subprocess.Popen(
+            NODE + args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT
+        )
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float) -> int:
@@ -52,8 +64,11 @@ def settings(*extra: str) -> list[str]:
 def test_two_processes_average_gradients_and_stay_identical(tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "node.log"
-    code = finish(start_node(["--run-dir", str(run_dir), *settings("train.max_steps=8", "train.checkpoint_interval=4")], log),
-                  log, 300)
+    code = finish(
+        start_node(["--run-dir", str(run_dir), *settings("train.max_steps=8", "train.checkpoint_interval=4")], log),
+        log,
+        300,
+    )
     assert code == 0, (tmp_path / "node.log").read_text()[-3000:]
     zero, one = ranks(run_dir)
     # each rank read different windows: identical weights after 8 steps need averaged gradients
@@ -69,8 +84,19 @@ def test_two_processes_average_gradients_and_stay_identical(tmp_path):
 def test_only_rank_zero_joins_the_swarm_and_ranks_follow_its_rounds(tmp_path):
     """The 2-process peer starts the run, an ordinary peer joins it; they average every 10 steps."""
     run_dir, log = tmp_path / "node", tmp_path / "node.log"
-    node = start_node(["--run-dir", str(run_dir), "--run-id", "node", "--swarm", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                       *settings("train.max_steps=120", "peer.count=2")], log)
+    node = start_node(
+        [
+            "--run-dir",
+            str(run_dir),
+            "--run-id",
+            "node",
+            "--swarm",
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            *settings("train.max_steps=120", "peer.count=2"),
+        ],
+        log,
+    )
     swarm = LocalSwarm(None, SMALL + ["train.max_steps=120"], peers=2, run_dir=tmp_path / "swarm", run_id="node")
     try:
         deadline = time.monotonic() + 120

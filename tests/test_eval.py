@@ -67,10 +67,10 @@ def continuation_logprob(model: MoETransformer, tokenizer, context: str, continu
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer.encode(context + continuation, add_special_tokens=False)
-    cont = whole[len(tokenizer.encode(context, add_special_tokens=False)):]
-    tokens = whole[-(model.cfg.max_seq_len + 1):]
+    cont = whole[len(tokenizer.encode(context, add_special_tokens=False)) :]
+    tokens = whole[-(model.cfg.max_seq_len + 1) :]
     logits, _ = model(torch.tensor([tokens[:-1]]))
-    logprobs = logits[0, -len(cont):].float().log_softmax(-1)
+    logprobs = logits[0, -len(cont) :].float().log_softmax(-1)
     return float(logprobs.gather(-1, torch.tensor(cont).unsqueeze(-1)).sum())
 
 
@@ -83,7 +83,9 @@ def expected_accuracies(model: MoETransformer, model_dir: Path, data_dir: Path, 
     from p2p_spes.evaluate import TASKS_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"spes_data_dir": str(data_dir)})
+    manager = TaskManager(
+        include_path=str(TASKS_DIR), include_defaults=False, metadata={"spes_data_dir": str(data_dir)}
+    )
     task = manager.load([task_name])["tasks"][task_name]
     hits = {"acc": 0, "acc_norm": 0}
     for doc in list(task.validation_docs())[:LIMIT]:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2p_spes.chaos import Chaos
+from benchmarks.lab.chaos import Chaos
 
 
 @dataclass

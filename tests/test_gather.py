@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from p2p_spes.transport import gather_or_cancel
+from p2p_spes.averaging.transport import gather_or_cancel
 
 
 def run_collecting_loop_errors(coro) -> tuple[object, list[dict]]:

@@ -34,7 +34,9 @@ def test_the_model_on_cuda_computes_what_it_computes_on_the_cpu():
     cpu.init_weights(0)
     gpu = MoETransformer(cfg.model, cfg.moe, local_experts=local, device="cuda")
     gpu.load_state_dict(cpu.state_dict())
-    idx = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.max_seq_len + 1), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(
+        0, cfg.model.vocab_size, (4, cfg.model.max_seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     parts_cpu, grads_cpu = loss_and_grads(cpu, idx)
     parts_gpu, grads_gpu = loss_and_grads(gpu, idx.cuda())
     assert parts_gpu == pytest.approx(parts_cpu, rel=1e-4, abs=1e-6)
@@ -52,6 +54,7 @@ def test_every_fast_moe_path_passes_its_start_up_check_here(dtype):
     plan = candidates(cfg, d_model, megablocks_available())
     assert plan, "no MoE backend to try"
     for cand in plan:
-        choice = choose_backend(cand.config(cfg), d_model, torch.device("cuda"), autocast_dtype=dtype,
-                                local_experts=[0, 3])
+        choice = choose_backend(
+            cand.config(cfg), d_model, torch.device("cuda"), autocast_dtype=dtype, local_experts=[0, 3]
+        )
         assert choice.checked and choice.label == cand.label, (cand.label, choice)

@@ -12,8 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_benchmark_runs_every_arm_and_reports_a_missing_backend(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_throughput.py", "--cpu-smoke", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_throughput.py", "--cpu-smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {(r["backend"], r["experts"]): r for r in json.loads(out.read_text())["rows"]}
     assert len(rows) == 6

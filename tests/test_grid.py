@@ -10,10 +10,10 @@ import torch
 from helpers import Dies, Forgot, Peers
 from hivemind.proto import averaging_pb2
 
-from p2p_spes.allreduce import GroupAllReduce
-from p2p_spes.grid import column_bounds, make_grid
-from p2p_spes.reducer import PartServer
-from p2p_spes.transport import tensor_digest
+from p2p_spes.averaging.allreduce import GroupAllReduce
+from p2p_spes.averaging.grid import column_bounds, make_grid
+from p2p_spes.averaging.reducer import PartServer
+from p2p_spes.averaging.transport import tensor_digest
 
 WINDOW = 2.0
 
@@ -80,13 +80,22 @@ def run_grid(peers, tensors, weights, compression, run_id, kinds=None):
         reducers = []
         for i, node in enumerate(peers.nodes):
             reducer = kinds.get(i, GroupAllReduce)(
-                node, peers.p2ps[i], node.peer_id.to_base58(), run_id, owner=peers.owners[i], compression=compression,
-                matchmaking_time=WINDOW, timeout=8.0, group_size=2)
+                node,
+                peers.p2ps[i],
+                node.peer_id.to_base58(),
+                run_id,
+                owner=peers.owners[i],
+                compression=compression,
+                matchmaking_time=WINDOW,
+                timeout=8.0,
+                group_size=2,
+            )
             await reducer.start()
             reducers.append(reducer)
         expected = {node.peer_id.to_base58() for node in peers.nodes}
-        return await asyncio.gather(*(r.run(0, "shared", tensors[i], weights[i], expected, bounded=True)
-                                      for i, r in enumerate(reducers)))
+        return await asyncio.gather(
+            *(r.run(0, "shared", tensors[i], weights[i], expected, bounded=True) for i, r in enumerate(reducers))
+        )
 
     return peers.call(main())
 
@@ -143,10 +152,10 @@ def test_a_member_lost_in_the_rows_costs_its_row_not_the_round(five):
 def test_a_column_we_do_not_hold_is_refused_at_once_and_one_we_hold_is_served_when_published():
     """A peer whose view of the group differed asks us for a column our grid gives to someone else:
     it is told at once (it goes on to the column's members), not kept waiting for our whole deadline."""
-    from p2p_spes.aggregation import weighted_mean
-    from p2p_spes.compression import Codec
-    from p2p_spes.reducer import MISSING, OK
-    from p2p_spes.transport import pack, parse_tensor
+    from p2p_spes.averaging.aggregation import weighted_mean
+    from p2p_spes.averaging.compression import Codec
+    from p2p_spes.averaging.reducer import MISSING, OK
+    from p2p_spes.averaging.transport import pack, parse_tensor
 
     async def main():
         server = PartServer(Codec("none"), weighted_mean, wait=30.0)

@@ -33,8 +33,12 @@ def test_plan_tops_up_replicas_and_never_gives_a_peer_an_expert_it_holds():
 
 def _stepped(resident_only: bool):
     # AdamW's moments here; a Muon peer's momentum: tests/test_optim.py
-    cfg = load_config(None, SMALL_MODEL + ["train.optimizer=adamw"]
-                      + (["swarm.residency=partial", "swarm.merge_interval=0"] if resident_only else []))
+    cfg = load_config(
+        None,
+        SMALL_MODEL
+        + ["train.optimizer=adamw"]
+        + (["swarm.residency=partial", "swarm.merge_interval=0"] if resident_only else []),
+    )
     model = MoETransformer(cfg.model, cfg.moe, local_experts=[1, 5], resident_only=resident_only)
     model.init_weights(0)
     opt = build_optimizer(model, cfg.train)

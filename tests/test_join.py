@@ -50,13 +50,41 @@ def test_bootstrap_keeps_its_multiaddr_and_a_volunteer_trains_with_the_config_it
         volunteer = start_volunteer(tmp_path, after["maddrs"], "pub")
         code = volunteer.wait(240)
         refused = subprocess.run(  # the run's config fixes the model: only local settings may be --set
-            [*P2P, "train", "--config-from-swarm", "--run-id", "pub", "--initial-peers", *after["maddrs"],
-             "--set", "model.num_layers=3"], capture_output=True, text=True, timeout=120, start_new_session=True,
+            [
+                *P2P,
+                "train",
+                "--config-from-swarm",
+                "--run-id",
+                "pub",
+                "--initial-peers",
+                *after["maddrs"],
+                "--set",
+                "model.num_layers=3",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
         )
         other_model = subprocess.run(  # the bootstrap's published config alone is enough to refuse another model
-            [*P2P, "train", "--config", "tiny", "--run-id", "pub", "--initial-peers", *after["maddrs"],
-             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-dir", str(tmp_path / "other")],
-            capture_output=True, text=True, timeout=120, start_new_session=True,
+            [
+                *P2P,
+                "train",
+                "--config",
+                "tiny",
+                "--run-id",
+                "pub",
+                "--initial-peers",
+                *after["maddrs"],
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                "--run-dir",
+                str(tmp_path / "other"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
         )
     finally:
         if volunteer is not None:
@@ -83,8 +111,12 @@ def test_volunteer_joins_a_live_run_the_inspector_sees_it_and_ctrl_c_leaves_clea
     ``max_experts_per_peer=3`` leaves the stayer no spare capacity, so it cannot heal the gap
     (test_healing covers that) and the departed peer's experts stay flagged.
     """
-    overrides = SMALL + ["train.max_steps=100000", "swarm.heartbeat=1", "swarm.experts_per_peer=3",
-                         "swarm.max_experts_per_peer=3"]
+    overrides = SMALL + [
+        "train.max_steps=100000",
+        "swarm.heartbeat=1",
+        "swarm.experts_per_peer=3",
+        "swarm.max_experts_per_peer=3",
+    ]
     swarm = LocalSwarm(None, overrides, peers=1, run_dir=tmp_path / "swarm", run_id="watch")
     dht = volunteer = None
     try:
@@ -98,8 +130,13 @@ def test_volunteer_joins_a_live_run_the_inspector_sees_it_and_ctrl_c_leaves_clea
             done = len(snap["peers"]) == 2 and any(r["participants"] == 2 for r in snap["rounds"])
             return snap if done and all(p["rounds_joined"] >= 1 for p in snap["peers"]) else None
 
-        snap = wait_for(both_synced, 240, "the volunteer in a sync round, seen by the inspector", volunteer,
-                        tmp_path / "vol" / "peer.log")
+        snap = wait_for(
+            both_synced,
+            240,
+            "the volunteer in a sync round, seen by the inspector",
+            volunteer,
+            tmp_path / "vol" / "peer.log",
+        )
         child = int((tmp_path / "vol" / "peer.pid").read_text())
         code = stop(volunteer, signal.SIGINT, 60)
         after = wait_for(lambda: (s := collect(dht, "watch")) and len(s["peers"]) == 1 and s, 30, "the departure")
@@ -144,11 +181,24 @@ def run_volunteer_with_fake_peer(tmp_path: Path, train_exit: int) -> tuple[subpr
     fake.chmod(0o755)
     starts = tmp_path / "starts"
     proc = subprocess.run(
-        ["bash", str(ROOT / "launch" / "volunteer.sh"), "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmX",
-         "--no-install", "--dir", str(tmp_path / "vol"), "--max-restarts", "1"],
-        capture_output=True, text=True, timeout=60, start_new_session=True,
-        env=dict(os.environ, PYTHON=str(fake), REAL_PYTHON=sys.executable, STARTS=str(starts),
-                 TRAIN_EXIT=str(train_exit)),
+        [
+            "bash",
+            str(ROOT / "launch" / "volunteer.sh"),
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/9/p2p/QmX",
+            "--no-install",
+            "--dir",
+            str(tmp_path / "vol"),
+            "--max-restarts",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+        env=dict(
+            os.environ, PYTHON=str(fake), REAL_PYTHON=sys.executable, STARTS=str(starts), TRAIN_EXIT=str(train_exit)
+        ),
     )
     return proc, len(starts.read_text().split()) if starts.exists() else 0
 

@@ -82,7 +82,8 @@ def resolve(node: ast.Import | ast.ImportFrom, importer: str, modules: dict[str,
 def _type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def collect(module: Module, modules: dict[str, Module]) -> None:
@@ -160,7 +161,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         while True:  # walk inside the component until a module repeats: that closes a cycle
             step = min(w for w in graph[path[-1]] if w in inside)
             if step in seen:
-                found.append([*path[path.index(step):], step])
+                found.append([*path[path.index(step) :], step])
                 break
             path.append(step)
             seen.add(step)
@@ -177,10 +178,15 @@ def test_the_import_graph_is_read_correctly():
     for node in tree.body:
         got |= resolve(node, "p2p_spes.train", modules)
     assert got == {"p2p_spes.placement", "p2p_spes.config", "p2p_spes.errors"}
-    probe = Module("p2p_spes.probe", ROOT / "p2p_spes" / "probe.py", parse(
-        "from typing import TYPE_CHECKING\nimport torch\nif TYPE_CHECKING:\n    from p2p_spes.model import X\n"
-        "from p2p_spes.moe import TorchMoE\ndef f():\n    from p2p_spes.data import TokenDataset\n    import yaml\n"
-    ), 8)
+    probe = Module(
+        "p2p_spes.probe",
+        ROOT / "p2p_spes" / "probe.py",
+        parse(
+            "from typing import TYPE_CHECKING\nimport torch\nif TYPE_CHECKING:\n    from p2p_spes.model import X\n"
+            "from p2p_spes.moe import TorchMoE\ndef f():\n    from p2p_spes.data import TokenDataset\n    import yaml\n"
+        ),
+        8,
+    )
     collect(probe, modules)
     assert probe.imports == {"p2p_spes.moe"} and probe.function_imports == [(7, "p2p_spes.data")]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
@@ -196,7 +202,8 @@ def test_no_import_cycles():
 def test_no_project_imports_inside_functions():
     lazy = [
         f"{module.path.relative_to(ROOT)}:{line} imports {target}"
-        for module in project().values() for line, target in module.function_imports
+        for module in project().values()
+        for line, target in module.function_imports
         if (module.name, target) not in ALLOWED_FUNCTION_IMPORTS
     ]
     assert not lazy, "project modules imported inside a function (import them at module level):\n" + "\n".join(lazy)
@@ -210,7 +217,8 @@ def test_no_module_is_too_long():
 def test_no_class_is_too_long():
     long = [
         f"{m.path.relative_to(ROOT)}:{node.lineno} class {node.name}: {node.end_lineno - node.lineno + 1} lines"
-        for m in project().values() for node in ast.walk(m.tree)
+        for m in project().values()
+        for node in ast.walk(m.tree)
         if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
     ]
     assert not long, f"classes over {MAX_CLASS_LINES} lines (split them):\n" + "\n".join(long)

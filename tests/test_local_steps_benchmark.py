@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import local_steps
-
-from p2p_spes.compression import BLOCK, Codec
+from benchmarks import local_steps
+from p2p_spes.averaging.compression import BLOCK, Codec
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import trainable_parameters
 from p2p_spes.swarm.outer import flatten
 
-TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.vocab_size=64",
-        "model.max_seq_len=16", "moe.num_experts=2", "moe.top_k=1", "moe.ffn_dim=32"]
+TINY = [
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.vocab_size=64",
+    "model.max_seq_len=16",
+    "moe.num_experts=2",
+    "moe.top_k=1",
+    "moe.ffn_dim=32",
+]
 
 
 def replicas(n: int, seed: int = 0) -> list[MoETransformer]:
@@ -104,7 +106,9 @@ def test_random_k_moves_every_replica_on_the_same_k_positions_a_block_drawn_anew
 
 def test_decayed_feedback_scales_the_residual_it_adds():
     models = replicas(2)
-    avg = local_steps.CompressedAverage(local_steps.Probe(2, 10, codec="topk", restage=False, feedback_decay=0.5), models[0])
+    avg = local_steps.CompressedAverage(
+        local_steps.Probe(2, 10, codec="topk", restage=False, feedback_decay=0.5), models[0]
+    )
     step_apart(models)
     avg.average(models)
     held = [r.clone() for r in avg.residuals]
@@ -175,8 +179,16 @@ def test_spread_is_the_replicas_distance_from_their_mean_over_the_means_step():
 
 
 def test_each_arm_is_held_to_the_centralized_run_of_its_settings_and_the_default_batch():
-    ran = {name: {0: 1.0} for name in ("centralized", "centralized-muon", "centralized-muon-4x",
-                                        "centralized-muon-4x-b2", "centralized-sgd")}
+    ran = {
+        name: {0: 1.0}
+        for name in (
+            "centralized",
+            "centralized-muon",
+            "centralized-muon-4x",
+            "centralized-muon-4x-b2",
+            "centralized-sgd",
+        )
+    }
     assert local_steps.baseline("h50", ran) == "centralized"
     assert local_steps.baseline("h50-muon-4x", ran) == "centralized-muon-4x"
     assert local_steps.baseline("h50-muon-m98", ran) == "centralized-muon"  # its own centralized run did not run
@@ -194,7 +206,10 @@ def test_a_batch_multiple_reads_the_same_tokens_in_fewer_steps():
         replicas_batch = local_steps.replica_batch(8, probe) * probe.replicas
         assert replicas_batch == 8 * local_steps.PEERS * mult  # per step; the run has steps / mult of them
     half = local_steps.PROBES["h100-muon-4x-b05"]
-    assert local_steps.replica_batch(8, half) == 4 and local_steps.baseline("h100-muon-4x-b05", {"centralized-muon-4x": {0: 1.0}}) == "centralized-muon-4x"
+    assert (
+        local_steps.replica_batch(8, half) == 4
+        and local_steps.baseline("h100-muon-4x-b05", {"centralized-muon-4x": {0: 1.0}}) == "centralized-muon-4x"
+    )
     assert local_steps.replica_batch(8, local_steps.PROBES["h50"]) == 8
     assert local_steps.replica_batch(8, local_steps.PROBES["centralized"]) == 8 * local_steps.PEERS
 

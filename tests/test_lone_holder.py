@@ -14,15 +14,18 @@ import pytest
 import torch
 from helpers import SMALL_MODEL
 
-from p2p_spes.compression import Codec
+from p2p_spes.averaging.compression import Codec
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.outer import OuterOptimizer, flatten
 
 
 def outer(optimizer: str = "average", keep: bool = False) -> OuterOptimizer:
-    return OuterOptimizer(load_config(None, SMALL_MODEL + [f"swarm.outer_optimizer={optimizer}",
-                                                            f"swarm.keep_local_progress={keep}"]).swarm)
+    return OuterOptimizer(
+        load_config(
+            None, SMALL_MODEL + [f"swarm.outer_optimizer={optimizer}", f"swarm.keep_local_progress={keep}"]
+        ).swarm
+    )
 
 
 def test_only_a_lone_holder_averaging_under_a_lossy_codec_keeps_its_weights():

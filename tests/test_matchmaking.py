@@ -12,8 +12,8 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from dht.identity import peer_id_of_owner
 from dht.keys import group_key
-from p2p_spes import matchmaking
-from p2p_spes.matchmaking import (
+from p2p_spes.averaging import matchmaking
+from p2p_spes.averaging.matchmaking import (
     ABORT_HOLD,
     Base,
     Joined,
@@ -55,10 +55,18 @@ class Blind:
         return ValueWithExpiration(kept, found.expiration_time)
 
 
-def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] | None = None,
-         present: list[int] | None = None, timeouts: list[float] | None = None,
-         hold: float | None = None, quorum: int = 0, expected: set[str] | None = None,
-         aborts: frozenset[int] = frozenset()) -> list[Joined]:
+def form(
+    peers: Peers,
+    run_id: str,
+    delays: list[float],
+    blind: dict[int, int] | None = None,
+    present: list[int] | None = None,
+    timeouts: list[float] | None = None,
+    hold: float | None = None,
+    quorum: int = 0,
+    expected: set[str] | None = None,
+    aborts: frozenset[int] = frozenset(),
+) -> list[Joined]:
     """Every member in ``present`` joins the same group, member i ``delays[i]`` seconds after the first
     (proposing the transfer deadline ``timeouts[i]``); member i reads the arrivals without member
     ``blind[i]``'s record. With ``hold``, it is a retry that forms ``hold`` seconds after the first
@@ -73,14 +81,26 @@ def form(peers: Peers, run_id: str, delays: list[float], blind: dict[int, int] |
     async def member(i: int) -> Joined:
         await asyncio.sleep(delays[i])
         dht = Blind(peers.nodes[i], ids[blind[i]]) if blind and i in blind else peers.nodes[i]
-        return await join_group(dht, key, ids[i], peers.owners[i], set(ids) if expected is None else expected,
-                                1.0, WINDOW, None, matchmaking_time=WINDOW, ttl=30.0,
-                                timeout=timeouts[i] if timeouts else None,
-                                hold_until=None if hold is None else start + hold, quorum=quorum,
-                                abort=i in aborts)
+        return await join_group(
+            dht,
+            key,
+            ids[i],
+            peers.owners[i],
+            set(ids) if expected is None else expected,
+            1.0,
+            WINDOW,
+            None,
+            matchmaking_time=WINDOW,
+            ttl=30.0,
+            timeout=timeouts[i] if timeouts else None,
+            hold_until=None if hold is None else start + hold,
+            quorum=quorum,
+            abort=i in aborts,
+        )
 
     async def everyone() -> list[Joined]:
         return list(await asyncio.gather(*(member(i) for i in present)))
+
     return peers.call(everyone())
 
 
@@ -126,9 +146,15 @@ def test_a_retry_forms_at_once_after_a_member_saw_its_attempt_fail_for_everyone(
 
 def test_only_a_well_formed_recent_abort_time_counts():
     now = get_dht_time()
-    records = {"a": {"t": now}, "b": {"t": now, "x": now - 5.0}, "c": {"t": now, "x": now - 2.0},
-               "d": {"t": now, "x": True}, "e": {"t": now, "x": "soon"}, "f": {"t": now, "x": now - 100.0},
-               "g": {"t": now, "x": now + 60.0}}
+    records = {
+        "a": {"t": now},
+        "b": {"t": now, "x": now - 5.0},
+        "c": {"t": now, "x": now - 2.0},
+        "d": {"t": now, "x": True},
+        "e": {"t": now, "x": "soon"},
+        "f": {"t": now, "x": now - 100.0},
+        "g": {"t": now, "x": now + 60.0},
+    }
     assert aborted(records, since=now - 30.0) == now - 5.0  # the earliest, from b
     assert aborted({p: records[p] for p in "adefg"}, since=now - 30.0) is None
 
@@ -151,8 +177,9 @@ def test_without_a_decision_members_go_by_their_own_reading_after_a_bounded_wait
     ids = [node.peer_id.to_base58() for node in dhts.nodes]
     key = group_key("mm-dead-leader", 0, "shared")
     now = get_dht_time()
-    assert dhts.nodes[0].store(key, {"peer_id": ids[0], "w": 1.0, "t": now, "m": WINDOW},
-                               expiration_time=now + 30, subkey=dhts.owners[0])
+    assert dhts.nodes[0].store(
+        key, {"peer_id": ids[0], "w": 1.0, "t": now, "m": WINDOW}, expiration_time=now + 30, subkey=dhts.owners[0]
+    )
     t0 = time.monotonic()
     joined = form(dhts, "mm-dead-leader", [0.0, 0.2, 0.2], present=[1, 2])
     assert [j.members for j in joined] == [sorted(ids)] * 2
@@ -193,30 +220,57 @@ def test_a_quorum_holds_the_window_open_up_to_the_longest_wait():
 
 
 def test_the_deadline_is_the_longest_a_decided_member_proposed():
-    records = {"a": {"t": 1.0, "m": 2.0, "d": 5.0}, "b": {"t": 1.5, "m": 2.0, "d": 23.0},
-               "c": {"t": 1.2, "m": 2.0, "d": True}, "late": {"t": 9.0, "m": 2.0, "d": 60.0}}
+    records = {
+        "a": {"t": 1.0, "m": 2.0, "d": 5.0},
+        "b": {"t": 1.5, "m": 2.0, "d": 23.0},
+        "c": {"t": 1.2, "m": 2.0, "d": True},
+        "late": {"t": 9.0, "m": 2.0, "d": 60.0},
+    }
     joined = decide(records, 2.0)
     assert joined.members == ["a", "b", "c"] and joined.timeout == 23.0  # not the late one's; a bool is no number
     assert decide({"a": {"t": 1.0, "m": 2.0}}, 2.0).timeout == 0.0  # none proposed: each keeps its own
 
 
 def test_arrival_delays_count_every_arrival_and_nothing_else():
-    records = {"a": {"t": 101.0, "m": 2.0}, "b": {"t": 100.5}, "late": {"t": 112.5}, "done": {"done": True},
-               "bad": {"t": "soon"}, "worse": "text"}
+    records = {
+        "a": {"t": 101.0, "m": 2.0},
+        "b": {"t": 100.5},
+        "late": {"t": 112.5},
+        "done": {"done": True},
+        "bad": {"t": "soon"},
+        "worse": "text",
+    }
     assert arrival_delays(records) == {"a": 0.5, "b": 0.0, "late": 12.0}
     assert arrival_delays({"done": {"done": True}}) == {}
 
 
 def test_a_decision_round_trips_and_a_malformed_one_is_refused():
-    own = Joined(["a", "b", "c"], {"a": 0.0, "b": 0.4}, 2.0, {"a": Base("d1", 3), "c": Base("d1", 3), "b": Base("d0", 2)},
-                 timeout=23.0)
+    own = Joined(
+        ["a", "b", "c"],
+        {"a": 0.0, "b": 0.4},
+        2.0,
+        {"a": Base("d1", 3), "c": Base("d1", 3), "b": Base("d0", 2)},
+        timeout=23.0,
+    )
     back = adopted(decision(own, "a", 10.0), Joined(["a", "b"], {"a": 0.0}, 2.0))
     assert back.members == ["a", "b", "c"] and back.window == 2.0 and back.timeout == 23.0
     assert back.bases == {"a": Base("d1", 3), "c": Base("d1", 3)}  # the agreed base and who holds it
     assert back.lateness == {"a": 0.0}  # our own reading's
     good = decision(own, "a", 10.0)
-    for bad in ({"members": ["b", "a"]}, {"members": []}, {"members": ["a", "a"]}, {"members": "ab"},
-                {"w": 0}, {"w": True}, {"h": [5]}, {"h": [True]}, {"h": "0"}, {"d": 0}, {"d": True}, {"d": "23"}):
+    for bad in (
+        {"members": ["b", "a"]},
+        {"members": []},
+        {"members": ["a", "a"]},
+        {"members": "ab"},
+        {"w": 0},
+        {"w": True},
+        {"h": [5]},
+        {"h": [True]},
+        {"h": "0"},
+        {"d": 0},
+        {"d": True},
+        {"d": "23"},
+    ):
         assert adopted({**good, **bad}, own) is None, bad
     old = {k: v for k, v in good.items() if k != "d"}  # a first arrival of an earlier version
     assert adopted(old, own).timeout == 0.0

@@ -42,8 +42,14 @@ from p2p_spes.errors import BackendError
 from p2p_spes.moe import MegaBlocksAPI, MegaBlocksMoE, TorchMoE, import_megablocks
 
 SMALL = [
-    "model.vocab_size=97", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-    "model.max_seq_len=16", "moe.num_experts=8", "moe.top_k=2", "moe.ffn_dim=48",
+    "model.vocab_size=97",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=16",
+    "moe.num_experts=8",
+    "moe.top_k=2",
+    "moe.ffn_dim=48",
 ]
 
 # MegaBlocks' Arguments defaults for activation_fn and init_method.
@@ -116,8 +122,9 @@ def stand_in_megablocks() -> dict[str, types.ModuleType]:
         def __init__(self, args):
             super().__init__()
             self.args = args
-            self.layer = nn.Linear(args.hidden_size, args.moe_num_experts, bias=False, dtype=dtype(args),
-                                   device=args.device)
+            self.layer = nn.Linear(
+                args.hidden_size, args.moe_num_experts, bias=False, dtype=dtype(args), device=args.device
+            )
             args.init_method(self.layer.weight)
 
         def forward(self, x):
@@ -242,8 +249,9 @@ def assert_same(a, b) -> None:
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("weights", [(0.01, 0.001), (0.0, 0.001), (0.01, 0.0), (0.0, 0.0)],
-                         ids=["both", "no-lb", "no-z", "none"])
+@pytest.mark.parametrize(
+    "weights", [(0.01, 0.001), (0.0, 0.001), (0.01, 0.0), (0.0, 0.0)], ids=["both", "no-lb", "no-z", "none"]
+)
 def test_adapter_matches_torch_backend_in_train_and_eval_mode_for_any_loss_weights(mb, train, weights):
     """Eval mode and zero loss weights are where MegaBlocks keeps no statistics (IndexError before)."""
     cfg = small_config(f"moe.lb_loss_weight={weights[0]}", f"moe.router_z_loss_weight={weights[1]}")
@@ -260,8 +268,13 @@ def test_adapter_matches_torch_backend_with_local_and_frozen_experts(mb, normali
     x = torch.randn(3, 5, cfg.model.d_model)
     a, b = step(adapter, x, True), step(ref, x, True)
     assert_same(a, b)
-    assert set(a[2]) == {"input", "router.layer.weight", "experts.mlp.local_w1", "experts.mlp.local_v1",
-                         "experts.mlp.local_w2"}
+    assert set(a[2]) == {
+        "input",
+        "router.layer.weight",
+        "experts.mlp.local_w1",
+        "experts.mlp.local_v1",
+        "experts.mlp.local_w2",
+    }
 
 
 def test_megablocks_global_lists_are_empty_after_every_call_even_one_that_raises(mb):
@@ -316,13 +329,22 @@ def test_without_a_stand_in_the_adapter_refuses_the_cpu(mb):
 
 def test_the_stand_in_keeps_statistics_only_when_megablocks_does(mb):
     """The behaviour the adapter must survive, as megablocks/layers/moe.py and router.py define it."""
-    args = mb.arguments.Arguments(hidden_size=8, ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2, bias=False,
-                                  return_bias=False, fp16=False, moe_loss_weight=0.1, moe_zloss_weight=0.001)
+    args = mb.arguments.Arguments(
+        hidden_size=8,
+        ffn_hidden_size=16,
+        moe_num_experts=4,
+        moe_top_k=2,
+        bias=False,
+        return_bias=False,
+        fp16=False,
+        moe_loss_weight=0.1,
+        moe_zloss_weight=0.001,
+    )
     layer = mb.dmoe.dMoE(args)
     nn.init.normal_(layer.experts.mlp.w1), nn.init.normal_(layer.experts.mlp.v1), nn.init.normal_(layer.experts.mlp.w2)
     x = torch.randn(2, 3, 8)
     assert layer(x).shape == x.shape
-    (tokens_per_expert, scores), = mb.moe.get_load_balancing_loss()
+    ((tokens_per_expert, scores),) = mb.moe.get_load_balancing_loss()
     assert tokens_per_expert.shape == (4,) and int(tokens_per_expert.sum()) == 6 * 2 and scores.shape == (6, 4)
     assert len(mb.router._ROUTER_LOGITS) == 1 and mb.router._ROUTER_LOGITS[0].shape == (6, 4)
     mb.clear_global_state()

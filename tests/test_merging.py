@@ -18,7 +18,9 @@ def test_alpha_decays_linearly_to_zero():
 
 
 def test_merge_matches_the_rule_per_matrix_kind_and_ignores_the_split():
-    cfg = load_config(None, ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "moe.ffn_dim=16", "model.vocab_size=50"])
+    cfg = load_config(
+        None, ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "moe.ffn_dim=16", "model.vocab_size=50"]
+    )
     a = MoETransformer(cfg.model, cfg.moe, local_experts=[0, 1])
     a.init_weights(5)
     b = MoETransformer(cfg.model, cfg.moe, local_experts=[6])

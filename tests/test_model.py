@@ -124,7 +124,9 @@ def test_frozen_experts_stay_bit_identical_through_adamw_with_weight_decay():
             old, new = before[key].view(e, f, h), model.state_dict()[key].view(e, f, h)
             assert torch.equal(old[2:], new[2:]), f"frozen experts of {key} changed"
             assert not torch.equal(old[:2], new[:2]), f"local experts of {key} did not train"
-    assert not torch.equal(before["layers.0.self_attn.q_proj.weight"], model.state_dict()["layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        before["layers.0.self_attn.q_proj.weight"], model.state_dict()["layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def _train_one_step(local):
@@ -152,9 +154,9 @@ def test_gradient_and_optimizer_bytes_scale_with_local_experts():
     assert quarter.gradients["frozen_experts"] == quarter.optimizer["frozen_experts"] == 0
     assert quarter.parameters["frozen_experts"] == 6 * per_expert
     assert quarter.optimizer["shared"] == full.optimizer["shared"] > 0
-    assert quarter.parameters["shared"] + quarter.parameters["local_experts"] + quarter.parameters["frozen_experts"] == (
-        full.parameters["shared"] + full.parameters["local_experts"]
-    )
+    assert quarter.parameters["shared"] + quarter.parameters["local_experts"] + quarter.parameters[
+        "frozen_experts"
+    ] == (full.parameters["shared"] + full.parameters["local_experts"])
 
 
 def test_auxiliary_losses_follow_the_megablocks_formulas():
@@ -190,7 +192,9 @@ def test_loss_parts_add_up_and_are_finite():
     idx = torch.randint(0, cfg.model.vocab_size, (2, 16))
     out = model.loss(idx, idx)
     parts = out.as_floats()
-    assert parts["loss"] == pytest.approx(parts["ce"] + parts["z_loss"] + parts["lb_loss"] + parts["router_z_loss"], rel=1e-6)
+    assert parts["loss"] == pytest.approx(
+        parts["ce"] + parts["z_loss"] + parts["lb_loss"] + parts["router_z_loss"], rel=1e-6
+    )
     assert parts["ce"] == pytest.approx(float(torch.log(torch.tensor(97.0))), rel=0.05)
 
 

@@ -52,8 +52,7 @@ def test_adamw_groups_step_exactly_as_torch_adamw_at_the_scaled_lr(scale):
     a = torch.nn.Parameter(torch.randn(6, 5))
     b = torch.nn.Parameter(a.detach().clone())
     ref = torch.optim.AdamW([a], lr=1e-2 * scale, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    ours = MuonAdamW([{"params": [b], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                     adamw_lr_scale=scale)
+    ours = MuonAdamW([{"params": [b], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, adamw_lr_scale=scale)
     for _ in range(4):
         g = torch.randn(6, 5)
         a.grad, b.grad = g.clone(), g.clone()
@@ -67,15 +66,22 @@ def test_adamw_groups_step_exactly_as_torch_adamw_at_the_scaled_lr(scale):
 def test_muon_group_steps_along_the_orthogonalized_nesterov_momentum(update_rms):
     w = torch.nn.Parameter(torch.randn(8, 32))
     start = w.detach().clone()
-    opt = MuonAdamW([{"params": [w], "weight_decay": 0.1, "muon": True}], lr=0.01, betas=(0.9, 0.95), eps=1e-8,
-                    update_rms=update_rms)
+    opt = MuonAdamW(
+        [{"params": [w], "weight_decay": 0.1, "muon": True}],
+        lr=0.01,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        update_rms=update_rms,
+    )
     grads = [torch.randn(8, 32), torch.randn(8, 32)]
     expected, buf = start.clone(), torch.zeros(8, 32)
     for g in grads:
         w.grad = g.clone()
         opt.step()
         buf = 0.95 * buf + 0.05 * g
-        expected = expected * (1 - 0.01 * 0.1) - 0.01 * update_rms * math.sqrt(32) * orthogonalize(0.05 * g + 0.95 * buf)
+        expected = expected * (1 - 0.01 * 0.1) - 0.01 * update_rms * math.sqrt(32) * orthogonalize(
+            0.05 * g + 0.95 * buf
+        )
     assert torch.allclose(w, expected, atol=1e-6)
     assert set(opt.state[w]) == {"momentum_buffer"}
 

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from helpers import SMALL
 
+from benchmarks.convergence import lockstep_place  # holds peers at each boundary until all reach it)
+from p2p_spes.averaging.matchmaking import agreed_window
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
-from p2p_spes.matchmaking import agreed_window
 from p2p_spes.peer import SwarmSync
 from p2p_spes.swarm import GroupReport, RoundReport
 from p2p_spes.swarm.pacing import Deadlines, RoundWatch, median_and_mad
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from convergence import lockstep_place  # holds peers at each boundary until all reach it)
 
 
 def test_join_window_follows_the_last_arrivals_within_the_configured_bound():
@@ -166,13 +162,22 @@ class _Swarm:
         self.calls.append((round_no, step, weight))
         if self.others_after_sync is not None:
             self.others_round = self.others_after_sync
-        return RoundReport(round=round_no, step=step, tokens=int(weight),
-                           groups={"shared": GroupReport(ok=True, members=self.members, group_id="g")})
+        return RoundReport(
+            round=round_no,
+            step=step,
+            tokens=int(weight),
+            groups={"shared": GroupReport(ok=True, members=self.members, group_id="g")},
+        )
 
 
 def _trainer(max_steps: int = 40):
-    return SimpleNamespace(step=0, tokens=0, last_metrics={"loss": 1.0}, log_record=lambda r: None,
-                           cfg=SimpleNamespace(train=SimpleNamespace(max_steps=max_steps)))
+    return SimpleNamespace(
+        step=0,
+        tokens=0,
+        last_metrics={"loss": 1.0},
+        log_record=lambda r: None,
+        cfg=SimpleNamespace(train=SimpleNamespace(max_steps=max_steps)),
+    )
 
 
 def test_a_slow_peer_joins_the_round_another_peer_opened_and_keeps_its_tokens():
@@ -187,8 +192,10 @@ def test_a_slow_peer_joins_the_round_another_peer_opened_and_keeps_its_tokens():
     trainer.step += 1
     trainer.tokens += 100
     hook(trainer)
-    assert swarm.calls == [(1, 10, 500)], "it joins at the end of the step in progress, with all its tokens, " \
+    assert swarm.calls == [(1, 10, 500)], (
+        "it joins at the end of the step in progress, with all its tokens, "
         "and runs the round at the round's agreed step (merges happen at the same round for everyone)"
+    )
     assert trainer.step == 10, "and takes the round's place in the schedule"
     assert hook.next_round == 2 and hook.tokens_averaged == 500
     assert swarm.stats["schedule_steps_advanced"] == 5 and swarm.stats["steps_skipped"] == 0
@@ -263,8 +270,12 @@ def test_a_peer_whose_round_the_swarm_finished_long_ago_takes_its_state_instead(
 
 def test_round_outcomes_are_reported_honestly():
     def report(ok, members, adopted=None):
-        return RoundReport(round=1, step=10, adopted_shared_from=adopted,
-                           groups={"shared": GroupReport(ok=ok, members=members, group_id="g")})
+        return RoundReport(
+            round=1,
+            step=10,
+            adopted_shared_from=adopted,
+            groups={"shared": GroupReport(ok=ok, members=members, group_id="g")},
+        )
 
     assert report(True, 3).outcome == "averaged"
     alone = report(True, 1)
@@ -283,8 +294,13 @@ def test_a_peer_joining_before_the_first_round_downloads_nothing(tmp_path):
     # joiner's DHT was up, and the joiner then caught up from round 1
     gate = tmp_path / "gate"
     gate.mkdir()
-    swarm = LocalSwarm(None, SMALL + ["train.max_steps=100", "swarm.sync_steps=50"], peers=2, run_dir=tmp_path,
-                       place=lockstep_place(gate, 2))
+    swarm = LocalSwarm(
+        None,
+        SMALL + ["train.max_steps=100", "swarm.sync_steps=50"],
+        peers=2,
+        run_dir=tmp_path,
+        place=lockstep_place(gate, 2),
+    )
     swarm.run(timeout=200, stagger=1.0)
     joiner = (tmp_path / "peer1.log").read_text()
     assert "serves our own initial weights: nothing to download" in joiner, joiner[-2000:]

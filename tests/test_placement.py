@@ -38,9 +38,13 @@ def test_three_local_peers_share_eight_experts():
 
 
 def test_replicas_raise_each_peers_share_to_that_many_holders_per_expert():
-    shares = {(count, replicas): [load_config("tiny", [f"peer.count={count}", f"swarm.replicas={replicas}"]).experts_per_peer(p)
-                                  for p in range(count)]
-              for count, replicas in ((4, 2), (3, 2), (2, 4), (16, 2), (16, 4))}
+    shares = {
+        (count, replicas): [
+            load_config("tiny", [f"peer.count={count}", f"swarm.replicas={replicas}"]).experts_per_peer(p)
+            for p in range(count)
+        ]
+        for count, replicas in ((4, 2), (3, 2), (2, 4), (16, 2), (16, 4))
+    }
     assert shares[(4, 2)] == [4] * 4  # 16 expert copies over 4 peers
     assert shares[(3, 2)] == [6] * 3  # ceil(16 / 3)
     assert shares[(2, 4)] == [8] * 2  # at most every expert

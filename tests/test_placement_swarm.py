@@ -28,8 +28,18 @@ SHRINK = {
     "model": {"vocab_size": 8192, "d_model": 64, "num_layers": 2, "num_heads": 4, "max_seq_len": 32},
     "moe": {"ffn_dim": 32, "impl": "torch"},
     "data": {"train": None, "validation": None, "tokenizer": None},
-    "train": {"batch_size": 2, "grad_accum": 1, "max_steps": 60, "warmup_steps": 2, "eval_interval": 30,
-              "eval_batches": 1, "checkpoint_interval": 30, "log_interval": 10, "threads": 1, "dtype": "fp32"},
+    "train": {
+        "batch_size": 2,
+        "grad_accum": 1,
+        "max_steps": 60,
+        "warmup_steps": 2,
+        "eval_interval": 30,
+        "eval_batches": 1,
+        "checkpoint_interval": 30,
+        "log_interval": 10,
+        "threads": 1,
+        "dtype": "fp32",
+    },
     "swarm": {"sync_steps": 10, "matchmaking_time": 5.0, "averaging_timeout": 20.0, "merge_interval": 0},
 }
 
@@ -48,7 +58,9 @@ def assert_disjoint_blocks(held: list[list[int]], num_experts: int) -> None:
     per_peer = num_experts // len(held)
     assert all(len(h) == per_peer for h in held), held
     assert sorted(e for h in held for e in h) == list(range(num_experts)), f"blocks overlap or miss experts: {held}"
-    assert all(h == list(range(h[0], h[0] + per_peer)) and h[0] % per_peer == 0 for h in held), f"not SPES blocks: {held}"
+    assert all(h == list(range(h[0], h[0] + per_peer)) and h[0] % per_peer == 0 for h in held), (
+        f"not SPES blocks: {held}"
+    )
 
 
 def test_four_peers_of_the_1b_config_train_four_disjoint_blocks(tmp_path):
@@ -97,20 +109,40 @@ def test_slurm_nodes_and_a_volunteer_of_the_7b_config_train_disjoint_blocks(tmp_
         (shims / name).chmod(0o755)
     logs = tmp_path / "nodes"
     logs.mkdir()
-    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", FAKE_NODES="3", FAKE_PORT0=str(free_port()),
-               FAKE_LOGS=str(logs), VENV=sys.prefix, RUN_ROOT=str(tmp_path / "slurm"), P2P_HOST="127.0.0.1",
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PATH=f"{shims}:{os.environ['PATH']}",
+        FAKE_NODES="3",
+        FAKE_PORT0=str(free_port()),
+        FAKE_LOGS=str(logs),
+        VENV=sys.prefix,
+        RUN_ROOT=str(tmp_path / "slurm"),
+        P2P_HOST="127.0.0.1",
+        PYTHONUNBUFFERED="1",
+    )
     with open(tmp_path / "slurm.out", "w") as slurm_out:
         nodes = subprocess.Popen(
-            ["bash", str(ROOT / "launch" / "slurm.sh"), "--initial-peers", *maddrs, "--run-id", run_id,
-             "--", "--set", "train.threads=1"],
-            stdout=slurm_out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                "bash",
+                str(ROOT / "launch" / "slurm.sh"),
+                "--initial-peers",
+                *maddrs,
+                "--run-id",
+                run_id,
+                "--",
+                "--set",
+                "train.threads=1",
+            ],
+            stdout=slurm_out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     volunteer = start_volunteer(tmp_path, maddrs, run_id)
     try:
         summaries = [tmp_path / "slurm" / f"node{i}" / "run" / "summary.json" for i in range(3)]
         summaries.append(tmp_path / "vol" / "run" / "summary.json")
-        wait_for(lambda: all(p.exists() for p in summaries), 500, "every peer finishing", nodes,
-                 tmp_path / "slurm.out")
+        wait_for(lambda: all(p.exists() for p in summaries), 500, "every peer finishing", nodes, tmp_path / "slurm.out")
         assert nodes.wait(120) == 0, (tmp_path / "slurm.out").read_text()[-2000:]  # every node ended by itself
         assert volunteer.wait(120) == 0, volunteer_output(tmp_path)
     finally:

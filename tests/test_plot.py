@@ -20,9 +20,19 @@ def write_peer(d: Path, loss0: float) -> None:
         lines.append({"step": step, "loss": loss0 - step * 0.05, "tokens": step * 256, "time": 1000.0 + step})
         if step % 10 == 0:
             lines[-1]["val_loss"] = loss0 - step * 0.04
-            lines.append({"sync_round": step // 10, "step": step, "sync_seconds": 1.0 + step / 10,
-                          "bytes_sent": 1_000_000, "bytes_received": 2_000_000, "downloaded_bytes": 500_000,
-                          "outcome": "averaged", "shared_ok": True, "shared_digest": "ab" * 32})
+            lines.append(
+                {
+                    "sync_round": step // 10,
+                    "step": step,
+                    "sync_seconds": 1.0 + step / 10,
+                    "bytes_sent": 1_000_000,
+                    "bytes_received": 2_000_000,
+                    "downloaded_bytes": 500_000,
+                    "outcome": "averaged",
+                    "shared_ok": True,
+                    "shared_digest": "ab" * 32,
+                }
+            )
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 31, "lo')
 
 
@@ -56,8 +66,15 @@ def test_plot_writes_a_png_of_several_runs_through_the_cli(tmp_path, capsys):
 def test_scalars_take_the_numbers_of_steps_and_rounds():
     step = {"step": 4, "loss": 3.5, "val_loss": 3.9, "lr": 1e-3, "skip_rate": [0.1], "time": 5.0}
     assert scalars(step) == {"train/loss": 3.5, "val/loss": 3.9, "train/lr": 1e-3}
-    sync = {"sync_round": 2, "step": 20, "sync_seconds": 1.25, "shared_ok": False, "outcome": "failed",
-            "bytes_sent": 10, "shared_digest": "ff"}
+    sync = {
+        "sync_round": 2,
+        "step": 20,
+        "sync_seconds": 1.25,
+        "shared_ok": False,
+        "outcome": "failed",
+        "bytes_sent": 10,
+        "shared_digest": "ff",
+    }
     assert scalars(sync) == {"sync/seconds": 1.25, "sync/bytes_sent": 10.0, "sync/shared_ok": 0.0}
 
 
@@ -68,10 +85,25 @@ def test_tensorboard_reads_back_what_a_training_run_wrote(tmp_path):
     from p2p_spes.config import load_config
     from p2p_spes.train import Trainer
 
-    cfg = load_config(None, ["model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
-                             "moe.num_experts=4", "moe.ffn_dim=64", "train.batch_size=4", "train.max_steps=4", "train.warmup_steps=1",
-                             "train.log_interval=1", "train.eval_interval=2", "train.eval_batches=1",
-                             f"train.run_dir={tmp_path}", "train.tensorboard=true"])
+    cfg = load_config(
+        None,
+        [
+            "model.d_model=64",
+            "model.num_layers=2",
+            "model.num_heads=4",
+            "model.max_seq_len=32",
+            "moe.num_experts=4",
+            "moe.ffn_dim=64",
+            "train.batch_size=4",
+            "train.max_steps=4",
+            "train.warmup_steps=1",
+            "train.log_interval=1",
+            "train.eval_interval=2",
+            "train.eval_batches=1",
+            f"train.run_dir={tmp_path}",
+            "train.tensorboard=true",
+        ],
+    )
     Trainer(cfg).run(progress=False)
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()

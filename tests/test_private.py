@@ -18,11 +18,11 @@ from dht.identity import load_identity
 from dht.keys import peers_key
 from dht.node import start_dht
 from dht.records import signed_values
+from p2p_spes.averaging.transport import TransportError
 from p2p_spes.config import load_config
 from p2p_spes.errors import ConfigError
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.swarm import Swarm
-from p2p_spes.transport import TransportError
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 SECRET = b"correct horse battery staple 42"
@@ -53,8 +53,9 @@ def test_records_without_the_secret_are_refused():
     # outsiders run the same software and sign correctly, but lack the secret (or have a wrong one);
     # client mode, so the only node that stores is the insider (any DHT node may drop records)
     outsider, stranger = start_dht(None, [run], initial_peers=maddrs, client_mode=True)
-    guesser, guess = start_dht(None, [run], auth=RunAuth(b"a wrong secret of enough bytes"), initial_peers=maddrs,
-                               client_mode=True)
+    guesser, guess = start_dht(
+        None, [run], auth=RunAuth(b"a wrong secret of enough bytes"), initial_peers=maddrs, client_mode=True
+    )
     try:
         key, expiry = peers_key(run), get_dht_time() + 60
         assert insider.store(key, status(me.peer_id, 1), expiry, subkey=me.owner)
@@ -100,28 +101,52 @@ def test_secret_is_read_from_a_file_and_checked(tmp_path, monkeypatch):
 
 
 # the shared small swarm run with 4 experts and shorter deadlines (later overrides win)
-PRIVATE = SMALL + ["moe.num_experts=4", "train.eval_interval=1000", "swarm.matchmaking_time=4",
-                   "swarm.averaging_timeout=8"]
+PRIVATE = SMALL + [
+    "moe.num_experts=4",
+    "train.eval_interval=1000",
+    "swarm.matchmaking_time=4",
+    "swarm.averaging_timeout=8",
+]
 
 
 @pytest.mark.slow
 def test_outsider_gets_nothing_in_and_nothing_out_of_a_private_run(tmp_path):
     secret = tmp_path / "run.secret"
     secret.write_bytes(SECRET)
-    swarm = LocalSwarm(None, PRIVATE + ["train.max_steps=40", f"swarm.secret_file={secret}"], peers=2,
-                       run_dir=tmp_path / "run", run_id="priv")
+    swarm = LocalSwarm(
+        None,
+        PRIVATE + ["train.max_steps=40", f"swarm.secret_file={secret}"],
+        peers=2,
+        run_dir=tmp_path / "run",
+        run_id="priv",
+    )
     outsider = None
     try:
         swarm.start(stagger=1.0)
         maddrs = swarm.wait_for_maddrs(0)
         # an outsider with the same model and run id, without the secret, trains "with" the run
-        cmd = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--run-dir", str(tmp_path / "outsider"),
-               "--run-id", "priv", "--initial-peers", *maddrs, "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]",
-               "--set", "train.max_steps=40"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "p2p_spes",
+            "train",
+            "--no-progress",
+            "--run-dir",
+            str(tmp_path / "outsider"),
+            "--run-id",
+            "priv",
+            "--initial-peers",
+            *maddrs,
+            "--set",
+            "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]",
+            "--set",
+            "train.max_steps=40",
+        ]
         for item in PRIVATE:
             cmd += ["--set", item]
-        outsider = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
+        outsider = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         # and one that knows the secret-derived name but not the secret asks a member for its weights
         cfg = load_config(None, PRIVATE + ["swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"])
         cfg.swarm.initial_peers = maddrs
@@ -143,8 +168,11 @@ def test_outsider_gets_nothing_in_and_nothing_out_of_a_private_run(tmp_path):
     outsider_peer = json.loads((tmp_path / "outsider" / "peer.json").read_text())["peer_id"]
     members = [json.loads((tmp_path / "run" / f"peer{i}" / "peer.json").read_text())["peer_id"] for i in range(2)]
     for i in range(2):
-        rounds = [json.loads(line) for line in (tmp_path / "run" / f"peer{i}" / "metrics.jsonl").read_text().splitlines()
-                  if '"sync_round"' in line]
+        rounds = [
+            json.loads(line)
+            for line in (tmp_path / "run" / f"peer{i}" / "metrics.jsonl").read_text().splitlines()
+            if '"sync_round"' in line
+        ]
         assert rounds and max(r["shared_members"] for r in rounds) == 2, "only the two members ever average"
     summary = json.loads((tmp_path / "outsider" / "summary.json").read_text())
     assert summary["bytes_received"] == 0, "the outsider received nothing from the members"

@@ -22,9 +22,18 @@ def plain_view(names, max_steps=100, plain_every=0.0):
 
 
 def round_record(n, step, outcome="averaged", members=2, **extra):
-    return {"sync_round": n, "step": step, "sync_seconds": 1.5, "outcome": outcome, "shared_members": members,
-            "bytes_sent": 2_000_000, "bytes_received": 3_000_000, "downloaded_bytes": 1_000_000,
-            "groups_failed": [], **extra}
+    return {
+        "sync_round": n,
+        "step": step,
+        "sync_seconds": 1.5,
+        "outcome": outcome,
+        "shared_members": members,
+        "bytes_sent": 2_000_000,
+        "bytes_received": 3_000_000,
+        "downloaded_bytes": 1_000_000,
+        "groups_failed": [],
+        **extra,
+    }
 
 
 def test_tail_returns_whole_lines_once_and_waits_for_a_line_being_written(tmp_path):
@@ -107,8 +116,11 @@ def test_swarm_watch_reports_what_each_peer_wrote_and_how_it_ended(tmp_path):
         time.sleep(float(sys.argv[2]))
     """)
     for i, linger in enumerate((0.5, 60)):
-        swarm.procs.append(subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"peer{i}"), str(linger)],
-                                            start_new_session=True))
+        swarm.procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", script, str(tmp_path / f"peer{i}"), str(linger)], start_new_session=True
+            )
+        )
     view, _ = plain_view([], max_steps=20, plain_every=60)
     try:
         swarm.procs[0].wait(30)

@@ -3,33 +3,50 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import quality
+from benchmarks import quality
 
 
 def swarm_run(seed: int, final: float, sent: int, received: int, rounds: int, memory: int) -> dict:
-    peers = [{"bytes_sent": sent, "bytes_received": received, "rounds_joined": rounds,
-              "memory": {"total": memory}, "sync_memory": {"total": memory // 2}} for _ in range(4)]
-    return {"seed": seed, "final": final, "tokens_trained": 100, "distinct_weights": {"100": 1},
-            "swarm": {"peers": peers, "round_outcomes": {"averaged": rounds * 4}}}
+    peers = [
+        {
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "rounds_joined": rounds,
+            "memory": {"total": memory},
+            "sync_memory": {"total": memory // 2},
+        }
+        for _ in range(4)
+    ]
+    return {
+        "seed": seed,
+        "final": final,
+        "tokens_trained": 100,
+        "distinct_weights": {"100": 1},
+        "swarm": {"peers": peers, "round_outcomes": {"averaged": rounds * 4}},
+    }
 
 
 def central_run(seed: int, final: float, memory: int) -> dict:
-    return {"seed": seed, "final": final, "tokens_trained": 100, "distinct_weights": {"100": 1},
-            "swarm": None, "memory": {"total": memory}}
+    return {
+        "seed": seed,
+        "final": final,
+        "tokens_trained": 100,
+        "distinct_weights": {"100": 1},
+        "swarm": None,
+        "memory": {"total": memory},
+    }
 
 
 def test_gaps_are_paired_per_seed_and_bytes_and_memory_are_per_peer():
     runs = {
         "centralized": [central_run(0, 4.0, 20_000_000), central_run(1, 5.0, 20_000_000)],
-        "default": [swarm_run(0, 4.4, 3_000_000, 5_000_000, 8, 15_000_000),
-                    swarm_run(1, 5.25, 3_000_000, 5_000_000, 8, 15_000_000)],
+        "default": [
+            swarm_run(0, 4.4, 3_000_000, 5_000_000, 8, 15_000_000),
+            swarm_run(1, 5.25, 3_000_000, 5_000_000, 8, 15_000_000),
+        ],
         "alone": [central_run(0, 6.0, 20_000_000)],
     }
     summary = quality.summarise(runs)

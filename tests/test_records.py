@@ -20,8 +20,16 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def status(peer_id: str, step: int, maddrs: list[str]) -> dict:
-    return {"peer_id": peer_id, "experts": [0, 1], "step": step, "round": 0, "fingerprint": "f" * 16,
-            "maddrs": maddrs, "loss": 3.5, "time": get_dht_time()}
+    return {
+        "peer_id": peer_id,
+        "experts": [0, 1],
+        "step": step,
+        "round": 0,
+        "fingerprint": "f" * 16,
+        "maddrs": maddrs,
+        "loss": 3.5,
+        "time": get_dht_time(),
+    }
 
 
 def test_identity_file_is_the_peer_id_and_the_signing_key(tmp_path):
@@ -55,8 +63,9 @@ def test_forged_records_about_another_peer_are_rejected():
         # 3. validly signed with another key, but claiming to be the victim
         assert signer.store(key, status(victim_id.peer_id, 666, maddrs), later, subkey=signer_id.owner)
         # 4. a record that breaks the schema (a float step), even correctly signed, is refused at once
-        assert not victim.store(key, {**status(victim_id.peer_id, 7, maddrs), "step": 7.0}, later,
-                                subkey=victim_id.owner)
+        assert not victim.store(
+            key, {**status(victim_id.peer_id, 7, maddrs), "step": 7.0}, later, subkey=victim_id.owner
+        )
 
         raw = reader.get(key, latest=True)
         subkeys = set(raw.value)
@@ -72,16 +81,28 @@ def test_forged_records_about_another_peer_are_rejected():
 
 def test_published_config_leaves_out_local_settings_and_is_checked():
     cfg = load_config(None, ["train.batch_size=4", "swarm.run_id=r1"])
-    local = load_config(None, ["train.batch_size=2", "train.grad_accum=2", "train.device=cpu", "swarm.run_id=r1",
-                               "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/5]", "train.run_dir=elsewhere"])
+    local = load_config(
+        None,
+        [
+            "train.batch_size=2",
+            "train.grad_accum=2",
+            "train.device=cpu",
+            "swarm.run_id=r1",
+            "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/5]",
+            "train.run_dir=elsewhere",
+        ],
+    )
     other = load_config(None, ["train.lr=0.01", "swarm.run_id=r1"])
     assert published_config(local)["train"]["batch_size"] == 4 and published_config(local)["train"]["grad_accum"] == 1
     assert "device" not in published_config(cfg)["train"] and "initial_peers" not in published_config(cfg)["swarm"]
     assert config_hash(published_config(cfg)) == config_hash(published_config(local))
     assert config_hash(published_config(cfg)) != config_hash(published_config(other))
 
-    records = {"a": run_config_record(cfg, since=1.0), "b": run_config_record(local, since=2.0),
-               "c": run_config_record(other, since=0.5)}
+    records = {
+        "a": run_config_record(cfg, since=1.0),
+        "b": run_config_record(local, since=2.0),
+        "c": run_config_record(other, since=0.5),
+    }
     chosen = choose(records)
     assert chosen["hash"] == records["a"]["hash"] and chosen["publishers"] == ["a", "b"]
     assert chosen["alternatives"] == [records["c"]["hash"]]

@@ -48,10 +48,14 @@ class Member:
     """One trainer's DHT side: a ``Runtime`` and a ``Membership`` that publishes a record with one expert."""
 
     def __init__(self, initial_peers: list[str], expert: int) -> None:
-        self.cfg = load_config(overrides=[f"swarm.run_id={json.dumps(RUN)}",
-                                          f"swarm.initial_peers={json.dumps(initial_peers)}",
-                                          f"swarm.host_maddrs={json.dumps(LOOPBACK)}",
-                                          f"swarm.record_ttl={RECORD_TTL}"])
+        self.cfg = load_config(
+            overrides=[
+                f"swarm.run_id={json.dumps(RUN)}",
+                f"swarm.initial_peers={json.dumps(initial_peers)}",
+                f"swarm.host_maddrs={json.dumps(LOOPBACK)}",
+                f"swarm.record_ttl={RECORD_TTL}",
+            ]
+        )
         self.runtime = Runtime(self.cfg.swarm, RunAuth())
         self.stats: Counter = Counter()
         self.membership = Membership(self.runtime, self.cfg, self.stats, experts=lambda: [expert])
@@ -234,6 +238,7 @@ class CountingRuntime:
     def get(self, key: str):
         async def nothing() -> dict:
             return {}
+
         return nothing()
 
 

@@ -64,6 +64,7 @@ def test_partial_moe_matches_the_naive_skip_rule(normalize):
 
 def test_non_resident_experts_have_no_storage_and_the_router_sees_all_experts():
     full, part = models(False)
+
     def expert_bytes(m):
         tensors = [*m.named_parameters(), *m.named_buffers()]
         return sum(t.numel() for n, t in tensors if ".experts." in n and "slot_of_expert" not in n)

@@ -15,14 +15,17 @@ import pytest
 from helpers import SMALL, last_step, rounds
 
 from dht.inspector import collect, open_dht
+from p2p_spes.averaging.transport import tensor_digest
 from p2p_spes.local_swarm import LocalSwarm
-from p2p_spes.transport import tensor_digest
 
 pytestmark = pytest.mark.slow  # loopback swarms of several processes
 
 # wider experts than test_swarm's so that expert traffic is visible next to the shared parameters
 BASE = [o for o in SMALL if not o.startswith("moe.ffn_dim")] + [
-    "moe.ffn_dim=256", "swarm.merge_interval=0", "swarm.record_ttl=6", "swarm.heartbeat=1.5",
+    "moe.ffn_dim=256",
+    "swarm.merge_interval=0",
+    "swarm.record_ttl=6",
+    "swarm.heartbeat=1.5",
 ]
 PARTIAL = ["swarm.residency=partial"]
 D, F, LAYERS, VOCAB = 64, 256, 2, 8192
@@ -51,8 +54,11 @@ def exported_expert_digests(hf_dir: Path, num_experts: int) -> dict[str, str]:
         tensors = []
         for i in range(LAYERS):
             prefix = f"model.layers.{i}.mlp.experts.{e}"
-            tensors += [weights[f"{prefix}.gate_proj.weight"], weights[f"{prefix}.up_proj.weight"],
-                        weights[f"{prefix}.down_proj.weight"].t().contiguous()]
+            tensors += [
+                weights[f"{prefix}.gate_proj.weight"],
+                weights[f"{prefix}.up_proj.weight"],
+                weights[f"{prefix}.down_proj.weight"].t().contiguous(),
+            ]
         out[str(e)] = tensor_digest(tensors)
     return out
 
@@ -63,14 +69,29 @@ def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
         swarm.start()
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not all(
-            (tmp_path / f"peer{i}" / "metrics.jsonl").exists() and len(rounds(tmp_path / f"peer{i}")) >= 3 for i in range(3)
+            (tmp_path / f"peer{i}" / "metrics.jsonl").exists() and len(rounds(tmp_path / f"peer{i}")) >= 3
+            for i in range(3)
         ):
             time.sleep(0.3)
         # no peer holds every expert, yet the full model can be assembled from the holders
         export = subprocess.run(
-            [sys.executable, "-m", "p2p_spes", "export", "--from-swarm", "--run-id", "local", "--out",
-             str(tmp_path / "hf"), "--initial-peers", *swarm.wait_for_maddrs(0)],
-            capture_output=True, text=True, timeout=240, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "p2p_spes",
+                "export",
+                "--from-swarm",
+                "--run-id",
+                "local",
+                "--out",
+                str(tmp_path / "hf"),
+                "--initial-peers",
+                *swarm.wait_for_maddrs(0),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            start_new_session=True,
         )
         codes = swarm.wait(timeout=400)
     finally:
@@ -92,8 +113,20 @@ def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
     fewest = min(range(3), key=lambda i: len(summaries[i]["local_experts"]))
     assert len(summaries[fewest]["local_experts"]) < 6
     refused = subprocess.run(
-        [sys.executable, "-m", "p2p_spes", "export", "--checkpoint", str(tmp_path / f"peer{fewest}"), "--out", str(tmp_path / "x")],
-        capture_output=True, text=True, timeout=120, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "p2p_spes",
+            "export",
+            "--checkpoint",
+            str(tmp_path / f"peer{fewest}"),
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
     )
     assert refused.returncode == 2 and "--from-swarm" in refused.stderr
     assert {e for s in summaries for e in s["local_experts"]} == set(range(6))
@@ -114,7 +147,9 @@ def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
         # outside the groups it downloaded at most the catch-up at join (shared weights and its experts)
         # and once more per round it missed (the result the others agreed on): no other expert, ever
         # (an expert it took over came from a holder, a full peer, or its seeded init if nobody had it)
-        allowed = (1 + s["rounds_failed"]) * (SHARED_BYTES + len(own) * EXPERT_BYTES) + s["experts_taken_over"] * EXPERT_BYTES
+        allowed = (1 + s["rounds_failed"]) * (SHARED_BYTES + len(own) * EXPERT_BYTES) + s[
+            "experts_taken_over"
+        ] * EXPERT_BYTES
         assert downloads(run_dir, s) <= 1.02 * allowed
         steps = [r for r in records(run_dir) if "skip_rate" in r]
         assert steps and all(len(r["skip_rate"]) == LAYERS and all(0 <= x <= 1 for x in r["skip_rate"]) for r in steps)
@@ -169,7 +204,9 @@ def test_mixed_swarm_stays_consistent_and_a_dead_holders_experts_are_taken_over(
     # it took over exactly the dead peer's experts that neither the full peer nor its own first choice hold
     assert took and took == sorted(victim_experts - set(s0["local_experts"]) - first_own)
     assert taken[0]["step"] > killed_step
-    assert s1["experts_taken_over"] == len(took) and victim_experts <= set(s0["local_experts"]) | set(s1["local_experts"])
+    assert s1["experts_taken_over"] == len(took) and victim_experts <= set(s0["local_experts"]) | set(
+        s1["local_experts"]
+    )
     # the partial peer holds exactly its experts, those it took over included
     assert s1["memory"]["parameters"]["local_experts"] == len(s1["local_experts"]) * EXPERT_BYTES
     assert s1["memory"]["parameters"]["frozen_experts"] == 0

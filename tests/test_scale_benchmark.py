@@ -4,20 +4,25 @@ at the end (``benchmarks/scale.py summarize``), on metrics lines written here.""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import scale
-
-from p2p_spes.chaos import Fault
+from benchmarks import scale
+from benchmarks.lab.chaos import Fault
 
 
 def round_line(n: int, outcome: str, start: float, seconds: float, digest: str) -> dict:
-    return {"sync_round": n, "step": 10 * n, "outcome": outcome, "sync_seconds": seconds, "time": start + seconds,
-            "shared_digest": digest, "bytes_sent": 1_000_000, "bytes_received": 1_000_000, "downloaded_bytes": 0,
-            "groups": {"shared": {"attempts": 1, "lost": []}}}
+    return {
+        "sync_round": n,
+        "step": 10 * n,
+        "outcome": outcome,
+        "sync_seconds": seconds,
+        "time": start + seconds,
+        "shared_digest": digest,
+        "bytes_sent": 1_000_000,
+        "bytes_received": 1_000_000,
+        "downloaded_bytes": 0,
+        "groups": {"shared": {"attempts": 1, "lost": []}},
+    }
 
 
 def write(run_dir: Path, peer: int, lines: list[dict]) -> None:
@@ -30,8 +35,15 @@ def test_rounds_of_a_stopped_peer_and_of_one_left_alone_are_counted_apart(tmp_pa
     to 200 (its round 2 fails meanwhile), and runs round 3 at 210 alone: the others have ended."""
     write(tmp_path, 0, [round_line(n, "averaged", 10 + 50 * (n - 1), 20, f"d{n}") for n in (1, 2, 3)])
     write(tmp_path, 1, [round_line(n, "averaged", 10 + 50 * (n - 1), 20, f"d{n}") for n in (1, 2, 3)])
-    write(tmp_path, 2, [round_line(1, "averaged", 10, 20, "d1"), round_line(2, "failed", 60, 150, "x2"),
-                        round_line(3, "alone", 210, 1, "x3")])
+    write(
+        tmp_path,
+        2,
+        [
+            round_line(1, "averaged", 10, 20, "d1"),
+            round_line(2, "failed", 60, 150, "x2"),
+            round_line(3, "alone", 210, 1, "x3"),
+        ],
+    )
     freeze = Fault("freeze", 2, 40.0, 200.0)
     row = scale.summarize(tmp_path, 3, survivors=[0, 1, 2], faults=[freeze])
     assert row["peer_rounds"] == 9 and row["peer_rounds_applied"] == 7
@@ -45,8 +57,12 @@ def test_rounds_of_a_stopped_peer_and_of_one_left_alone_are_counted_apart(tmp_pa
 def test_a_round_alone_while_others_still_run_counts_against_the_swarm(tmp_path):
     """The same, but peer 1 runs on to t = 300: peer 2's lone round 3 is a round the swarm lost for it."""
     write(tmp_path, 0, [round_line(n, "averaged", 10 + 50 * (n - 1), 20, f"d{n}") for n in (1, 2, 3)])
-    write(tmp_path, 1, [round_line(n, "averaged", 10 + 50 * (n - 1), 20, f"d{n}") for n in (1, 2, 3)]
-          + [{"step": 40, "loss": 5.0, "time": 300.0}])
+    write(
+        tmp_path,
+        1,
+        [round_line(n, "averaged", 10 + 50 * (n - 1), 20, f"d{n}") for n in (1, 2, 3)]
+        + [{"step": 40, "loss": 5.0, "time": 300.0}],
+    )
     write(tmp_path, 2, [round_line(1, "averaged", 10, 20, "d1"), round_line(3, "alone", 210, 1, "x3")])
     row = scale.summarize(tmp_path, 3, survivors=[0, 1, 2], faults=[Fault("freeze", 2, 40.0, 200.0)])
     assert row["peer_rounds_after_others"] == 0 and row["ended_after_others"] == 0

@@ -6,13 +6,19 @@ from dataclasses import replace
 
 import pytest
 
-from p2p_spes.compression import Codec
+from benchmarks.lab.simulation import SimConfig, simulate
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.matchmaking import decide
 from p2p_spes.config import SwarmConfig
-from p2p_spes.matchmaking import decide
-from p2p_spes.simulation import SimConfig, simulate
 
-SMALL = SimConfig(peers=24, rounds=20, experts=8, shared_params=1_000_000, expert_params=200_000,
-                  swarm=SwarmConfig(compression="int8", matchmaking_time=10.0, averaging_timeout=120.0, group_size=0))
+SMALL = SimConfig(
+    peers=24,
+    rounds=20,
+    experts=8,
+    shared_params=1_000_000,
+    expert_params=200_000,
+    swarm=SwarmConfig(compression="int8", matchmaking_time=10.0, averaging_timeout=120.0, group_size=0),
+)
 GRID = replace(SMALL, swarm=replace(SMALL.swarm, group_size=8))  # 24 peers: 3 rows of 8, 8 columns
 
 

@@ -25,19 +25,20 @@ from helpers import (
     rounds,
 )
 
-from p2p_spes.allreduce import HOLD
+from p2p_spes.averaging.allreduce import HOLD
+from p2p_spes.averaging.matchmaking import DECISION_LAG
+from p2p_spes.averaging.transport import TruncatedStream
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
-from p2p_spes.matchmaking import DECISION_LAG
 from p2p_spes.swarm import GroupReport, RoundReport
 from p2p_spes.swarm.outer import OuterOptimizer
 from p2p_spes.swarm.state import Downloader
-from p2p_spes.transport import TruncatedStream
 
 
 def test_nesterov_outer_step_follows_diloco():
-    outer = OuterOptimizer(load_config(None, ["swarm.outer_optimizer=nesterov", "swarm.outer_lr=0.5",
-                                              "swarm.outer_momentum=0.9"]).swarm)
+    outer = OuterOptimizer(
+        load_config(None, ["swarm.outer_optimizer=nesterov", "swarm.outer_lr=0.5", "swarm.outer_momentum=0.9"]).swarm
+    )
     outer.set_anchor("shared", torch.tensor([1.0, 2.0]), 0)
     delta = torch.tensor([1.0, 1.0])  # the averaged pseudo-gradient: anchor - the members' mean weights
     first = outer.step("shared", delta, 1)  # m = 1: anchor - 0.5 * (1 + 0.9 * 1)
@@ -88,8 +89,13 @@ class _SlowRound:
         with torch.no_grad():
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 t.fill_(1.0)
-        return RoundReport(round=round_no, step=step, seconds=0.3,
-                           groups={"shared": GroupReport(ok=True, members=2, group_id="g")}, shared_digest="d")
+        return RoundReport(
+            round=round_no,
+            step=step,
+            seconds=0.3,
+            groups={"shared": GroupReport(ok=True, members=2, group_id="g")},
+            shared_digest="d",
+        )
 
 
 def test_download_retries_a_refused_dial_and_a_cut_stream_but_not_a_peer_that_never_answers():
@@ -98,7 +104,8 @@ def test_download_retries_a_refused_dial_and_a_cut_stream_but_not_a_peer_that_ne
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     runtime = SimpleNamespace(
-        call=lambda coro, timeout=None: asyncio.run_coroutine_threadsafe(coro, loop).result(timeout))
+        call=lambda coro, timeout=None: asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+    )
     swarm = Downloader(runtime, Counter(), timeout=0.3)
     calls = []
 
@@ -156,8 +163,14 @@ def test_overlapped_round_adds_its_change_to_the_progress_made_meanwhile():
 
     model = torch.nn.Linear(3, 2)
     logged = []
-    trainer = SimpleNamespace(model=model, step=10, tokens=100, last_metrics={"loss": 1.0},
-                              cfg=SimpleNamespace(train=SimpleNamespace(max_steps=40)), log_record=logged.append)
+    trainer = SimpleNamespace(
+        model=model,
+        step=10,
+        tokens=100,
+        last_metrics={"loss": 1.0},
+        cfg=SimpleNamespace(train=SimpleNamespace(max_steps=40)),
+        log_record=logged.append,
+    )
     swarm = _SlowRound(model)
     hook = SwarmSync(swarm, sync_steps=10, overlap=True)
     at_boundary = [p.detach().clone() for p in model.parameters()]
@@ -183,10 +196,20 @@ def test_swarm_trains_syncs_merges_and_ends_identical(tmp_path):
     # members still end bit-identical. AdamW inside: with Muon, DiLoCo's Nesterov outer step and
     # overlapped rounds, one CI run out of two learned nothing in these 90 steps (val 8.99 from 9.02);
     # in the quality benchmark that pair ends 2.2% behind the plain average (README, Limits), and this test is about syncing
-    swarm = LocalSwarm(None, SMALL + ["train.max_steps=90", "train.optimizer=adamw", "swarm.merge_interval=20",
-                                      "swarm.outer_optimizer=nesterov",
-                                      "swarm.aggregation=centered_clip", "swarm.overlap=true"],
-                       peers=3, run_dir=tmp_path)
+    swarm = LocalSwarm(
+        None,
+        SMALL
+        + [
+            "train.max_steps=90",
+            "train.optimizer=adamw",
+            "swarm.merge_interval=20",
+            "swarm.outer_optimizer=nesterov",
+            "swarm.aggregation=centered_clip",
+            "swarm.overlap=true",
+        ],
+        peers=3,
+        run_dir=tmp_path,
+    )
     try:
         swarm.start()
         codes = swarm.wait(timeout=300)
@@ -271,7 +294,10 @@ def test_peer_with_another_model_is_refused(tmp_path):
         # the inspector, a client-only DHT peer, lists the live peer and the coverage, and not the refused one
         inspect = subprocess.run(
             [sys.executable, "-m", "p2p_spes", "inspect", "--json", "--run-id", "local", "--initial-peers", *maddrs],
-            capture_output=True, text=True, timeout=120, start_new_session=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
         )
     finally:
         swarm.stop()
@@ -289,9 +315,24 @@ def test_unreachable_bootstrap_is_a_clear_error_within_seconds(tmp_path):
     fake = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWD42Rrrah2pZafUYCAzwz7S3UvNo2gYEHkUwGJT79NSGG"
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "p2p_spes", "train", "--run-dir", str(tmp_path), "--initial-peers", fake,
-         "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]", "--set", "swarm.bootstrap_timeout=10"],
-        capture_output=True, text=True, timeout=120, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "p2p_spes",
+            "train",
+            "--run-dir",
+            str(tmp_path),
+            "--initial-peers",
+            fake,
+            "--set",
+            "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]",
+            "--set",
+            "swarm.bootstrap_timeout=10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
     )
     assert proc.returncode == 2
     assert fake in proc.stderr and "Check that the address is complete" in proc.stderr
@@ -300,9 +341,22 @@ def test_unreachable_bootstrap_is_a_clear_error_within_seconds(tmp_path):
 
 def test_malformed_multiaddr_is_a_clear_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "p2p_spes", "train", "--run-dir", str(tmp_path), "--initial-peers", "not-an-address",
-         "--set", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"],
-        capture_output=True, text=True, timeout=120, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "p2p_spes",
+            "train",
+            "--run-dir",
+            str(tmp_path),
+            "--initial-peers",
+            "not-an-address",
+            "--set",
+            "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
     )
     assert proc.returncode == 2
     assert "not-an-address" in proc.stderr

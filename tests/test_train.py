@@ -20,10 +20,20 @@ from p2p_spes.train import Trainer
 
 # A very small model on the real embedded corpus and tokenizer, for the fast tests.
 FAST = [
-    "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32",
-    "moe.num_experts=4", "moe.ffn_dim=64", "train.batch_size=4", "train.warmup_steps=2",
-    "train.log_interval=1", "train.eval_interval=4", "train.eval_batches=2", "train.checkpoint_interval=4",
-    "peer.count=2", "peer.index=1",
+    "model.d_model=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.max_seq_len=32",
+    "moe.num_experts=4",
+    "moe.ffn_dim=64",
+    "train.batch_size=4",
+    "train.warmup_steps=2",
+    "train.log_interval=1",
+    "train.eval_interval=4",
+    "train.eval_batches=2",
+    "train.checkpoint_interval=4",
+    "peer.count=2",
+    "peer.index=1",
 ]
 
 
@@ -43,7 +53,10 @@ def test_tiny_config_loss_falls_well_below_start(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, "-m", "p2p_spes", "train", "--run-dir", str(tmp_path), "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -165,11 +178,14 @@ def test_decayed_load_balance_scales_local_experts_early(tmp_path):
 def test_a_hook_that_moves_the_step_past_the_end_still_gets_the_final_evaluation(tmp_path):
     # a swarm round run beside training can move a peer's schedule on past train.max_steps (its jump):
     # that step is the end, with its evaluation and checkpoint, as reaching max_steps exactly would be
-    trainer = Trainer(fast_config(tmp_path, "train.max_steps=6", "train.eval_interval=100", "train.checkpoint_interval=100"))
+    trainer = Trainer(
+        fast_config(tmp_path, "train.max_steps=6", "train.eval_interval=100", "train.checkpoint_interval=100")
+    )
 
     def jump(t: Trainer) -> None:
         if t.step == 4:
             t.step += 3
+
     trainer.hooks.append(jump)
     summary = trainer.run(progress=False)
     assert summary["step"] == 7 and summary["final_val_loss"] is not None
@@ -206,7 +222,9 @@ def test_a_full_disk_during_a_checkpoint_costs_that_checkpoint_not_the_run(tmp_p
     assert read_state(find_checkpoint(tmp_path))["step"] == 12
 
     # the final checkpoint cannot be skipped: the run ends with the error naming the fix
-    monkeypatch.setattr(checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr(
+        checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
+    )
     again = Trainer(fast_config(tmp_path / "again", "train.max_steps=4"))
     with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint.*Free space"):
         again.run(progress=False)

@@ -40,16 +40,35 @@ def test_tolerated_variations():
     assert VersionRecord.from_value("QmPeer", without_id).peer_id == "QmPeer", "the checked writer names the record"
 
 
-@pytest.mark.parametrize("value", [
-    None, "text", [1, 2], 7,
-    {k: v for k, v in wire().items() if k != "experts"},
-    {k: v for k, v in wire().items() if k != "shared"},
-    {k: v for k, v in wire().items() if k != "ok"},
-    wire(experts=[0, 3]), wire(experts=None), wire(copies=[5]), wire(copies=None),
-    wire(experts={"x": D2}), wire(experts={"01": D2}), wire(experts={"-1": D2}), wire(experts={"": D2}),
-    wire(experts={0: D2}), wire(experts={"0": None}), wire(experts={"0": 1}), wire(copies={"5": b"digest"}),
-    wire(ok=1), wire(ok="true"), wire(ok=None), wire(shared=None), wire(shared=7),
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "text",
+        [1, 2],
+        7,
+        {k: v for k, v in wire().items() if k != "experts"},
+        {k: v for k, v in wire().items() if k != "shared"},
+        {k: v for k, v in wire().items() if k != "ok"},
+        wire(experts=[0, 3]),
+        wire(experts=None),
+        wire(copies=[5]),
+        wire(copies=None),
+        wire(experts={"x": D2}),
+        wire(experts={"01": D2}),
+        wire(experts={"-1": D2}),
+        wire(experts={"": D2}),
+        wire(experts={0: D2}),
+        wire(experts={"0": None}),
+        wire(experts={"0": 1}),
+        wire(copies={"5": b"digest"}),
+        wire(ok=1),
+        wire(ok="true"),
+        wire(ok=None),
+        wire(shared=None),
+        wire(shared=7),
+    ],
+)
 def test_malformed_values_are_rejected(value):
     assert VersionRecord.from_value("QmPeer", value) is None
 
@@ -104,13 +123,20 @@ def test_wait_versions_keeps_records_that_lapse_between_reads():
 def test_an_adopter_stops_waiting_once_it_has_a_result():
     runtime = ScriptedReads([{"A": rec("A", ok=False)}, {"B": rec("B")}])  # C never publishes
     start = time.monotonic()
-    versions = wait_versions(runtime, 3, {"A", "B", "C"}, window=20.0, after=0.3,
-                             enough=lambda vs: any(v.ok for v in vs.values()))
+    versions = wait_versions(
+        runtime, 3, {"A", "B", "C"}, window=20.0, after=0.3, enough=lambda vs: any(v.ok for v in vs.values())
+    )
     assert time.monotonic() - start < 5.0, "one result is enough for a peer that adopts"
     assert set(versions) == {"A", "B"}
     start = time.monotonic()
-    versions = wait_versions(ScriptedReads([{"A": rec("A", ok=False)}]), 3, {"A", "C"}, window=1.0, after=0.3,
-                             enough=lambda vs: any(v.ok for v in vs.values()))
+    versions = wait_versions(
+        ScriptedReads([{"A": rec("A", ok=False)}]),
+        3,
+        {"A", "C"},
+        window=1.0,
+        after=0.3,
+        enough=lambda vs: any(v.ok for v in vs.values()),
+    )
     assert time.monotonic() - start >= 1.0, "without a result to adopt, the whole window is waited"
     assert set(versions) == {"A"}
 
@@ -121,20 +147,34 @@ def test_an_adopter_that_knows_the_group_ends_its_wait_with_the_members():
     it ends the round when they do, neither a window later nor before them. A result from a peer
     outside the group it missed is not taken."""
     members = {"A", "B", "C"}
-    assert set(adoptable({"A": rec("A", ok=False), "B": rec("B"), "X": rec("X"), "me": rec("me")}, "me", members)) == {"B"}
+    assert set(adoptable({"A": rec("A", ok=False), "B": rec("B"), "X": rec("X"), "me": rec("me")}, "me", members)) == {
+        "B"
+    }
     assert set(adoptable({"B": rec("B"), "X": rec("X"), "me": rec("me")}, "me")) == {"B", "X"}
     b, c = (VersionRecord(p, True, D1, {}, group=2) for p in "BC")  # A was lost before the retry of B and C
     runtime = ScriptedReads([{"X": rec("X")}, {"B": b}, {"C": c}, {"A": rec("A", ok=False)}])
     start = time.monotonic()
-    versions = wait_versions(runtime, 3, members, window=20.0, after=20.0,
-                             enough=lambda vs: bool(adoptable(vs, "me", members)),
-                             complete=lambda vs: all_published(adoptable(vs, "me", members)))
+    versions = wait_versions(
+        runtime,
+        3,
+        members,
+        window=20.0,
+        after=20.0,
+        enough=lambda vs: bool(adoptable(vs, "me", members)),
+        complete=lambda vs: all_published(adoptable(vs, "me", members)),
+    )
     assert time.monotonic() - start < 2.0 and runtime.count == 3, "ended once B and C had both published"
     assert set(versions) == {"X", "B", "C"}
     start = time.monotonic()  # records of an earlier version say nothing of their group: the wait is bounded
-    versions = wait_versions(ScriptedReads([{"B": rec("B")}]), 3, members, window=20.0, after=0.5,
-                             enough=lambda vs: bool(adoptable(vs, "me", members)),
-                             complete=lambda vs: all_published(adoptable(vs, "me", members)))
+    versions = wait_versions(
+        ScriptedReads([{"B": rec("B")}]),
+        3,
+        members,
+        window=20.0,
+        after=0.5,
+        enough=lambda vs: bool(adoptable(vs, "me", members)),
+        complete=lambda vs: all_published(adoptable(vs, "me", members)),
+    )
     assert 0.5 <= time.monotonic() - start < 2.0 and set(versions) == {"B"}
 
 

@@ -21,18 +21,25 @@ from pathlib import Path
 import pytest
 from helpers import SMALL, group_alive, stop, wait_for
 
-from p2p_spes.chaos import read_metrics
+from benchmarks.lab.chaos import read_metrics
+from benchmarks.lab.netlab import CFS_PERIOD_US, Lab, LabError, LinkSpec, cpu_quota_us, measure_link, tbf_params
+from benchmarks.lab.wan_report import PeerReport, SwarmReport, outcome_of, read_swarm
 from p2p_spes.local_swarm import LocalSwarm, PeerPlace
-from p2p_spes.netlab import CFS_PERIOD_US, Lab, LabError, LinkSpec, cpu_quota_us, measure_link, tbf_params
-from p2p_spes.wan_report import PeerReport, SwarmReport, outcome_of, read_swarm
 
 MBIT = 8.0
 # compute between rounds (30 steps of 1,024 tokens) outlasts a round's transfers on these links, as it must
 # in any run worth doing over the internet; the joiner's catch-up (~4.6 MB: ~5 s) does not
 LAB_RUN = [
-    *SMALL, "train.batch_size=16", "model.max_seq_len=64", "swarm.sync_steps=30", "train.log_interval=1",
-    "train.eval_interval=1000", "train.checkpoint_interval=1000", "train.max_steps=240",
-    "swarm.matchmaking_time=4", "swarm.averaging_timeout=30",
+    *SMALL,
+    "train.batch_size=16",
+    "model.max_seq_len=64",
+    "swarm.sync_steps=30",
+    "train.log_interval=1",
+    "train.eval_interval=1000",
+    "train.checkpoint_interval=1000",
+    "train.max_steps=240",
+    "swarm.matchmaking_time=4",
+    "swarm.averaging_timeout=30",
 ]
 
 
@@ -59,8 +66,10 @@ def test_cpu_quota():
 def test_places_enter_cgroup_and_namespace_and_listen_on_the_peer_address(tmp_path):
     lab = Lab([LinkSpec(up_mbit=2, down_mbit=8), LinkSpec(cpu=0.5)], name="p2plab-test")
     prefix = lab.argv_prefix(1)
-    assert prefix[:2] == ["sh", "-c"] and prefix[-2:] == ["/sys/fs/cgroup/cpu/p2plab-test/peer1/cgroup.procs",
-                                                           "p2plab-test-p1"]
+    assert prefix[:2] == ["sh", "-c"] and prefix[-2:] == [
+        "/sys/fs/cgroup/cpu/p2plab-test/peer1/cgroup.procs",
+        "p2plab-test-p1",
+    ]
     assert "exec ip netns exec" in prefix[2]  # exec: the peer keeps the id it was started with
     place = lab.place(1)
     assert place.host == "10.47.0.2" and place.host_maddr == "/ip4/10.47.0.2/tcp/0"
@@ -79,8 +88,15 @@ def _write_peer(run_dir: Path, steps: range, rounds: list[dict], summary: dict, 
     run_dir.mkdir(parents=True)
     lines = []
     for step in steps:
-        lines.append({"step": step, "loss": 5.0, "tokens": 128 * (step - steps[0] + 1), "step_time_s": 0.5,
-                      "time": t0 + (step - steps[0] + 1)})
+        lines.append(
+            {
+                "step": step,
+                "loss": 5.0,
+                "tokens": 128 * (step - steps[0] + 1),
+                "step_time_s": 0.5,
+                "time": t0 + (step - steps[0] + 1),
+            }
+        )
         for r in rounds:
             if r["step"] == step:
                 lines.append({**r, "time": t0 + (step - steps[0] + 1) + r["sync_seconds"]})
@@ -89,20 +105,41 @@ def _write_peer(run_dir: Path, steps: range, rounds: list[dict], summary: dict, 
 
 
 def _round(n: int, members: int, ok: bool = True, digest: str = "d", **extra) -> dict:
-    return {"sync_round": n, "step": n * 10, "sync_seconds": 0.25, "shared_ok": ok, "shared_members": members,
-            "adopted_shared_from": None, "bytes_sent": 100, "bytes_received": 100, "downloaded_bytes": 7,
-            "shared_digest": digest, "expert_digests": {"0": digest}, **extra}
+    return {
+        "sync_round": n,
+        "step": n * 10,
+        "sync_seconds": 0.25,
+        "shared_ok": ok,
+        "shared_members": members,
+        "adopted_shared_from": None,
+        "bytes_sent": 100,
+        "bytes_received": 100,
+        "downloaded_bytes": 7,
+        "shared_digest": digest,
+        "expert_digests": {"0": digest},
+        **extra,
+    }
 
 
 def test_report_from_metrics_of_old_and_new_code(tmp_path):
     # peer 0 from step 1 (old-format records: no outcome), peer 1 joins at step 10 (new format)
-    _write_peer(tmp_path / "peer0", range(1, 31), [_round(1, 1), _round(2, 2), _round(3, 2)],
-                {"step": 30, "tokens": 3840, "steps_skipped": 0, "final_val_loss": 4.5}, t0=1000.0)
-    _write_peer(tmp_path / "peer1", range(11, 31),
-                [_round(2, 2, outcome="averaged", tokens_contributed=1280, schedule_jump=0),
-                 _round(3, 2, outcome="averaged", tokens_contributed=1280, schedule_jump=2)],
-                {"step": 30, "tokens": 2560, "steps_skipped": 0, "tokens_averaged": 2560, "final_val_loss": 4.5},
-                t0=1010.0)
+    _write_peer(
+        tmp_path / "peer0",
+        range(1, 31),
+        [_round(1, 1), _round(2, 2), _round(3, 2)],
+        {"step": 30, "tokens": 3840, "steps_skipped": 0, "final_val_loss": 4.5},
+        t0=1000.0,
+    )
+    _write_peer(
+        tmp_path / "peer1",
+        range(11, 31),
+        [
+            _round(2, 2, outcome="averaged", tokens_contributed=1280, schedule_jump=0),
+            _round(3, 2, outcome="averaged", tokens_contributed=1280, schedule_jump=2),
+        ],
+        {"step": 30, "tokens": 2560, "steps_skipped": 0, "tokens_averaged": 2560, "final_val_loss": 4.5},
+        t0=1010.0,
+    )
     report = read_swarm(tmp_path, 2)
     p0, p1 = report.peers
     assert [r.outcome for r in p0.rounds] == ["alone", "averaged", "averaged"]
@@ -116,10 +153,20 @@ def test_report_from_metrics_of_old_and_new_code(tmp_path):
 
 
 def test_report_sees_different_weights_and_derives_outcomes(tmp_path):
-    _write_peer(tmp_path / "peer0", range(1, 21), [_round(1, 2), _round(2, 2, digest="a")],
-                {"step": 20, "tokens": 2560, "final_val_loss": 4.5}, t0=0.0)
-    _write_peer(tmp_path / "peer1", range(1, 21), [_round(1, 2), _round(2, 2, digest="b")],
-                {"step": 20, "tokens": 2560, "final_val_loss": 4.6}, t0=0.0)
+    _write_peer(
+        tmp_path / "peer0",
+        range(1, 21),
+        [_round(1, 2), _round(2, 2, digest="a")],
+        {"step": 20, "tokens": 2560, "final_val_loss": 4.5},
+        t0=0.0,
+    )
+    _write_peer(
+        tmp_path / "peer1",
+        range(1, 21),
+        [_round(1, 2), _round(2, 2, digest="b")],
+        {"step": 20, "tokens": 2560, "final_val_loss": 4.6},
+        t0=0.0,
+    )
     report: SwarmReport = read_swarm(tmp_path, 2)
     assert not report.identical and len(report.differences) == 3
     assert outcome_of({"shared_ok": False, "adopted_shared_from": "Qm"}) == "adopted"
@@ -132,12 +179,18 @@ def test_losses_may_differ_under_a_lossy_codec_or_overlap_but_digests_may_not(tm
     # a lone holder under topk trains ahead of what it publishes; with overlap a peer adds the steps it
     # trained beside the last round: the final losses differ by design, the published digests must agree
     for i, loss in enumerate((4.5, 4.6)):
-        _write_peer(tmp_path / f"peer{i}", range(1, 21), [_round(1, 2), _round(2, 2)],
-                    {"step": 20, "tokens": 2560, "final_val_loss": loss, **setting}, t0=0.0)
+        _write_peer(
+            tmp_path / f"peer{i}",
+            range(1, 21),
+            [_round(1, 2), _round(2, 2)],
+            {"step": 20, "tokens": 2560, "final_val_loss": loss, **setting},
+            t0=0.0,
+        )
     report = read_swarm(tmp_path, 2)
     assert report.identical, report.differences
-    (tmp_path / "peer1" / "metrics.jsonl").write_text((tmp_path / "peer1" / "metrics.jsonl").read_text()
-                                                      .replace('"shared_digest": "d"', '"shared_digest": "e"'))
+    (tmp_path / "peer1" / "metrics.jsonl").write_text(
+        (tmp_path / "peer1" / "metrics.jsonl").read_text().replace('"shared_digest": "d"', '"shared_digest": "e"')
+    )
     report = read_swarm(tmp_path, 2)
     assert report.differences == ["round 2: shared digests differ"]
     # a stored report reads back the same (benchmarks/wan_codecs.py --only-table)
@@ -147,8 +200,10 @@ def test_losses_may_differ_under_a_lossy_codec_or_overlap_but_digests_may_not(tm
 
 # The lab itself (root) -----------------------------------------------------------------------------
 BUSY = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 2: pass\nprint(time.process_time() / 2)"
-HOLD = "import time\nfrom p2p_spes.netlab import Lab, LinkSpec\nwith Lab([LinkSpec(up_mbit=5)]) as lab:\n" \
-       "    print(lab.name, flush=True)\n    time.sleep(60)\n"
+HOLD = (
+    "import time\nfrom benchmarks.lab.netlab import Lab, LinkSpec\nwith Lab([LinkSpec(up_mbit=5)]) as lab:\n"
+    "    print(lab.name, flush=True)\n    time.sleep(60)\n"
+)
 
 
 @pytest.mark.slow
@@ -170,8 +225,7 @@ def test_lab_caps_links_and_cpu_and_removes_everything_on_error_and_ctrl_c():
         raise RuntimeError("on purpose")
     assert left.wait(5) == -signal.SIGKILL  # killed by the lab, by its id
     assert lab.leftovers() == []
-    holder = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         name = holder.stdout.readline().strip()
         assert name.startswith("p2plab-"), name
@@ -197,8 +251,13 @@ def run_in_lab(run_dir: Path) -> tuple[SwarmReport, Lab, LocalSwarm]:
         try:
             swarm.start_peer(0, [])
             maddrs = swarm.wait_for_maddrs(0)
-            wait_for(lambda: any("sync_round" in r for r in read_metrics(run_dir / "peer0")), 120,
-                     "peer 0's first round", swarm.procs[0], run_dir / "peer0.log")
+            wait_for(
+                lambda: any("sync_round" in r for r in read_metrics(run_dir / "peer0")),
+                120,
+                "peer 0's first round",
+                swarm.procs[0],
+                run_dir / "peer0.log",
+            )
             swarm.start_peer(1, maddrs)
             codes = swarm.wait(timeout=240)
         finally:
@@ -210,8 +269,11 @@ def run_in_lab(run_dir: Path) -> tuple[SwarmReport, Lab, LocalSwarm]:
 def describe(report: SwarmReport) -> str:
     return "; ".join(
         f"peer {p.peer} (from step {p.start_step}, skipped {p.steps_skipped}): "
-        + " ".join(f"r{r.round}:{r.members}/{r.outcome}" + (f" ({r.shared_error})" if r.shared_error else "")
-                   for r in p.rounds) for p in report.peers)
+        + " ".join(
+            f"r{r.round}:{r.members}/{r.outcome}" + (f" ({r.shared_error})" if r.shared_error else "") for r in p.rounds
+        )
+        for p in report.peers
+    )
 
 
 @pytest.mark.slow
@@ -233,4 +295,3 @@ def test_two_peers_on_slow_links_average_every_round_after_the_join(tmp_path):
         assert not missed, f"peer {peer} missed rounds after the join {missed}: {describe(report)}"
     assert [p.steps_skipped for p in report.peers] == [0, 0], describe(report)
     assert report.identical, report.differences
-

@@ -41,7 +41,10 @@ def torch_kernel_label(cfg: MoEConfig, d_model: int, device: torch.device) -> st
 
 
 def build_moe(
-    cfg: MoEConfig, d_model: int, local_experts: Sequence[int] | None, device: torch.device,
+    cfg: MoEConfig,
+    d_model: int,
+    local_experts: Sequence[int] | None,
+    device: torch.device,
     resident_only: bool = False,
 ) -> nn.Module:
     """One MoE layer of the backend ``cfg`` resolves to on ``device``."""

@@ -189,7 +189,7 @@ class SwiGLUExperts(nn.Module):
         if strict:
             own = {prefix + name for name in MATRICES} | {prefix + "resident_experts"}
             for key in state_dict:
-                if key.startswith(prefix) and key not in own and "." not in key[len(prefix):]:
+                if key.startswith(prefix) and key not in own and "." not in key[len(prefix) :]:
                     unexpected_keys.append(key)
 
     # Compute -----------------------------------------------------------------------------------

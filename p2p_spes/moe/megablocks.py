@@ -133,8 +133,12 @@ class MegaBlocksMoE(nn.Module):
     """
 
     def __init__(
-        self, cfg: MoEConfig, d_model: int, local_experts: Sequence[int] | None = None,
-        device: torch.device | str | None = None, api: MegaBlocksAPI | None = None,
+        self,
+        cfg: MoEConfig,
+        d_model: int,
+        local_experts: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        api: MegaBlocksAPI | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device or "cuda")

@@ -61,7 +61,10 @@ class Router(nn.Module):
     """``layer`` is named as in MegaBlocks' LearnedRouter so checkpoints interchange."""
 
     def __init__(
-        self, d_model: int, num_experts: int, device: torch.device | str | None = None,
+        self,
+        d_model: int,
+        num_experts: int,
+        device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()

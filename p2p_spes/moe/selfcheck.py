@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 
 # Largest norm-wise relative error (||a - b|| / ||b||) accepted against the loop, by autocast dtype.
 TOLERANCE: dict[torch.dtype | None, float] = {
-    None: 1e-4, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2,
+    None: 1e-4,
+    torch.float32: 1e-4,
+    torch.float16: 5e-3,
+    torch.bfloat16: 2e-2,
 }
 SEED = 1234
 
@@ -137,11 +140,15 @@ def choose_backend(
 def _failure_message(cfg: MoEConfig, device: torch.device, findings: list[str]) -> str:
     found = "; ".join(findings)
     if cfg.impl == "megablocks":
-        return (f"moe.impl=megablocks failed its start-up check on {device}: {found}. Set moe.impl=auto to fall "
-                "back to the torch backend, or moe.impl=torch")
+        return (
+            f"moe.impl=megablocks failed its start-up check on {device}: {found}. Set moe.impl=auto to fall "
+            "back to the torch backend, or moe.impl=torch"
+        )
     if cfg.torch_kernel == "grouped_mm":
-        return (f"moe.torch_kernel=grouped_mm failed its start-up check on {device}: {found}. Set "
-                "moe.torch_kernel=auto to fall back to the per-expert loop, or moe.torch_kernel=loop")
+        return (
+            f"moe.torch_kernel=grouped_mm failed its start-up check on {device}: {found}. Set "
+            "moe.torch_kernel=auto to fall back to the per-expert loop, or moe.torch_kernel=loop"
+        )
     return f"no MoE backend passed its start-up check on {device}: {found}"
 
 
@@ -163,8 +170,13 @@ class Probe:
     """One MoE layer of the run's shapes with fixed weights and input, and the loop's results on it."""
 
     def __init__(
-        self, cfg: MoEConfig, d_model: int, device: torch.device, autocast_dtype: torch.dtype | None,
-        local_experts: Sequence[int] | None, resident_only: bool,
+        self,
+        cfg: MoEConfig,
+        d_model: int,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+        local_experts: Sequence[int] | None,
+        resident_only: bool,
     ) -> None:
         self.cfg, self.d_model, self.device, self.autocast_dtype = cfg, d_model, device, autocast_dtype
         self.local_experts, self.resident_only = local_experts, resident_only
@@ -173,8 +185,9 @@ class Probe:
         tokens = min(max(128, 4 * cfg.num_experts), 2048)  # every expert gets a few tokens
         self.x = torch.randn(1, tokens, d_model, generator=gen).to(device)
         self.grad_out = torch.randn(1, tokens, d_model, generator=gen).to(device)
-        reference = TorchMoE(replace(cfg, impl="torch", torch_kernel="loop"), d_model, local_experts, device,
-                             resident_only=resident_only)
+        reference = TorchMoE(
+            replace(cfg, impl="torch", torch_kernel="loop"), d_model, local_experts, device, resident_only=resident_only
+        )
         with torch.no_grad():
             weight = torch.randn(cfg.num_experts, d_model, generator=gen) / math.sqrt(d_model)
             reference.router.layer.weight.copy_(weight)
@@ -183,8 +196,9 @@ class Probe:
         try:
             self.expected = self.run(reference)
         except Exception as exc:  # nothing can be checked without the reference
-            raise BackendError(f"the per-expert loop (the reference of the MoE check) fails on {device}: "
-                               f"{describe(exc)}") from exc
+            raise BackendError(
+                f"the per-expert loop (the reference of the MoE check) fails on {device}: {describe(exc)}"
+            ) from exc
         finally:
             del reference
             self._free()
@@ -207,8 +221,10 @@ class Probe:
         loss = (out.float() * self.grad_out).sum() + torch.dot(stats.tokens_per_expert, stats.mean_probs)
         (loss + stats.router_z).backward()
         results = {
-            "output": out.detach(), "tokens_per_expert": stats.tokens_per_expert,
-            "mean_probs": stats.mean_probs.detach(), "router_z": stats.router_z.detach(),
+            "output": out.detach(),
+            "tokens_per_expert": stats.tokens_per_expert,
+            "mean_probs": stats.mean_probs.detach(),
+            "router_z": stats.router_z.detach(),
             "gradient of the input": x.grad,
         }
         for name, param in module.named_parameters():
@@ -226,8 +242,11 @@ class Probe:
     def check(self, cand: Candidate, build: Builder) -> str | None:
         """None if ``cand`` runs and agrees with the loop, else what went wrong."""
         cfg = cand.config(self.cfg)
-        if cand.kernel == "grouped_mm" and cand.impl == "torch" and not uses_grouped_mm(
-                "grouped_mm", self.d_model, cfg.ffn_dim, torch.float32, on_cuda=True):
+        if (
+            cand.kernel == "grouped_mm"
+            and cand.impl == "torch"
+            and not uses_grouped_mm("grouped_mm", self.d_model, cfg.ffn_dim, torch.float32, on_cuda=True)
+        ):
             return "torch._grouped_mm is missing from this torch, or the expert rows are not 16-byte aligned"
         module = None
         try:
@@ -255,6 +274,7 @@ class Probe:
             else:
                 err = relative_error(value, want)
                 if not err <= self.tolerance:
-                    problems.append(f"{key} differs from the per-expert loop (relative error {err:.3g} > "
-                                    f"{self.tolerance:g})")
+                    problems.append(
+                        f"{key} differs from the per-expert loop (relative error {err:.3g} > {self.tolerance:g})"
+                    )
         return "; ".join(problems) or None

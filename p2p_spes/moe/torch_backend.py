@@ -31,15 +31,26 @@ class TorchMoE(nn.Module):
     """Dropless top-k MoE in plain PyTorch (CPU or CUDA)."""
 
     def __init__(
-        self, cfg: MoEConfig, d_model: int, local_experts: Sequence[int] | None = None,
-        device: torch.device | str | None = None, resident_only: bool = False,
+        self,
+        cfg: MoEConfig,
+        d_model: int,
+        local_experts: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        resident_only: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.normalize = cfg.num_experts, cfg.top_k, cfg.normalize_top_k
         self.router = Router(d_model, cfg.num_experts, device=device)
         self.experts = ExpertContainer(
-            SwiGLUExperts(cfg.num_experts, d_model, cfg.ffn_dim, local_experts, kernel=cfg.torch_kernel, device=device,
-                          resident_only=resident_only)
+            SwiGLUExperts(
+                cfg.num_experts,
+                d_model,
+                cfg.ffn_dim,
+                local_experts,
+                kernel=cfg.torch_kernel,
+                device=device,
+                resident_only=resident_only,
+            )
         )
 
     @property

@@ -24,9 +24,7 @@ import torch
 
 from dht.auth import load_auth
 from dht.records import PeerRecord
-from p2p_spes.aggregation import build_aggregator
-from p2p_spes.allreduce import GroupAllReduce
-from p2p_spes.compression import Codec
+from p2p_spes.averaging import Codec, GroupAllReduce, build_aggregator, tensor_digest
 from p2p_spes.config import Config
 from p2p_spes.errors import SwarmError
 from p2p_spes.memory import SyncMemory
@@ -40,7 +38,6 @@ from p2p_spes.swarm.report import GroupReport, RoundReport
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
 from p2p_spes.swarm.sync_round import RoundRunner, sync_deadline, version_window
-from p2p_spes.transport import tensor_digest
 
 __all__ = ["GroupReport", "RoundReport", "Swarm", "sync_deadline", "version_window"]
 log = logging.getLogger(__name__)
@@ -60,23 +57,46 @@ class Swarm:
         self.rounds: list[RoundReport] = []
         self.membership = Membership(self.runtime, cfg, self.stats, experts=self._local_experts)
         self.outer = OuterOptimizer(sw)
-        self.server = StateServer(self.runtime, self.auth, self.stats, self.membership.refresh_members,
-                                  anchors=lambda: self.outer.anchor, public=self.outer.public_values)
+        self.server = StateServer(
+            self.runtime,
+            self.auth,
+            self.stats,
+            self.membership.refresh_members,
+            anchors=lambda: self.outer.anchor,
+            public=self.outer.public_values,
+        )
         self.deadlines = Deadlines(sw)
         self.downloader = Downloader(self.runtime, self.stats, timeout=sw.averaging_timeout, deadlines=self.deadlines)
         self.watch = RoundWatch(self.runtime, poll=min(1.0, sw.matchmaking_time / 4))
         self.reducer = GroupAllReduce(
-            self.runtime.dht, self.runtime.p2p, self.peer_id, self.runtime.run_id, owner=self.runtime.identity.owner,
-            compression=Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction), matchmaking_time=sw.matchmaking_time, timeout=sw.averaging_timeout,
+            self.runtime.dht,
+            self.runtime.p2p,
+            self.peer_id,
+            self.runtime.run_id,
+            owner=self.runtime.identity.owner,
+            compression=Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction),
+            matchmaking_time=sw.matchmaking_time,
+            timeout=sw.averaging_timeout,
             aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),
-            retries=sw.group_retries, group_size=sw.group_size,
+            retries=sw.group_retries,
+            group_size=sw.group_size,
         )
         self.runtime.call(self.reducer.start())
         self.runtime.call(self.server.start())
         self.refresher = Refresher(self.peer_id, self.downloader, self.stats, self.outer, self.reducer.codec.result)
-        self.runner = RoundRunner(sw, self.runtime, self.membership, self.reducer, self.server, self.downloader,
-                                  self.refresher, self.outer, UpdateGuard(sw.max_update_ratio), self.deadlines,
-                                  self.stats)
+        self.runner = RoundRunner(
+            sw,
+            self.runtime,
+            self.membership,
+            self.reducer,
+            self.server,
+            self.downloader,
+            self.refresher,
+            self.outer,
+            UpdateGuard(sw.max_update_ratio),
+            self.deadlines,
+            self.stats,
+        )
         self.coverage = Coverage(cfg, self.membership, self.downloader, self.stats)
 
     # The model the swarm reads, averages, serves and writes --------------------------------------
@@ -190,8 +210,9 @@ class Swarm:
         # so a joiner downloads the shared parameters once, not twice
         self.outer.reset_anchors(model, meta["round"])
         self.server.take_snapshot(meta["round"], meta["step"], self.outer.momentum)
-        log.info("caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"],
-                 fetched)
+        log.info(
+            "caught up from %s at round %s step %s (%d experts fetched)", source, meta["round"], meta["step"], fetched
+        )
         return meta
 
     def _same_start(self, source: str, its_experts: list[int], shared: list[torch.Tensor]) -> bool:
@@ -217,8 +238,7 @@ class Swarm:
         return True
 
     # Sync ----------------------------------------------------------------------------------------
-    def sync(self, round_no: int, step: int, weight: float,
-             on_joined: Callable[[], None] | None = None) -> RoundReport:
+    def sync(self, round_no: int, step: int, weight: float, on_joined: Callable[[], None] | None = None) -> RoundReport:
         """One round (``sync_round.py``). ``on_joined`` is called once the shared group's membership is decided
         (an overlapped round lets training go on only from then: see ``SwarmSync``), also on failure."""
         try:
@@ -227,8 +247,13 @@ class Swarm:
             if on_joined is not None:
                 on_joined()
         self.rounds.append(report)
-        self.update_status(round=round_no, step=step, sync_seconds=round(report.seconds, 3),
-                           recent_rounds=[r.summary() for r in self.rounds[-5:]], **self.deadlines.describe())
+        self.update_status(
+            round=round_no,
+            step=step,
+            sync_seconds=round(report.seconds, 3),
+            recent_rounds=[r.summary() for r in self.rounds[-5:]],
+            **self.deadlines.describe(),
+        )
         self.runner.publish_record()
         return report
 

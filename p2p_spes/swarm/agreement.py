@@ -21,12 +21,11 @@ from typing import Any
 
 from dht.keys import version_key
 from dht.records import PeerRecord, VersionRecord
-from p2p_spes.compression import Codec
+from p2p_spes.averaging import Codec, TransportError, tensor_digest
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader
-from p2p_spes.transport import TransportError, tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +56,9 @@ def read_versions(runtime: Runtime, round_no: int) -> dict[str, VersionRecord]:
     return {p: v for p, v in parsed.items() if v is not None}
 
 
-def adoptable(versions: dict[str, VersionRecord], peer_id: str,
-              among: set[str] | None = None) -> dict[str, VersionRecord]:
+def adoptable(
+    versions: dict[str, VersionRecord], peer_id: str, among: set[str] | None = None
+) -> dict[str, VersionRecord]:
     """The records of other peers (of ``among``, if given: the members of the group we missed) that
     carry a shared result ``peer_id`` could adopt."""
     return {p: v for p, v in versions.items() if p != peer_id and v.ok and (among is None or p in among)}
@@ -74,10 +74,15 @@ def all_published(results: dict[str, VersionRecord]) -> bool:
     return len(holders) >= max(v.group for v in holders) > 0
 
 
-def wait_versions(runtime: Runtime, round_no: int, peers: set[str], window: float,
-                  enough: Callable[[dict[str, VersionRecord]], bool] | None = None,
-                  after: float = 0.0,
-                  complete: Callable[[dict[str, VersionRecord]], bool] | None = None) -> dict[str, VersionRecord]:
+def wait_versions(
+    runtime: Runtime,
+    round_no: int,
+    peers: set[str],
+    window: float,
+    enough: Callable[[dict[str, VersionRecord]], bool] | None = None,
+    after: float = 0.0,
+    complete: Callable[[dict[str, VersionRecord]], bool] | None = None,
+) -> dict[str, VersionRecord]:
     """Version records of ``round_no``, waiting up to ``window`` seconds for every one of ``peers``.
 
     Every record read is kept (a member that published early may lapse before a late member
@@ -103,8 +108,14 @@ def wait_versions(runtime: Runtime, round_no: int, peers: set[str], window: floa
 class Refresher:
     """Brings the experts this peer does not train to the agreed version, downloading each once."""
 
-    def __init__(self, peer_id: str, downloader: Downloader, stats: Counter,
-                 outer: OuterOptimizer | None = None, codec: Codec | None = None) -> None:
+    def __init__(
+        self,
+        peer_id: str,
+        downloader: Downloader,
+        stats: Counter,
+        outer: OuterOptimizer | None = None,
+        codec: Codec | None = None,
+    ) -> None:
         """With ``outer`` and ``codec``, experts at a group's anchor are refreshed by its encoded average."""
         self.peer_id, self.downloader, self.stats = peer_id, downloader, stats
         self.outer, self.codec = outer, codec
@@ -119,8 +130,9 @@ class Refresher:
         base = tensor_digest([copy])
         for holder in holders[:2]:
             try:
-                meta, messages = self.downloader.update(holder, f"expert:{e}", digest,
-                                                        self.codec.wire_bytes(copy.numel()) + 64 * len(holders))
+                meta, messages = self.downloader.update(
+                    holder, f"expert:{e}", digest, self.codec.wire_bytes(copy.numel()) + 64 * len(holders)
+                )
             except Exception as exc:
                 log.info("no update of expert %d from %s (%s): downloading it whole", e, holder, exc)
                 continue
@@ -143,9 +155,15 @@ class Refresher:
             return True
         return False
 
-    def refresh(self, model: MoETransformer, peers: Mapping[str, PeerRecord], experts: Iterable[int],
-                versions: Mapping[str, VersionRecord] | None = None,
-                preferred: Mapping[str, VersionRecord] | None = None, any_copy: bool = False) -> tuple[int, int]:
+    def refresh(
+        self,
+        model: MoETransformer,
+        peers: Mapping[str, PeerRecord],
+        experts: Iterable[int],
+        versions: Mapping[str, VersionRecord] | None = None,
+        preferred: Mapping[str, VersionRecord] | None = None,
+        any_copy: bool = False,
+    ) -> tuple[int, int]:
         """Download each of ``experts`` once from a holder; with ``versions`` only the agreed digest,
         counted among the ``preferred`` versions when any of them has the expert.
 
@@ -198,8 +216,9 @@ class Refresher:
         self.stats["refresh_missed"] += missed
         return fetched, missed
 
-    def agree_on_copies(self, model: MoETransformer, orphaned: Iterable[int],
-                        versions: Mapping[str, VersionRecord]) -> int:
+    def agree_on_copies(
+        self, model: MoETransformer, orphaned: Iterable[int], versions: Mapping[str, VersionRecord]
+    ) -> int:
         """Bring every copy of an expert nobody trains to the copy most peers published, so all agree."""
         fetched = 0
         for e in orphaned:

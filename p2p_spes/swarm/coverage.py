@@ -51,10 +51,16 @@ class Coverage:
         per_peer = cfg.experts_per_peer(partition=0)  # the smallest share a peer is given
         if len(held) * per_peer >= cfg.moe.num_experts * cfg.swarm.replicas:
             experts = list(range(cfg.moe.num_experts))  # enough peers to cover all: a gap is a racing join's
-        capacity = {p: int(r.extra["max_experts"]) for p, r in peers.items()
-                    if isinstance(r.extra.get("max_experts"), int)}
-        return plan_takeover({p: sorted(es) for p, es in held.items()}, capacity, cfg.moe.num_experts,
-                             cfg.swarm.replicas, experts=experts)
+        capacity = {
+            p: int(r.extra["max_experts"]) for p, r in peers.items() if isinstance(r.extra.get("max_experts"), int)
+        }
+        return plan_takeover(
+            {p: sorted(es) for p, es in held.items()},
+            capacity,
+            cfg.moe.num_experts,
+            cfg.swarm.replicas,
+            experts=experts,
+        )
 
     def experts_to_take(self, local: list[int], last_versions: dict[str, VersionRecord]) -> list[int]:
         """Our part of the plan, once it gave them to us at two sync boundaries in a row."""
@@ -77,7 +83,10 @@ class Coverage:
             self.stats["experts_reinitialised"] += 1
             return initial_expert(self.cfg, expert)
         store = model.expert_modules()[0]
-        like = [torch.empty(store.ffn_dim, store.d_model, dtype=store.local_w1.dtype)
-                for _ in model.expert_modules() for _ in ("w1", "v1", "w2")]
+        like = [
+            torch.empty(store.ffn_dim, store.d_model, dtype=store.local_w1.dtype)
+            for _ in model.expert_modules()
+            for _ in ("w1", "v1", "w2")
+        ]
         found = self.downloader.first_of(holders + copies, f"expert:{expert}", like)
         return None if found is None else found[1][1]

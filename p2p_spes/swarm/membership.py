@@ -70,8 +70,7 @@ def describe_sync(settings: Any) -> str:
 class Membership:
     """Our record (status, experts, counters) and our view of everyone else's."""
 
-    def __init__(self, runtime: Runtime, cfg: Config, stats: Counter,
-                 experts: Callable[[], list[int] | None]) -> None:
+    def __init__(self, runtime: Runtime, cfg: Config, stats: Counter, experts: Callable[[], list[int] | None]) -> None:
         """``experts`` returns the experts we train now (None before a model exists: the claimed ones)."""
         self.runtime, self.cfg, self.stats = runtime, cfg, stats
         self.peer_id = runtime.peer_id
@@ -127,8 +126,11 @@ class Membership:
         If nobody answers in time they are forgotten, so a peer whose swarm really left waits once."""
         if not self.seen or self.others():
             return bool(self.seen)
-        log.warning("no other peer of the run answers (we read %d before): reconnecting for up to %.0f s",
-                    len(self.seen), within)
+        log.warning(
+            "no other peer of the run answers (we read %d before): reconnecting for up to %.0f s",
+            len(self.seen),
+            within,
+        )
         with self._lock:
             known = list(reversed(self.seen))  # newest first
         give_up = time.monotonic() + within
@@ -144,8 +146,13 @@ class Membership:
                 log.warning("reached the run again (%d other peers)", len(found))
                 return True
             time.sleep(min(self.cfg.swarm.heartbeat, 1.0))
-        log.warning("none of the %d peers we knew answered in %.0f s (the DHT knew %d neighbours, %d after the "
-                    "last redial): going on alone", len(known), within, *table)
+        log.warning(
+            "none of the %d peers we knew answered in %.0f s (the DHT knew %d neighbours, %d after the "
+            "last redial): going on alone",
+            len(known),
+            within,
+            *table,
+        )
         with self._lock:
             self.seen.clear()
         return False
@@ -175,9 +182,16 @@ class Membership:
             published = value.get("config") if isinstance(value.get("config"), dict) else {}
             moe = published.get("moe") if isinstance(published.get("moe"), dict) else {}
             swarm = published.get("swarm") if isinstance(published.get("swarm"), dict) else {}
-            records.setdefault(peer, {"fingerprint": value.get("fingerprint"), "model": {
-                "model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours["moe"]}},
-                "sync": sync_settings(swarm.get("compression"), swarm.get("topk_fraction"), swarm.get("topk_result_fraction"))})
+            records.setdefault(
+                peer,
+                {
+                    "fingerprint": value.get("fingerprint"),
+                    "model": {"model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours["moe"]}},
+                    "sync": sync_settings(
+                        swarm.get("compression"), swarm.get("topk_fraction"), swarm.get("topk_result_fraction")
+                    ),
+                },
+            )
         for peer, value in records.items():
             if isinstance(value, dict) and value.get("fingerprint") != self.fingerprint:
                 theirs = value.get("model") if isinstance(value.get("model"), dict) else {}
@@ -194,15 +208,20 @@ class Membership:
                 raise SwarmError(
                     f"run {rt.run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
                     f"{describe_sync(other)} there, {describe_sync(sync)} here. swarm.compression and "
-                    "swarm.topk_fraction (and topk_result_fraction) are run-wide: set them as the run does, or join with --config-from-swarm")
+                    "swarm.topk_fraction (and topk_result_fraction) are run-wide: set them as the run does, or join with --config-from-swarm"
+                )
         theirs = {v.get("hash") for p, v in run_configs.items() if p != self.peer_id}
         if theirs and self.run_config["hash"] not in theirs:
-            log.warning("this config (hash %s) differs from the one the run publishes (%s) in settings other than "
-                        "the model; join with --config-from-swarm to train with the run's",
-                        self.run_config["hash"][:16],
-                        ", ".join(h[:16] for h in sorted(h for h in theirs if isinstance(h, str))))
-        self._published = [(config_key(rt.run_id), {"fingerprint": self.fingerprint, "model": ours, "sync": sync}),
-                           (run_config_key(rt.run_id), self.run_config)]
+            log.warning(
+                "this config (hash %s) differs from the one the run publishes (%s) in settings other than "
+                "the model; join with --config-from-swarm to train with the run's",
+                self.run_config["hash"][:16],
+                ", ".join(h[:16] for h in sorted(h for h in theirs if isinstance(h, str))),
+            )
+        self._published = [
+            (config_key(rt.run_id), {"fingerprint": self.fingerprint, "model": ours, "sync": sync}),
+            (run_config_key(rt.run_id), self.run_config),
+        ]
         for key, value in self._published:
             rt.call(rt.store(key, value, ttl=self.cfg.swarm.record_ttl))
 
@@ -220,8 +239,9 @@ class Membership:
         if cfg.experts.placement in ("spes", "explicit"):
             return cfg.local_experts(partition)
         holders = Counter(e for r in self.others().values() for e in r.experts)
-        return least_covered(holders, cfg.moe.num_experts, cfg.experts_per_peer(partition), self.peer_id,
-                             cfg.swarm.replicas)
+        return least_covered(
+            holders, cfg.moe.num_experts, cfg.experts_per_peer(partition), self.peer_id, cfg.swarm.replicas
+        )
 
     def claim(self, experts: list[int], partition: int) -> None:
         """Publish our experts and data partition at once, so peers joining right after us see them taken."""
@@ -258,8 +278,14 @@ class Membership:
                     chosen = least_covered(holders, num_experts, cfg.experts_per_peer(moved), self.peer_id, replicas)
             if moved == partition and chosen == sorted(experts):
                 return partition, experts
-            log.info("data partition %d / experts %s were claimed first by another peer: reading partition %d, "
-                     "training %s instead", partition, experts, moved, chosen)
+            log.info(
+                "data partition %d / experts %s were claimed first by another peer: reading partition %d, "
+                "training %s instead",
+                partition,
+                experts,
+                moved,
+                chosen,
+            )
             partition, experts = moved, chosen
             self.claim(experts, partition)
         return partition, experts
@@ -275,15 +301,26 @@ class Membership:
             status = dict(self.status)
         experts = self._experts()
         sw = self.cfg.swarm
-        extra = {"version": __version__, "time": get_dht_time(), "num_experts": self.cfg.moe.num_experts,
-                 "replicas": sw.replicas, "residency": sw.residency,
-                 "max_experts": sw.max_experts_per_peer or self.cfg.moe.num_experts, **status,
-                 **{k: int(v) for k, v in self.stats.items()}}
+        extra = {
+            "version": __version__,
+            "time": get_dht_time(),
+            "num_experts": self.cfg.moe.num_experts,
+            "replicas": sw.replicas,
+            "residency": sw.residency,
+            "max_experts": sw.max_experts_per_peer or self.cfg.moe.num_experts,
+            **status,
+            **{k: int(v) for k, v in self.stats.items()},
+        }
         if left:
             extra["left"] = True
         return PeerRecord(
-            self.peer_id, list(self._claimed if experts is None else experts), int(extra.pop("step", 0)),
-            int(extra.pop("round", -1)), self.fingerprint, self.runtime.maddrs, extra=extra,
+            self.peer_id,
+            list(self._claimed if experts is None else experts),
+            int(extra.pop("step", 0)),
+            int(extra.pop("round", -1)),
+            self.fingerprint,
+            self.runtime.maddrs,
+            extra=extra,
         ).to_value()
 
     def announce(self) -> None:
@@ -320,8 +357,11 @@ class Membership:
             self.stats["dht_redials"] += 1
             log.warning("the DHT had lost every neighbour; reconnected through the peers we knew (%d now)", after)
         elif not self._isolated:
-            log.warning("the DHT has lost every neighbour and none of the %d peers we knew answered; retrying "
-                        "every %.0f s", len(self.seen) + len(self.runtime.initial_peer_ids), self.cfg.swarm.heartbeat)
+            log.warning(
+                "the DHT has lost every neighbour and none of the %d peers we knew answered; retrying every %.0f s",
+                len(self.seen) + len(self.runtime.initial_peer_ids),
+                self.cfg.swarm.heartbeat,
+            )
         self._isolated = after == 0
 
     async def _heartbeat_loop(self) -> None:
@@ -346,7 +386,8 @@ class Membership:
             self._heartbeat.cancel()
         try:
             ttl = self.cfg.swarm.record_ttl + 1.0
-            self.runtime.call(self.runtime.store(peers_key(self.runtime.run_id), self.record(left=True), ttl=ttl),
-                              timeout=5)
+            self.runtime.call(
+                self.runtime.store(peers_key(self.runtime.run_id), self.record(left=True), ttl=ttl), timeout=5
+            )
         except Exception as exc:
             log.warning("could not announce leaving: %s", exc)

@@ -18,11 +18,10 @@ from collections.abc import Iterable
 
 import torch
 
+from p2p_spes.averaging import Base, TransportError, tensor_digest
 from p2p_spes.config import SwarmConfig
-from p2p_spes.matchmaking import Base
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.state import Downloader
-from p2p_spes.transport import TransportError, tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ def split_like(flat: torch.Tensor, targets: list[torch.Tensor]) -> list[torch.Te
     """``flat`` cut into views shaped like ``targets`` (the inverse of :func:`flatten`)."""
     out, offset = [], 0
     for t in targets:
-        out.append(flat[offset:offset + t.numel()].view_as(t))
+        out.append(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
     return out
 
@@ -88,10 +87,12 @@ class OuterOptimizer:
 
     def public_values(self, model: MoETransformer) -> dict[str, list[torch.Tensor]]:
         """The served values of the groups whose weights run ahead of their anchor."""
+
         def targets(uid: str) -> list[torch.Tensor]:
             if uid == "shared":
                 return [p.detach() for _, p in model.shared_parameters()]
             return list(model.expert_tensors(int(uid.split(":")[1])))
+
         return {uid: self.public(uid, targets(uid)) for uid in self.ahead}
 
     def reanchor(self, uid: str, tensors: Iterable[torch.Tensor], only_existing: bool = False) -> None:
@@ -109,8 +110,9 @@ class OuterOptimizer:
         """``anchor - current``: what this peer learned since the group last agreed."""
         return self.anchor[uid] - current
 
-    def outer_step(self, anchor: torch.Tensor, average: torch.Tensor,
-                   momentum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def outer_step(
+        self, anchor: torch.Tensor, average: torch.Tensor, momentum: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The new value from ``anchor`` and the averaged pseudo-gradient (and the new momentum)."""
         if not self.stateful:
             return anchor - average, None

@@ -21,7 +21,7 @@ class GroupReport:
     retries: int | None = None  # parts sent or fetched again after a stream was cut short, when any
     attempts: int | None = None  # times the group formed, when a failed transfer made it form again
     lost: list[str] | None = None  # members of its first attempt missing from the one that succeeded
-    rows: int | None = None  # rows of a shared group run as a grid (p2p_spes/grid.py), when it was
+    rows: int | None = None  # rows of a shared group run as a grid (p2p_spes/averaging/grid.py), when it was
     partial: bool | None = None  # a grid's result that our own contribution missed part of, when it did
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,28 +74,46 @@ class RoundReport:
     def summary(self) -> dict[str, Any]:
         """What the inspector shows of a round (published in the peer's record, so kept small)."""
         return {
-            "round": self.round, "step": self.step, "members": self.shared.members,
-            "ok": self.outcome == "averaged", "outcome": self.outcome,
-            "seconds": round(self.seconds, 3), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "round": self.round,
+            "step": self.step,
+            "members": self.shared.members,
+            "ok": self.outcome == "averaged",
+            "outcome": self.outcome,
+            "seconds": round(self.seconds, 3),
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
             "failed_groups": len(self.failed_groups),
         }
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The line the trainer logs for this round (``metrics.jsonl``), at training step ``step``."""
         return {
-            "sync_round": self.round, "step": step, "sync_seconds": round(self.seconds, 3),
+            "sync_round": self.round,
+            "step": step,
+            "sync_seconds": round(self.seconds, 3),
             "overlapped_steps": step - self.step,
-            "outcome": self.outcome, "shared_ok": self.shared.ok, "shared_members": self.shared.members,
-            "join_window": round(self.join_window, 2), "tokens_contributed": self.tokens,
-            "shared_group": self.shared.group_id, "adopted_shared_from": self.adopted_shared_from,
+            "outcome": self.outcome,
+            "shared_ok": self.shared.ok,
+            "shared_members": self.shared.members,
+            "join_window": round(self.join_window, 2),
+            "tokens_contributed": self.tokens,
+            "shared_group": self.shared.group_id,
+            "adopted_shared_from": self.adopted_shared_from,
             "groups_failed": self.failed_groups,
-            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-            "downloaded_bytes": self.downloaded_bytes, "served_bytes": self.served_bytes,
-            "reducer_in_bytes": self.reducer_in_bytes, "reducer_out_bytes": self.reducer_out_bytes,
-            "refreshed": self.refreshed, "refreshed_by_delta": self.refreshed_by_delta,
-            "refresh_missed": self.refresh_missed, "orphaned": self.orphaned,
-            "orphans_agreed": self.orphans_agreed, "versions_missing": self.versions_missing,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "downloaded_bytes": self.downloaded_bytes,
+            "served_bytes": self.served_bytes,
+            "reducer_in_bytes": self.reducer_in_bytes,
+            "reducer_out_bytes": self.reducer_out_bytes,
+            "refreshed": self.refreshed,
+            "refreshed_by_delta": self.refreshed_by_delta,
+            "refresh_missed": self.refresh_missed,
+            "orphaned": self.orphaned,
+            "orphans_agreed": self.orphans_agreed,
+            "versions_missing": self.versions_missing,
             "merge_alpha": self.merge_alpha,
-            "shared_digest": self.shared_digest, "expert_digests": self.expert_digests,
+            "shared_digest": self.shared_digest,
+            "expert_digests": self.expert_digests,
             "groups": {name: g.to_dict() for name, g in self.groups.items()},
         }

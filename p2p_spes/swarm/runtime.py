@@ -61,7 +61,8 @@ def check_maddrs(sw: SwarmConfig) -> None:
             Multiaddr(maddr)
         except Exception:
             raise SwarmError(
-                f"{maddr!r} is not a multiaddr; expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/PEER_ID") from None
+                f"{maddr!r} is not a multiaddr; expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/PEER_ID"
+            ) from None
     for maddr in sw.initial_peers:
         if "/p2p/" not in maddr:
             raise SwarmError(f"{maddr!r} lacks the peer id: a bootstrap address ends in /p2p/PEER_ID")
@@ -83,9 +84,15 @@ class Runtime:
             _FORK_HOOK_INSTALLED = True
         try:
             self.dht, self.identity = start_dht(
-                sw.identity_path, [self.run_id], auth=auth, initial_peers=list(sw.initial_peers) or None,
-                host_maddrs=list(sw.host_maddrs), announce_maddrs=list(sw.announce_maddrs) or None,
-                client_mode=sw.client_mode, use_relay=sw.use_relay, use_auto_relay=sw.use_auto_relay,
+                sw.identity_path,
+                [self.run_id],
+                auth=auth,
+                initial_peers=list(sw.initial_peers) or None,
+                host_maddrs=list(sw.host_maddrs),
+                announce_maddrs=list(sw.announce_maddrs) or None,
+                client_mode=sw.client_mode,
+                use_relay=sw.use_relay,
+                use_auto_relay=sw.use_auto_relay,
                 startup_timeout=sw.bootstrap_timeout,
             )
         except SwarmError:
@@ -126,8 +133,13 @@ class Runtime:
         now = get_dht_time()
         try:
             await asyncio.wait_for(
-                self.dht.store(key, {**value, "peer_id": self.peer_id}, expiration_time=now + ttl,
-                               subkey=self.identity.owner, return_future=True),
+                self.dht.store(
+                    key,
+                    {**value, "peer_id": self.peer_id},
+                    expiration_time=now + ttl,
+                    subkey=self.identity.owner,
+                    return_future=True,
+                ),
                 DHT_REQUEST_TIMEOUT,
             )
         except asyncio.TimeoutError:
@@ -140,8 +152,9 @@ class Runtime:
         Returns the neighbours before and after; a DHT that does not answer in time reads as ``(-1, -1)``."""
         peers = tuple(dict.fromkeys(p for p in [*known, *self.initial_peer_ids] if p != self.peer_id))
         try:
-            return await asyncio.wait_for(self.dht.run_coroutine(Redial(peers, force=force, probe=probe), return_future=True),
-                                          DHT_REQUEST_TIMEOUT)
+            return await asyncio.wait_for(
+                self.dht.run_coroutine(Redial(peers, force=force, probe=probe), return_future=True), DHT_REQUEST_TIMEOUT
+            )
         except asyncio.TimeoutError:
             return -1, -1
 
@@ -150,6 +163,7 @@ class Runtime:
         try:
             self.dht.shutdown()
         finally:
+
             async def cancel_pending() -> None:
                 tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
                 for task in tasks:

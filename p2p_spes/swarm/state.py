@@ -22,10 +22,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from dht.auth import RunAuth
-from p2p_spes.model import MoETransformer
-from p2p_spes.swarm.pacing import Deadlines
-from p2p_spes.swarm.runtime import Runtime
-from p2p_spes.transport import (
+from p2p_spes.averaging import (
     TransportError,
     TruncatedStream,
     collect_tensors,
@@ -35,6 +32,9 @@ from p2p_spes.transport import (
     tensor_digest,
     unpack,
 )
+from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.pacing import Deadlines
+from p2p_spes.swarm.runtime import Runtime
 
 log = logging.getLogger(__name__)
 Entry = tuple[dict, list[torch.Tensor]]  # (meta: round, step, digest; tensors)
@@ -43,10 +43,15 @@ Entry = tuple[dict, list[torch.Tensor]]  # (meta: round, step, digest; tensors)
 class StateServer:
     """The snapshot this peer serves and the RPC handler that streams it to members of the run."""
 
-    def __init__(self, runtime: Runtime, auth: RunAuth, stats: Counter,
-                 refresh_members: Callable[[], Awaitable[set[str]]],
-                 anchors: Callable[[], dict[str, torch.Tensor]],
-                 public: Callable[[MoETransformer], dict[str, list[torch.Tensor]]] | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        auth: RunAuth,
+        stats: Counter,
+        refresh_members: Callable[[], Awaitable[set[str]]],
+        anchors: Callable[[], dict[str, torch.Tensor]],
+        public: Callable[[MoETransformer], dict[str, list[torch.Tensor]]] | None = None,
+    ) -> None:
         """``refresh_members`` re-reads the run's members (private runs); ``anchors`` returns the outer
         optimizer's anchors by group uid (they are replaced, never written in place: safe to stream);
         ``public`` the values to serve instead of the model's for groups whose weights run ahead of
@@ -61,7 +66,8 @@ class StateServer:
 
     async def start(self) -> None:
         await self.runtime.p2p.add_protobuf_handler(
-            f"{self.runtime.run_id}.state", self._rpc_state, runtime_pb2.ExpertUID, stream_output=True)
+            f"{self.runtime.run_id}.state", self._rpc_state, runtime_pb2.ExpertUID, stream_output=True
+        )
 
     def take_snapshot(self, round_no: int, step: int, momentum: dict[str, torch.Tensor]) -> None:
         """Freeze what this peer serves: the round's shared parameters, trained experts and momentum.
@@ -110,15 +116,15 @@ class StateServer:
         """The entry served for ``uid`` (at ``digest`` when given), or None. ``meta:UID`` is the newest
         entry's meta (round, step, digest) with no tensors: what a joiner asks before downloading."""
         if uid.startswith("meta:"):
-            versions = self._snapshot.get(uid[len("meta:"):], [])
+            versions = self._snapshot.get(uid[len("meta:") :], [])
             return (versions[-1][0], []) if versions else None
         if uid.startswith("update:"):
-            return next((v for v in self._updates.get(uid[len("update:"):], []) if v[0]["digest"] == digest), None)
+            return next((v for v in self._updates.get(uid[len("update:") :], []) if v[0]["digest"] == digest), None)
         versions = self._snapshot.get(uid, [])
         entry = next((v for v in versions if v[0]["digest"] == digest), None) if digest else (versions or [None])[-1]
         anchors = self._anchors()
-        if entry is None and uid.startswith("anchor:") and uid[len("anchor:"):] in anchors:
-            anchor = anchors[uid[len("anchor:"):]]
+        if entry is None and uid.startswith("anchor:") and uid[len("anchor:") :] in anchors:
+            anchor = anchors[uid[len("anchor:") :]]
             entry = ({"digest": tensor_digest([anchor])}, [anchor])
         if entry is None and uid.startswith("expert:"):
             entry = self._frozen_copy(uid)
@@ -167,7 +173,9 @@ class Downloader:
     async def fetch(self, peer: str, uid: str, like: Sequence[torch.Tensor]) -> Entry:
         """One download of ``uid`` from ``peer`` into tensors shaped like ``like``."""
         stream = await self.runtime.p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer), f"{self.runtime.run_id}.state", runtime_pb2.ExpertUID(uid=uid),
+            PeerID.from_base58(peer),
+            f"{self.runtime.run_id}.state",
+            runtime_pb2.ExpertUID(uid=uid),
             averaging_pb2.DownloadData,
         )
         metadata, parts = await collect_tensors(stream)
@@ -206,8 +214,9 @@ class Downloader:
                 t0 = time.monotonic()
                 entry = self.runtime.call(asyncio.wait_for(self.fetch(peer, uid, like), self._deadline(like)))
                 if self.deadlines is not None:
-                    self.deadlines.observe_transfer(sum(t.numel() * t.element_size() for t in entry[1]),
-                                                    time.monotonic() - t0)
+                    self.deadlines.observe_transfer(
+                        sum(t.numel() * t.element_size() for t in entry[1]), time.monotonic() - t0
+                    )
                 return entry
             except TruncatedStream as exc:  # the connection closed mid-stream: ask again at once
                 if attempt == attempts - 1:
@@ -224,8 +233,9 @@ class Downloader:
 
     def update(self, peer: str, uid: str, digest: str, wire_bytes: int) -> Entry:
         """The encoded average that brought ``uid`` to ``digest``, from ``peer`` (meta names its base)."""
-        deadline = self.timeout if self.deadlines is None else min(self.deadlines.transfer_timeout(wire_bytes),
-                                                                    self.timeout)
+        deadline = (
+            self.timeout if self.deadlines is None else min(self.deadlines.transfer_timeout(wire_bytes), self.timeout)
+        )
         return self._fetch_uncut(peer, f"update:{uid}@{digest}", deadline)
 
     def meta(self, peer: str, uid: str) -> dict:
@@ -245,8 +255,14 @@ class Downloader:
                 log.info("download of %s from %s was cut short (%s); retrying", uid, peer, exc)
         raise AssertionError("unreachable")
 
-    def first_of(self, peers: Sequence[str], uid: str, like: Sequence[torch.Tensor],
-                 errors: list[str] | None = None, attempts: int = 2) -> tuple[str, Entry] | None:
+    def first_of(
+        self,
+        peers: Sequence[str],
+        uid: str,
+        like: Sequence[torch.Tensor],
+        errors: list[str] | None = None,
+        attempts: int = 2,
+    ) -> tuple[str, Entry] | None:
         """The first of ``peers`` that serves ``uid`` (digest checked), with what it served; None if none did."""
         for peer in peers:
             try:

@@ -27,10 +27,18 @@ import torch
 
 from dht.keys import group_key, peers_key, version_key
 from dht.records import PeerRecord, VersionRecord
-from p2p_spes.allreduce import HOLD, GroupAllReduce, GroupResult
-from p2p_spes.compression import ErrorFeedback
+from p2p_spes.averaging import (
+    DECISION_LAG,
+    HOLD,
+    Base,
+    ErrorFeedback,
+    GroupAllReduce,
+    GroupResult,
+    arrival_delays,
+    longest_wait,
+    tensor_digest,
+)
 from p2p_spes.config import SwarmConfig
-from p2p_spes.matchmaking import DECISION_LAG, Base, arrival_delays, longest_wait
 from p2p_spes.merging import merge_alpha, merge_experts
 from p2p_spes.model import MoETransformer, copy_into
 from p2p_spes.swarm.agreement import Refresher, adoptable, all_published, group_id, majority, wait_versions
@@ -40,7 +48,6 @@ from p2p_spes.swarm.pacing import Deadlines
 from p2p_spes.swarm.report import GroupReport, RoundReport
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
-from p2p_spes.transport import tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +101,9 @@ def with_current_records(peers: dict[str, PeerRecord], membership: Membership, m
     return {**peers, **{p: r for p, r in current.items() if p != me}}
 
 
-def holder_groups(peers: dict[str, PeerRecord], present: set[str], me: str, experts: Iterable[int]) -> dict[int, set[str]]:
+def holder_groups(
+    peers: dict[str, PeerRecord], present: set[str], me: str, experts: Iterable[int]
+) -> dict[int, set[str]]:
     """Whom we average each of our ``experts`` with: the peers of ``present`` whose record says they
     train it, and us."""
     return {e: {p for p, r in peers.items() if e in r.experts and p in present} | {me} for e in experts}
@@ -103,9 +112,20 @@ def holder_groups(peers: dict[str, PeerRecord], present: set[str], me: str, expe
 class RoundRunner:
     """Runs sync rounds with the parts of a :class:`~p2p_spes.swarm.Swarm`."""
 
-    def __init__(self, sw: SwarmConfig, runtime: Runtime, membership: Membership, reducer: GroupAllReduce,
-                 server: StateServer, downloader: Downloader, refresher: Refresher, outer: OuterOptimizer,
-                 guard: UpdateGuard, deadlines: Deadlines, stats: Counter) -> None:
+    def __init__(
+        self,
+        sw: SwarmConfig,
+        runtime: Runtime,
+        membership: Membership,
+        reducer: GroupAllReduce,
+        server: StateServer,
+        downloader: Downloader,
+        refresher: Refresher,
+        outer: OuterOptimizer,
+        guard: UpdateGuard,
+        deadlines: Deadlines,
+        stats: Counter,
+    ) -> None:
         self.sw, self.runtime, self.membership, self.reducer = sw, runtime, membership, reducer
         self.server, self.downloader, self.refresher = server, downloader, refresher
         self.outer, self.guard, self.deadlines, self.stats = outer, guard, deadlines, stats
@@ -113,8 +133,14 @@ class RoundRunner:
         self.feedback = ErrorFeedback(reducer.codec)  # what our messages dropped, sent next round
         self.last_versions: dict[str, VersionRecord] = {}  # the digests published in our last round, by peer
 
-    def run(self, model: MoETransformer, round_no: int, step: int, weight: float,
-            on_joined: Callable[[], None] | None = None) -> RoundReport:
+    def run(
+        self,
+        model: MoETransformer,
+        round_no: int,
+        step: int,
+        weight: float,
+        on_joined: Callable[[], None] | None = None,
+    ) -> RoundReport:
         """One round on ``model`` (see the module docstring); ``on_joined`` is called once the shared
         group's membership is decided."""
         t0 = time.monotonic()
@@ -130,11 +156,22 @@ class RoundRunner:
         flat = flatten(shared)
         window = self.deadlines.join_window()
         sending: dict[str, torch.Tensor] = {}  # uid -> the pseudo-gradient (with residual) we send
-        shared_res = call(self.reducer.run(
-            round_no, "shared", self._contribution("shared", flat, sending), weight, set(peers),
-            on_members=on_joined, window=window, timeout=self._group_timeout(flat, len(peers)),
-            base=self.outer.base("shared"), rebase=self._rebase("shared", flat.numel()), bounded=True,
-            quorum=sw.quorum))
+        shared_res = call(
+            self.reducer.run(
+                round_no,
+                "shared",
+                self._contribution("shared", flat, sending),
+                weight,
+                set(peers),
+                on_members=on_joined,
+                window=window,
+                timeout=self._group_timeout(flat, len(peers)),
+                base=self.outer.base("shared"),
+                rebase=self._rebase("shared", flat.numel()),
+                bounded=True,
+                quorum=sw.quorum,
+            )
+        )
         report.groups["shared"] = self._apply(shared_res, shared, "shared", flat, sending, round_no)
         report.join_window = shared_res.window
 
@@ -156,11 +193,22 @@ class RoundRunner:
         async def expert_groups() -> list[GroupResult]:
             # the groups share the link: each one's deadline is for all of their bytes together
             payload = torch.empty(sum(flats[e].numel() for e in pooled))
-            return await asyncio.gather(*(
-                self.reducer.run(round_no, f"expert{e}", self._contribution(f"expert:{e}", flats[e], sending), weight,
-                                 groups[e], window=window, timeout=self._group_timeout(payload, max(len(groups[e]), 2)),
-                                 base=self.outer.base(f"expert:{e}"), rebase=self._rebase(f"expert:{e}", flats[e].numel()))
-                for e in pooled))
+            return await asyncio.gather(
+                *(
+                    self.reducer.run(
+                        round_no,
+                        f"expert{e}",
+                        self._contribution(f"expert:{e}", flats[e], sending),
+                        weight,
+                        groups[e],
+                        window=window,
+                        timeout=self._group_timeout(payload, max(len(groups[e]), 2)),
+                        base=self.outer.base(f"expert:{e}"),
+                        rebase=self._rebase(f"expert:{e}", flats[e].numel()),
+                    )
+                    for e in pooled
+                )
+            )
 
         results = dict(zip(pooled, call(expert_groups()))) if pooled else {}
         for e, flat in flats.items():
@@ -173,7 +221,9 @@ class RoundRunner:
         held = model.held_experts()
         orphaned = [e for e in range(model.moe_cfg.num_experts) if not any(e in r.experts for r in peers.values())]
         mine = VersionRecord(
-            self.peer_id, report.shared.ok, self.server.current("shared")["digest"],
+            self.peer_id,
+            report.shared.ok,
+            self.server.current("shared")["digest"],
             {e: self.server.current(f"expert:{e}")["digest"] for e in model.local_experts},
             {e: tensor_digest(model.expert_tensors(e)) for e in orphaned if e in held},
             group=report.shared.members if report.shared.ok else 0,
@@ -190,12 +240,15 @@ class RoundRunner:
         # a 24-peer churn run: 12-15 adopters behind groups of 2-5); ending at the first result made it
         # open the next round before the members came, to a group of adopters
         candidates = shared_members if decided else None
-        versions = wait_versions(self.runtime, round_no, shared_members,
-                                 adopt_window(sw) if adopting else version_window(sw),
-                                 enough=(lambda vs: bool(adoptable(vs, self.peer_id, candidates))) if adopting else None,
-                                 after=version_window(sw),
-                                 complete=(lambda vs: all_published(adoptable(vs, self.peer_id, candidates)))
-                                 if decided else None)
+        versions = wait_versions(
+            self.runtime,
+            round_no,
+            shared_members,
+            adopt_window(sw) if adopting else version_window(sw),
+            enough=(lambda vs: bool(adoptable(vs, self.peer_id, candidates))) if adopting else None,
+            after=version_window(sw),
+            complete=(lambda vs: all_published(adoptable(vs, self.peer_id, candidates))) if decided else None,
+        )
         report.versions_missing = len(shared_members - set(versions))
         if adopting:
             report.adopted_shared_from = self._adopt_shared(model, round_no, versions, candidates)
@@ -203,8 +256,10 @@ class RoundRunner:
         # fitted to the members alone shrinks to the fast peers' spread and shuts the slower ones out
         # for good (each of them adopts, late, every round; its tokens are lost every time)
         if shared_res.lateness:
-            self.deadlines.observe_round(shared_res.lateness, arrival_delays(
-                call(self.runtime.get(group_key(self.runtime.run_id, round_no, "shared")))))
+            self.deadlines.observe_round(
+                shared_res.lateness,
+                arrival_delays(call(self.runtime.get(group_key(self.runtime.run_id, round_no, "shared")))),
+            )
         # choose versions from the shared group's members first: a late peer (thawed, or out of its group)
         # publishes a digest some members see and others do not, and must not tip anyone's choice
         agreed = {p: v for p, v in versions.items() if p in shared_members} if decided else versions
@@ -218,7 +273,8 @@ class RoundRunner:
         # our snapshot of the live peers (a joiner): its holder's version, refreshed above, stands
         trained = {e for v in versions.values() for e in v.experts}
         report.orphans_agreed = self.refresher.agree_on_copies(
-            model, [e for e in orphaned if e in held and e not in trained], agreed)
+            model, [e for e in orphaned if e in held and e not in trained], agreed
+        )
 
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
@@ -232,7 +288,9 @@ class RoundRunner:
         report.bytes_received = sum(g.bytes_received for g in report.groups.values())
         public = self.outer.public_values(model)  # what we serve where our weights run ahead of it
         report.shared_digest = tensor_digest(public.get("shared", [p.detach() for _, p in model.shared_parameters()]))
-        report.expert_digests = {str(e): tensor_digest(public.get(f"expert:{e}", model.expert_tensors(e))) for e in held}
+        report.expert_digests = {
+            str(e): tensor_digest(public.get(f"expert:{e}", model.expert_tensors(e))) for e in held
+        }
         self.stats[{"averaged": "rounds_joined", "alone": "rounds_alone"}.get(report.outcome, "rounds_failed")] += 1
         report.downloaded_bytes = self.stats["bytes_received"] - downloaded0
         report.served_bytes = self.stats["bytes_served"] - served0
@@ -252,18 +310,23 @@ class RoundRunner:
 
     def _contribution(self, uid: str, current: torch.Tensor, sending: dict[str, torch.Tensor]):
         """What we send for ``uid``, computed once the group's anchor is ours (after any rebase)."""
+
         def make() -> torch.Tensor:
             sending[uid] = self.feedback.compensate(uid, self.outer.pseudo_gradient(uid, current))
             return sending[uid]
+
         return make
 
     def _rebase(self, uid: str, numel: int):
         """Take the anchor a group agreed on from one of its members that holds it (and, for the
         Nesterov step, its momentum): our own is stale (we missed a round, restarted, or joined)."""
+
         async def rebase(base: Base, holders: list[str]) -> None:
             for peer in holders:
                 try:
-                    _, (anchor,) = await self.downloader.fetch(peer, f"anchor:{uid}@{base.digest}", [torch.empty(numel)])
+                    _, (anchor,) = await self.downloader.fetch(
+                        peer, f"anchor:{uid}@{base.digest}", [torch.empty(numel)]
+                    )
                     if self.outer.stateful:
                         _, (momentum,) = await self.downloader.fetch(peer, f"momentum:{uid}", [torch.empty(numel)])
                         self.outer.momentum[uid] = momentum
@@ -276,18 +339,34 @@ class RoundRunner:
                 log.info("took the agreed anchor of %s (round %d) from %s", uid, base.round, peer)
                 return
             raise RuntimeError(f"no member served the agreed anchor of {uid}")
+
         return rebase
 
-    def _apply(self, res: GroupResult, targets: list[torch.Tensor], uid: str, local: torch.Tensor,
-               sending: dict[str, torch.Tensor], round_no: int) -> GroupReport:
+    def _apply(
+        self,
+        res: GroupResult,
+        targets: list[torch.Tensor],
+        uid: str,
+        local: torch.Tensor,
+        sending: dict[str, torch.Tensor],
+        round_no: int,
+    ) -> GroupReport:
         """Write a successful group's result (the outer step of its decoded average, from the agreed
         anchor) into the model and keep its encoded parts to serve; a failed one is dropped, and so is
         one the update guard refuses (we keep our values and take no one's)."""
-        info = GroupReport(ok=res.ok, members=len(res.members), group_id=group_id(res.members),
-                           bytes_sent=res.bytes_sent, bytes_received=res.bytes_received, seconds=round(res.seconds, 3),
-                           retries=res.retries or None, attempts=res.attempts if res.attempts > 1 else None,
-                           lost=res.lost or None, rows=res.rows or None,
-                           partial=True if res.ok and res.rows and res.sent is None else None)
+        info = GroupReport(
+            ok=res.ok,
+            members=len(res.members),
+            group_id=group_id(res.members),
+            bytes_sent=res.bytes_sent,
+            bytes_received=res.bytes_received,
+            seconds=round(res.seconds, 3),
+            retries=res.retries or None,
+            attempts=res.attempts if res.attempts > 1 else None,
+            lost=res.lost or None,
+            rows=res.rows or None,
+            partial=True if res.ok and res.rows and res.sent is None else None,
+        )
         if not res.ok:
             info.error = res.error
             return info
@@ -343,8 +422,9 @@ class RoundRunner:
                 copy_into(targets, [t.detach() + d for t, d in zip(targets, leads[uid])])
                 self.outer.ahead.add(uid)
 
-    def _adopt_shared(self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord],
-                      among: set[str] | None = None) -> str | None:
+    def _adopt_shared(
+        self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord], among: set[str] | None = None
+    ) -> str | None:
         """After missing the shared group, take the result the others (of ``among``) agreed on (as a joiner would)."""
         results = adoptable(versions, self.peer_id, among)
         best = majority(v.shared for v in results.values())
@@ -366,5 +446,6 @@ class RoundRunner:
 
     def publish_record(self) -> None:
         """Renew our record at once with this round in it (not waiting for the heartbeat)."""
-        self.runtime.submit(self.runtime.store(peers_key(self.runtime.run_id), self.membership.record(),
-                                               ttl=self.sw.record_ttl))
+        self.runtime.submit(
+            self.runtime.store(peers_key(self.runtime.run_id), self.membership.record(), ttl=self.sw.record_ttl)
+        )

@@ -22,9 +22,16 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.proto import averaging_pb2
 
-from p2p_spes.aggregation import Aggregator
-from p2p_spes.compression import Codec
-from p2p_spes.transport import TransportError, TruncatedStream, collect_tensors, parse_tensor, serialize_parts, unpack
+from p2p_spes.averaging.aggregation import Aggregator
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.transport import (
+    TransportError,
+    TruncatedStream,
+    collect_tensors,
+    parse_tensor,
+    serialize_parts,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 OK, BAD = averaging_pb2.AVERAGED_PART, averaging_pb2.BAD_GROUP_ID
@@ -226,7 +233,7 @@ class PartServer:
         lo, hi = max(start0, part.start), min(start0 + residual.numel(), end)
         compensated = averaged.clone()
         if lo < hi:
-            compensated[lo - part.start:hi - part.start] += residual[lo - start0:hi - start0]
+            compensated[lo - part.start : hi - part.start] += residual[lo - start0 : hi - start0]
         codec = self.codec.result_for(len(part.contributions))  # the mean of n messages: at most n x k values a block
         message = codec.encode(compensated)
         decoded = codec.decode(message, averaged.numel())

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p_spes.compression import Codec, ErrorFeedback
-from p2p_spes.grid import Grid, column_bounds
-from p2p_spes.part_client import PartClient
-from p2p_spes.reducer import Part, PartServer
-from p2p_spes.transport import TransportError, gather_or_cancel, pack
+from p2p_spes.averaging.compression import Codec, ErrorFeedback
+from p2p_spes.averaging.grid import Grid, column_bounds
+from p2p_spes.averaging.part_client import PartClient
+from p2p_spes.averaging.reducer import Part, PartServer
+from p2p_spes.averaging.transport import TransportError, gather_or_cancel, pack
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,18 @@ class GridRound:
         self._outliving: set[asyncio.Future] = set()  # our columns' work left running for the others (held:
         # a task nothing holds is collected mid-transfer)
 
-    async def run(self, round_no: int, group: str, grid: Grid, flat: torch.Tensor, weight: float,
-                  column_run: ColumnRun, row_deadline: float, deadline: float,
-                  column_members: ColumnMembers | None = None) -> GridOutcome:
+    async def run(
+        self,
+        round_no: int,
+        group: str,
+        grid: Grid,
+        flat: torch.Tensor,
+        weight: float,
+        column_run: ColumnRun,
+        row_deadline: float,
+        deadline: float,
+        column_members: ColumnMembers | None = None,
+    ) -> GridOutcome:
         """Contribute ``flat`` to our row by ``row_deadline`` and return every column's result by
         ``deadline`` (monotonic times); ``column_run(key, tensor, weight, expected holders)`` is the flat
         all-reduce of one column among its holders, ``column_members(key)`` who joined that column (read
@@ -104,13 +113,14 @@ class GridRound:
         self.server.register(keys[row.index(me)], part)
         self.server.forget_later(keys[row.index(me)], (round_no, row_key), max(deadline - time.monotonic(), 1.0))
         self.server.holding[(round_no, group)] = {pack([round_no, f"{group}/c{c}"]) for c in grid.columns_of(me)}
-        asyncio.get_running_loop().call_later(max(deadline - time.monotonic(), 1.0) + 5.0, self.server.holding.pop,
-                                              (round_no, group), None)
+        asyncio.get_running_loop().call_later(
+            max(deadline - time.monotonic(), 1.0) + 5.0, self.server.holding.pop, (round_no, group), None
+        )
         sent: list[torch.Tensor] = [torch.empty(0)] * len(row)
         took = [False] * len(row)
 
         async def contribute(i: int, peer: str) -> None:
-            message = self.codec.encode(flat[spans[i][0]:spans[i][1]].contiguous())
+            message = self.codec.encode(flat[spans[i][0] : spans[i][1]].contiguous())
             sent[i] = self.codec.decode(message, spans[i][1] - spans[i][0])
             if peer == me:
                 self.server.add(part, me, float(weight), sent[i])
@@ -123,8 +133,10 @@ class GridRound:
 
         async def rows_then_columns() -> dict[int, list[torch.Tensor] | None]:
             try:
-                await asyncio.wait_for(asyncio.gather(*(contribute(i, p) for i, p in enumerate(row))),
-                                       max(row_deadline - time.monotonic(), 0.1))
+                await asyncio.wait_for(
+                    asyncio.gather(*(contribute(i, p) for i, p in enumerate(row))),
+                    max(row_deadline - time.monotonic(), 0.1),
+                )
             except asyncio.TimeoutError:
                 pass
             try:
@@ -133,8 +145,9 @@ class GridRound:
                 self.server.close(part)  # with the contributions that came
             out.missing = sorted(set(row) - set(part.contributions))
             mine = grid.columns_of(me)
-            done = await asyncio.gather(*(self._column(round_no, group, grid, c, part, bounds, column_run, deadline, out)
-                                          for c in mine))
+            done = await asyncio.gather(
+                *(self._column(round_no, group, grid, c, part, bounds, column_run, deadline, out) for c in mine)
+            )
             return dict(zip(mine, done))
 
         local_task = asyncio.ensure_future(rows_then_columns())
@@ -142,9 +155,12 @@ class GridRound:
             # a column that failed fails our result: the other fetches are cancelled (our own columns
             # are shielded in them and go on for the others)
             columns = await gather_or_cancel(
-                (self._fetch_column(round_no, group, grid, c, k, local_task, deadline, out, column_members)
-                 for c in range(grid.columns)),
-                max(deadline - time.monotonic(), 0.1))
+                (
+                    self._fetch_column(round_no, group, grid, c, k, local_task, deadline, out, column_members)
+                    for c in range(grid.columns)
+                ),
+                max(deadline - time.monotonic(), 0.1),
+            )
         except Exception as exc:
             out.error = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} before the deadline"
             log.warning("round %d group %s failed: %s", round_no, group, out.error)
@@ -154,19 +170,32 @@ class GridRound:
                 local_task.add_done_callback(lambda t: t.cancelled() or t.exception())
                 self._outliving.add(local_task)
                 local_task.add_done_callback(self._outliving.discard)
-        values = [self.codec.result.decode_parts(messages, bounds[c + 1] - bounds[c]) for c, (messages, _) in enumerate(columns)]
+        values = [
+            self.codec.result.decode_parts(messages, bounds[c + 1] - bounds[c])
+            for c, (messages, _) in enumerate(columns)
+        ]
         out.tensor, out.sent = torch.cat(values), torch.cat(sent)
         out.counted = all(took) and all(own for _, own in columns)
         return out
 
-    async def _column(self, round_no: int, group: str, grid: Grid, c: int, part: Part, bounds: list[int],
-                      column_run: ColumnRun, deadline: float, out: GridOutcome) -> list[torch.Tensor] | None:
+    async def _column(
+        self,
+        round_no: int,
+        group: str,
+        grid: Grid,
+        c: int,
+        part: Part,
+        bounds: list[int],
+        column_run: ColumnRun,
+        deadline: float,
+        out: GridOutcome,
+    ) -> list[torch.Tensor] | None:
         """All-reduce our row's combination of column ``c`` with its other holders, and serve the result."""
         uid = f"{group}/c{c}"
         key = pack([round_no, uid])
         messages = None
         try:
-            values = part.result[bounds[c] - part.start:bounds[c + 1] - part.start]
+            values = part.result[bounds[c] - part.start : bounds[c + 1] - part.start]
             tensor = self.feedback.compensate(uid, values)
             res = await column_run(uid, tensor, part.weight, set(grid.holders(c)))
             out.bytes_sent += res.bytes_sent
@@ -179,9 +208,18 @@ class GridRound:
         self.server.publish(key, messages, max(deadline - time.monotonic(), 1.0) + 5.0)
         return messages
 
-    async def _fetch_column(self, round_no: int, group: str, grid: Grid, c: int, row: int, local: asyncio.Future,
-                            deadline: float, out: GridOutcome,
-                            column_members: ColumnMembers | None) -> tuple[list[torch.Tensor], bool]:
+    async def _fetch_column(
+        self,
+        round_no: int,
+        group: str,
+        grid: Grid,
+        c: int,
+        row: int,
+        local: asyncio.Future,
+        deadline: float,
+        out: GridOutcome,
+        column_members: ColumnMembers | None,
+    ) -> tuple[list[torch.Tensor], bool]:
         """Column ``c``'s encoded result and whether our row's holder served it (our row is in it):
         from our grid's holders of it, then from whoever joined the column."""
         key = pack([round_no, f"{group}/c{c}"])

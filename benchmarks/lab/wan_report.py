@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from p2p_spes.chaos import read_metrics
+from benchmarks.lab.chaos import read_metrics
 
 
 @dataclass
@@ -77,8 +77,12 @@ class PeerReport:
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k != "rounds"}
-        return {**out, "averaged_share": self.averaged_share, "compute_share": self.compute_share,
-                "rounds": [r.__dict__ for r in self.rounds]}
+        return {
+            **out,
+            "averaged_share": self.averaged_share,
+            "compute_share": self.compute_share,
+            "rounds": [r.__dict__ for r in self.rounds],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], compression: str | None = None, overlap: bool | None = None) -> PeerReport:
@@ -114,8 +118,12 @@ class SwarmReport:
         return {p.peer: [r for r in p.rounds if began[r.round] >= joined] for p in self.peers}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"last_common_round": self.last_common_round, "identical": self.identical,
-                "differences": self.differences, "peers": [p.to_dict() for p in self.peers]}
+        return {
+            "last_common_round": self.last_common_round,
+            "identical": self.identical,
+            "differences": self.differences,
+            "peers": [p.to_dict() for p in self.peers],
+        }
 
 
 def outcome_of(record: dict[str, Any]) -> str:
@@ -129,12 +137,19 @@ def outcome_of(record: dict[str, Any]) -> str:
 
 def round_row(peer: int, record: dict[str, Any]) -> RoundRow:
     return RoundRow(
-        peer=peer, round=int(record["sync_round"]), step=int(record.get("step", -1)),
-        members=int(record.get("shared_members", 0)), outcome=outcome_of(record),
-        seconds=float(record.get("sync_seconds", 0.0)), bytes_sent=int(record.get("bytes_sent", 0)),
-        bytes_received=int(record.get("bytes_received", 0)), downloaded_bytes=int(record.get("downloaded_bytes", 0)),
-        tokens_contributed=record.get("tokens_contributed"), schedule_jump=record.get("schedule_jump"),
-        shared_digest=str(record.get("shared_digest", "")), expert_digests=dict(record.get("expert_digests", {})),
+        peer=peer,
+        round=int(record["sync_round"]),
+        step=int(record.get("step", -1)),
+        members=int(record.get("shared_members", 0)),
+        outcome=outcome_of(record),
+        seconds=float(record.get("sync_seconds", 0.0)),
+        bytes_sent=int(record.get("bytes_sent", 0)),
+        bytes_received=int(record.get("bytes_received", 0)),
+        downloaded_bytes=int(record.get("downloaded_bytes", 0)),
+        tokens_contributed=record.get("tokens_contributed"),
+        schedule_jump=record.get("schedule_jump"),
+        shared_digest=str(record.get("shared_digest", "")),
+        expert_digests=dict(record.get("expert_digests", {})),
         time=float(record.get("time", 0.0)),
         shared_error=record.get("groups", {}).get("shared", {}).get("error"),
     )
@@ -154,15 +169,23 @@ def read_peer(run_dir: Path, peer: int) -> PeerReport:
         began = first["time"] - float(first.get("sync_seconds", 0.0)) - steps[0]["step_time_s"]
     ended = max((r["time"] for r in records if "time" in r), default=began)
     return PeerReport(
-        peer=peer, rounds=rounds, final_step=int(summary.get("step", steps[-1]["step"] if steps else 0)),
-        start_step=int(start), started_at=began, steps_computed=len(steps),
-        steps_jumped=sum(r.schedule_jump or 0 for r in rounds), steps_skipped=int(summary.get("steps_skipped", 0)),
+        peer=peer,
+        rounds=rounds,
+        final_step=int(summary.get("step", steps[-1]["step"] if steps else 0)),
+        start_step=int(start),
+        started_at=began,
+        steps_computed=len(steps),
+        steps_jumped=sum(r.schedule_jump or 0 for r in rounds),
+        steps_skipped=int(summary.get("steps_skipped", 0)),
         tokens=int(summary.get("tokens", steps[-1]["tokens"] if steps else 0)),
         tokens_averaged=summary.get("tokens_averaged"),
-        compute_seconds=sum(float(r["step_time_s"]) for r in steps), wall_seconds=max(ended - began, 0.0),
+        compute_seconds=sum(float(r["step_time_s"]) for r in steps),
+        wall_seconds=max(ended - began, 0.0),
         final_val_loss=summary.get("final_val_loss"),
-        bytes_sent=int(summary.get("bytes_sent", 0)), bytes_received=int(summary.get("bytes_received", 0)),
-        compression=str(summary.get("compression") or "none"), overlap=bool(summary.get("overlap")),
+        bytes_sent=int(summary.get("bytes_sent", 0)),
+        bytes_received=int(summary.get("bytes_received", 0)),
+        compression=str(summary.get("compression") or "none"),
+        overlap=bool(summary.get("overlap")),
     )
 
 

@@ -148,9 +148,23 @@ class Joined:
         return min(self.timeout, configured) if self.timeout > 0 else configured
 
 
-async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[str], weight: float, window: float,
-                     base: Base | None, *, matchmaking_time: float, ttl: float, hold_until: float | None = None,
-                     timeout: float | None = None, quorum: int = 0, abort: bool = False) -> Joined:
+async def join_group(
+    dht,
+    key: str,
+    peer_id: str,
+    owner: bytes,
+    expected: set[str],
+    weight: float,
+    window: float,
+    base: Base | None,
+    *,
+    matchmaking_time: float,
+    ttl: float,
+    hold_until: float | None = None,
+    timeout: float | None = None,
+    quorum: int = 0,
+    abort: bool = False,
+) -> Joined:
     """Join the group under ``key`` and return its decided membership (see the module docstring).
 
     A retry's key may also hold ``done`` records (:func:`announce_done`): peers that applied the attempt
@@ -184,8 +198,9 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
     expires = arrival + ttl
 
     async def publish() -> None:
-        await asyncio.wait_for(dht.store(key, mine, expiration_time=expires, subkey=owner, return_future=True),
-                               matchmaking_time + 10)
+        await asyncio.wait_for(
+            dht.store(key, mine, expiration_time=expires, subkey=owner, return_future=True), matchmaking_time + 10
+        )
 
     await publish()
     if hold_until is not None:
@@ -195,8 +210,9 @@ async def join_group(dht, key: str, peer_id: str, owner: bytes, expected: set[st
 
     async def read() -> tuple[set[str], float, float | None]:
         nonlocal records
-        found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True),
-                                       max(give_up - time.monotonic(), 0.0) + 5)
+        found = await asyncio.wait_for(
+            dht.get(key, latest=True, return_future=True), max(give_up - time.monotonic(), 0.0) + 5
+        )
         signed = signed_values(found)
         done.update(p for p, v in signed.items() if isinstance(v, dict) and v.get("done") is True)
         records = {p: v for p, v in signed.items() if isinstance(v, dict) and isinstance(v.get("t"), float)}
@@ -232,8 +248,9 @@ def aborted(records: dict[str, dict], since: float) -> float | None:
     return min(times, default=None)
 
 
-async def settle(dht, key: str, peer_id: str, owner: bytes, records: dict[str, dict], own: Joined,
-                 ttl: float) -> Joined:
+async def settle(
+    dht, key: str, peer_id: str, owner: bytes, records: dict[str, dict], own: Joined, ttl: float
+) -> Joined:
     """The membership the first arrival decided, which every member adopts (module docstring); ``own``
     (what we read ourselves) if we are the first arrival, or if no decision comes in time."""
     where = decided_key(key)
@@ -241,26 +258,40 @@ async def settle(dht, key: str, peer_id: str, owner: bytes, records: dict[str, d
     rank = (records[leader]["t"], leader)
     if leader == peer_id:
         try:
-            await asyncio.wait_for(dht.store(where, decision(own, peer_id, records[peer_id]["t"]),
-                                             expiration_time=get_dht_time() + ttl, subkey=owner,
-                                             return_future=True), SETTLE)
+            await asyncio.wait_for(
+                dht.store(
+                    where,
+                    decision(own, peer_id, records[peer_id]["t"]),
+                    expiration_time=get_dht_time() + ttl,
+                    subkey=owner,
+                    return_future=True,
+                ),
+                SETTLE,
+            )
         except asyncio.TimeoutError:
             log.warning("could not publish the membership of %s: the DHT did not answer", key)
     until = time.monotonic() + own.window + SETTLE
     while True:
         try:
-            found = await asyncio.wait_for(dht.get(where, latest=True, return_future=True),
-                                           max(until - time.monotonic(), 0.0) + 1)
+            found = await asyncio.wait_for(
+                dht.get(where, latest=True, return_future=True), max(until - time.monotonic(), 0.0) + 1
+            )
         except asyncio.TimeoutError:
             found = None
-        published = {p: v for p, v in signed_values(found).items()
-                     if isinstance(v.get("t"), float) and (v["t"], p) <= rank}
+        published = {
+            p: v for p, v in signed_values(found).items() if isinstance(v.get("t"), float) and (v["t"], p) <= rank
+        }
         for p in sorted(published, key=lambda p: (published[p]["t"], p)):
             joined = adopted(published[p], own)
             if joined is not None:
                 if joined.members != own.members:
-                    log.info("%s: adopted the membership %s decided (%d members; we read %d)", key, p,
-                             len(joined.members), len(own.members))
+                    log.info(
+                        "%s: adopted the membership %s decided (%d members; we read %d)",
+                        key,
+                        p,
+                        len(joined.members),
+                        len(own.members),
+                    )
                 return joined
         if time.monotonic() >= until:
             log.warning("%s: no decision from its first arrival %s, going by our own reading", key, leader)
@@ -276,8 +307,11 @@ def decision(joined: Joined, peer_id: str, arrival: float) -> dict:
         value["d"] = joined.timeout
     base = agreed_base(joined.bases)
     if base is not None:
-        value.update(b=base.digest, br=base.round,
-                     h=[i for i, p in enumerate(joined.members) if p in joined.bases and joined.bases[p].digest == base.digest])
+        value.update(
+            b=base.digest,
+            br=base.round,
+            h=[i for i, p in enumerate(joined.members) if p in joined.bases and joined.bases[p].digest == base.digest],
+        )
     return value
 
 
@@ -285,9 +319,16 @@ def adopted(value: dict, own: Joined) -> Joined | None:
     """The membership a decision record holds, with our own arrivals' lateness; None if malformed."""
     members, window, holders = value.get("members"), proposed(value.get("w")), value.get("h", [])
     timeout = proposed(value["d"]) if "d" in value else 0.0
-    if (not isinstance(members, list) or not members or not all(isinstance(p, str) for p in members)
-            or members != sorted(set(members)) or window is None or timeout is None or not isinstance(holders, list)
-            or not all(type(i) is int and 0 <= i < len(members) for i in holders)):
+    if (
+        not isinstance(members, list)
+        or not members
+        or not all(isinstance(p, str) for p in members)
+        or members != sorted(set(members))
+        or window is None
+        or timeout is None
+        or not isinstance(holders, list)
+        or not all(type(i) is int and 0 <= i < len(members) for i in holders)
+    ):
         return None
     bases = {}
     if isinstance(value.get("b"), str) and type(value.get("br")) is int:
@@ -298,8 +339,9 @@ def adopted(value: dict, own: Joined) -> Joined | None:
 async def announce_done(dht, key: str, peer_id: str, owner: bytes, ttl: float) -> None:
     """Say under a retry's ``key`` that we applied the attempt before it (see :func:`join_group`)."""
     now = get_dht_time()
-    await dht.store(key, {"peer_id": peer_id, "done": True}, expiration_time=now + ttl, subkey=owner,
-                    return_future=True)
+    await dht.store(
+        key, {"peer_id": peer_id, "done": True}, expiration_time=now + ttl, subkey=owner, return_future=True
+    )
 
 
 def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
@@ -307,13 +349,17 @@ def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
     "m": proposed window, "q": quorum, "d": proposed deadline, "b"/"br": base}}``): everyone who arrived
     before the group closed (:func:`closing_time`; with its quorum still missing, everyone who came up to
     now), with the longest deadline they proposed.
-    Also what ``p2p_spes/simulation.py`` runs, so the model forms groups as peers do."""
+    Also what ``benchmarks/lab/simulation.py`` runs, so the model forms groups as peers do."""
     times = {p: v["t"] for p, v in records.items()}
     first = min(times.values())
     closes = closing_time(records, matchmaking_time)
     agreed = closes - first
     members = sorted(p for p, t in times.items() if t <= closes)
-    bases = {p: Base(records[p]["b"], records[p]["br"]) for p in members
-             if isinstance(records[p].get("b"), str) and type(records[p].get("br")) is int}
-    return Joined(members, arrival_delays(records), agreed, bases,
-                  timeout=agreed_timeout(records, members), first=first)
+    bases = {
+        p: Base(records[p]["b"], records[p]["br"])
+        for p in members
+        if isinstance(records[p].get("b"), str) and type(records[p].get("br")) is int
+    }
+    return Joined(
+        members, arrival_delays(records), agreed, bases, timeout=agreed_timeout(records, members), first=first
+    )

@@ -62,7 +62,9 @@ def serialize_parts(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
     return list(split_for_streaming(serialized, CHUNK_BYTES))
 
 
-def parse_tensor(parts: Sequence[runtime_pb2.Tensor], shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+def parse_tensor(
+    parts: Sequence[runtime_pb2.Tensor], shape: Sequence[int] | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Reassemble, check and return a tensor received as chunks."""
     if not parts:
         raise TruncatedStream("empty tensor stream")
@@ -93,7 +95,9 @@ def _payload_bytes(serialized: runtime_pb2.Tensor) -> int | None:
     return math.prod(serialized.size) * dtype.itemsize
 
 
-async def collect_tensors(stream: AsyncIterator, field: str = "tensor_part") -> tuple[bytes, list[list[runtime_pb2.Tensor]]]:
+async def collect_tensors(
+    stream: AsyncIterator, field: str = "tensor_part"
+) -> tuple[bytes, list[list[runtime_pb2.Tensor]]]:
     """Group a stream of messages carrying ``metadata`` and tensor chunks into per-tensor chunk lists.
 
     A chunk whose ``dtype`` is set starts a new tensor (hivemind's streaming convention).

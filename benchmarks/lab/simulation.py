@@ -40,12 +40,12 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from p2p_spes.allreduce import HOLD, relaxed_timeout
-from p2p_spes.compression import Codec
+from p2p_spes.averaging.allreduce import HOLD, relaxed_timeout
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.grid import Grid, column_bounds, make_grid
+from p2p_spes.averaging.matchmaking import ABORT_HOLD, DECISION_LAG, decide
 from p2p_spes.config import SwarmConfig
-from p2p_spes.grid import Grid, column_bounds, make_grid
 from p2p_spes.healing import plan_takeover
-from p2p_spes.matchmaking import ABORT_HOLD, DECISION_LAG, decide
 from p2p_spes.placement import spes_block
 from p2p_spes.swarm.pacing import Deadlines
 
@@ -70,8 +70,9 @@ class SimConfig:
     fail_prob: float = 0.05  # per live peer per round
     kill_share: float = 0.5  # of failures; the rest are freezes
     restart_rounds: int = 3
-    swarm: SwarmConfig = field(default_factory=lambda: SwarmConfig(compression="topk", matchmaking_time=30.0,
-                                                                   averaging_timeout=600.0))
+    swarm: SwarmConfig = field(
+        default_factory=lambda: SwarmConfig(compression="topk", matchmaking_time=30.0, averaging_timeout=600.0)
+    )
     seed: int = 0
 
 
@@ -111,7 +112,8 @@ class SimResult:
         rs = self.rounds
         unfailed = sum(r.live - r.failed for r in rs)
         return {
-            "peers": self.config.peers, "rounds": len(rs),
+            "peers": self.config.peers,
+            "rounds": len(rs),
             "rounds_applied": sum(r.applied for r in rs) / len(rs),
             "peer_rounds_applied": sum(r.peers_applied for r in rs) / max(unfailed, 1),
             "retried_rounds": sum(r.attempts > 1 for r in rs) / len(rs),
@@ -142,8 +144,15 @@ def simulate(cfg: SimConfig) -> SimResult:
     peers = []
     for i in range(cfg.peers):
         pid = f"peer{i:05d}"
-        peers.append(_Peer(pid, cfg.step_seconds * math.exp(rng.gauss(0, cfg.speed_spread)),
-                           rng.uniform(*cfg.mbit) * 1e6 / 8, spes_block(i, cfg.peers, cfg.experts), Deadlines(sw)))
+        peers.append(
+            _Peer(
+                pid,
+                cfg.step_seconds * math.exp(rng.gauss(0, cfg.speed_spread)),
+                rng.uniform(*cfg.mbit) * 1e6 / 8,
+                spes_block(i, cfg.peers, cfg.experts),
+                Deadlines(sw),
+            )
+        )
     expert_wire = codec.result.wire_bytes(cfg.expert_params)  # a lone holder's update: a group of one
     outcomes = []
     for r in range(1, cfg.rounds + 1):
@@ -155,9 +164,14 @@ def simulate(cfg: SimConfig) -> SimResult:
         t_open = min(p.step for p in live) * cfg.sync_steps
         # each live peer fails at a constant rate, fail_prob times per failure-free round on average (its
         # steps, a join window and one all-reduce among everyone): a round that runs long meets more of them
-        nominal = t_open + sw.matchmaking_time + _all_reduce_seconds(codec, cfg.shared_params, [p.rate for p in live])[0]
-        fails = {p.id: (rng.expovariate(cfg.fail_prob / nominal), rng.random() < cfg.kill_share)
-                 for p in live} if cfg.fail_prob > 0 else {}
+        nominal = (
+            t_open + sw.matchmaking_time + _all_reduce_seconds(codec, cfg.shared_params, [p.rate for p in live])[0]
+        )
+        fails = (
+            {p.id: (rng.expovariate(cfg.fail_prob / nominal), rng.random() < cfg.kill_share) for p in live}
+            if cfg.fail_prob > 0
+            else {}
+        )
         arrival = {p.id: t_open + rng.uniform(0, p.step) + rng.uniform(0, 0.2) for p in live}
         present = [p for p in live if p.id not in fails or fails[p.id][0] > arrival[p.id]]
         by_id = {p.id: p for p in live}
@@ -165,8 +179,15 @@ def simulate(cfg: SimConfig) -> SimResult:
         _, expected_bytes = _all_reduce_seconds(codec, cfg.shared_params, [p.rate for p in present])
         # each asks for its quorum of the live peers it sees (the first arrival's counts: matchmaking.py)
         quorum = math.ceil(sw.quorum * len(live))
-        records = {p.id: {"t": arrival[p.id], "m": p.deadlines.join_window(), "q": quorum,
-                          "d": p.deadlines.proposed_timeout(expected_bytes // 2)} for p in present}
+        records = {
+            p.id: {
+                "t": arrival[p.id],
+                "m": p.deadlines.join_window(),
+                "q": quorum,
+                "d": p.deadlines.proposed_timeout(expected_bytes // 2),
+            }
+            for p in present
+        }
         applied, attempts, moved, end, counted = False, 0, {}, t_open, 0.0
         members: list[str] = []
         late: list[str] = []
@@ -177,12 +198,15 @@ def simulate(cfg: SimConfig) -> SimResult:
                 by_id[m].deadlines.observe_arrivals(joined.lateness)
             # a peer stops waiting once every live peer it expects is there (then a 0.5 s re-read)
             everyone = len(members) == len(live)
-            start = (max(arrival[m] for m in members) if everyone else min(arrival[m] for m in members) + joined.window) + 0.5
+            start = (
+                max(arrival[m] for m in members) if everyone else min(arrival[m] for m in members) + joined.window
+            ) + 0.5
             grid = make_grid(members, sw.group_size)
             deadline = joined.deadline(sw.averaging_timeout)
             if grid is not None:
-                applied, end, counted, attempts = _grid_round(grid, start, joined.window, deadline, fails, by_id, codec,
-                                                              cfg, moved)
+                applied, end, counted, attempts = _grid_round(
+                    grid, start, joined.window, deadline, fails, by_id, codec, cfg, moved
+                )
             while grid is None:
                 attempts += 1
                 if len(members) < 2:
@@ -207,15 +231,25 @@ def simulate(cfg: SimConfig) -> SimResult:
                     end = noticed
                     break
                 # the late peers of the first attempt join its retry too (allreduce.GroupAllReduce.run)
-                survivors = [m for m in members + (late if attempts == 1 else [])
-                             if not (m in fails and fails[m][0] <= noticed)]
+                survivors = [
+                    m for m in members + (late if attempts == 1 else []) if not (m in fails and fails[m][0] <= noticed)
+                ]
                 # the retry forms once the failed attempt has ended for every member: its deadline counted
                 # from the latest the members read the decision (allreduce.py), + HOLD
-                reform = noticed + ABORT_HOLD if doomed else max(noticed, opened.first + opened.window + DECISION_LAG + deadline + HOLD)
+                reform = (
+                    noticed + ABORT_HOLD
+                    if doomed
+                    else max(noticed, opened.first + opened.window + DECISION_LAG + deadline + HOLD)
+                )
                 # each proposes twice the deadline it measured (at most the configured one), as allreduce does
-                retry = {m: {"t": noticed + rng.uniform(0, 0.3), "m": sw.matchmaking_time,
-                             "d": relaxed_timeout(by_id[m].deadlines.proposed_timeout(nbytes // 2), sw.averaging_timeout)}
-                         for m in survivors}
+                retry = {
+                    m: {
+                        "t": noticed + rng.uniform(0, 0.3),
+                        "m": sw.matchmaking_time,
+                        "d": relaxed_timeout(by_id[m].deadlines.proposed_timeout(nbytes // 2), sw.averaging_timeout),
+                    }
+                    for m in survivors
+                }
                 if not retry:
                     end = noticed
                     break
@@ -232,18 +266,40 @@ def simulate(cfg: SimConfig) -> SimResult:
             if kill:
                 by_id[pid].dead_until = r + cfg.restart_rounds
         failed_now = set(fails)
-        outcomes.append(RoundOutcome(
-            round=r, live=len(live), failed=len(fails), members=len(members), applied=applied, attempts=attempts,
-            peers_applied=(len([m for m in members if m not in failed_now]) + len([p for p in late if p not in failed_now]))
-            if applied else 0,
-            seconds=end - t_open, bytes_per_peer=statistics.fmean(refresh), coverage=coverage,
-            counted=counted if applied else 0.0))
+        outcomes.append(
+            RoundOutcome(
+                round=r,
+                live=len(live),
+                failed=len(fails),
+                members=len(members),
+                applied=applied,
+                attempts=attempts,
+                peers_applied=(
+                    len([m for m in members if m not in failed_now]) + len([p for p in late if p not in failed_now])
+                )
+                if applied
+                else 0,
+                seconds=end - t_open,
+                bytes_per_peer=statistics.fmean(refresh),
+                coverage=coverage,
+                counted=counted if applied else 0.0,
+            )
+        )
         _heal(peers, r + 1, cfg)
     return SimResult(cfg, outcomes)
 
 
-def _grid_round(grid: Grid, start: float, window: float, timeout: float, fails: dict[str, tuple[float, bool]],
-                by_id: dict[str, _Peer], codec: Codec, cfg: SimConfig, moved: dict[str, int]) -> tuple[bool, float, float, int]:
+def _grid_round(
+    grid: Grid,
+    start: float,
+    window: float,
+    timeout: float,
+    fails: dict[str, tuple[float, bool]],
+    by_id: dict[str, _Peer],
+    codec: Codec,
+    cfg: SimConfig,
+    moved: dict[str, int],
+) -> tuple[bool, float, float, int]:
     """A shared group run as a grid (``grid_allreduce.py``): rows, then a flat all-reduce per column among
     its holders (retried like any group), then every member fetches every column, within the group's
     agreed transfer deadline ``timeout``. Returns whether the
@@ -269,7 +325,9 @@ def _grid_round(grid: Grid, start: float, window: float, timeout: float, fails: 
     applied, end, counted, attempts = True, start, 0, 1
     for c in range(grid.columns):
         holders = {grid.row_of(h): h for h in grid.holders(c)}
-        arrived = {k: row_end[k] for k, h in holders.items() if h in row_in[k] and fails.get(h, (math.inf,))[0] > row_end[k]}
+        arrived = {
+            k: row_end[k] for k, h in holders.items() if h in row_in[k] and fails.get(h, (math.inf,))[0] > row_end[k]
+        }
         if not arrived:
             return False, max(row_end.values()), 0.0, 1
         first = min(arrived.values())
@@ -286,7 +344,9 @@ def _grid_round(grid: Grid, start: float, window: float, timeout: float, fails: 
             seconds *= cols  # a holder's link carries all of its columns at once
             for h in names:
                 moved[h] = moved.get(h, 0) + moved_each
-            gone = [k for k in in_column if holders[k] in fails and col_start <= fails[holders[k]][0] < col_start + seconds]
+            gone = [
+                k for k in in_column if holders[k] in fails and col_start <= fails[holders[k]][0] < col_start + seconds
+            ]
             if not gone:
                 ok, col_end = True, col_start + seconds
                 break

@@ -59,14 +59,14 @@ from hivemind.utils import get_dht_time
 
 from dht.keys import group_key
 from dht.records import signed_values
-from p2p_spes.aggregation import Aggregator, weighted_mean
-from p2p_spes.compression import Codec
-from p2p_spes.grid import Grid, make_grid
-from p2p_spes.grid_allreduce import ColumnResult, GridRound
-from p2p_spes.matchmaking import DECISION_LAG, Base, agreed_base, announce_done, join_group
-from p2p_spes.part_client import PartClient, PartMissing, Undelivered
-from p2p_spes.reducer import Part, PartServer
-from p2p_spes.transport import TransportError, TruncatedStream, gather_or_cancel, pack
+from p2p_spes.averaging.aggregation import Aggregator, weighted_mean
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.grid import Grid, make_grid
+from p2p_spes.averaging.grid_allreduce import ColumnResult, GridRound
+from p2p_spes.averaging.matchmaking import DECISION_LAG, Base, agreed_base, announce_done, join_group
+from p2p_spes.averaging.part_client import PartClient, PartMissing, Undelivered
+from p2p_spes.averaging.reducer import Part, PartServer
+from p2p_spes.averaging.transport import TransportError, TruncatedStream, gather_or_cancel, pack
 
 log = logging.getLogger(__name__)
 HOLD = 1.0  # seconds past a failed attempt's deadline before the next forms: members that finished say so by then
@@ -112,9 +112,19 @@ class GroupAllReduce:
     """Serves and runs all-reduce rounds for one peer. Create and use it inside one event loop."""
 
     def __init__(
-        self, dht, p2p, peer_id: str, run_id: str, *, owner: bytes, compression: str | Codec = "none",
-        matchmaking_time: float = 3.0, timeout: float = 30.0,
-        aggregate: Aggregator | None = None, retries: int = 1, group_size: int = 0,
+        self,
+        dht,
+        p2p,
+        peer_id: str,
+        run_id: str,
+        *,
+        owner: bytes,
+        compression: str | Codec = "none",
+        matchmaking_time: float = 3.0,
+        timeout: float = 30.0,
+        aggregate: Aggregator | None = None,
+        retries: int = 1,
+        group_size: int = 0,
     ) -> None:
         self.dht, self.p2p, self.peer_id, self.run_id = dht, p2p, peer_id, run_id
         self.owner = owner  # our signed subkey (dht/identity.py): nobody can join a group in our name
@@ -133,13 +143,21 @@ class GroupAllReduce:
         await self.p2p.add_protobuf_handler(
             self.client.contribute_name, self.server.contribute, averaging_pb2.AveragingData, stream_input=True
         )
-        for name, handler in ((self.client.fetch_name, self.server.fetch), (self.client.column_name, self.server.column)):
+        for name, handler in (
+            (self.client.fetch_name, self.server.fetch),
+            (self.client.column_name, self.server.column),
+        ):
             await self.p2p.add_protobuf_handler(name, handler, averaging_pb2.AveragingData, stream_output=True)
 
     # Client side ---------------------------------------------------------------------------
     @staticmethod
-    async def _based(tensor: torch.Tensor | Callable[[], torch.Tensor], base: Base | None, result: GroupResult,
-                     bases: dict[str, Base], rebase: Rebase | None) -> torch.Tensor:
+    async def _based(
+        tensor: torch.Tensor | Callable[[], torch.Tensor],
+        base: Base | None,
+        result: GroupResult,
+        bases: dict[str, Base],
+        rebase: Rebase | None,
+    ) -> torch.Tensor:
         """Our tensor, once we hold the base the group agreed on (taken from a member that holds it)."""
         if base is not None and result.base is not None and result.base.digest != base.digest:
             holders = [p for p in result.members if p in bases and bases[p].digest == result.base.digest]
@@ -148,9 +166,20 @@ class GroupAllReduce:
             await rebase(result.base, holders)
         return tensor() if callable(tensor) else tensor
 
-    async def _grid(self, round_no: int, group: str, grid: Grid, tensor: torch.Tensor | Callable[[], torch.Tensor],
-                    weight: float, window: float, timeout: float, base: Base | None, bases: dict[str, Base],
-                    rebase: Rebase | None, result: GroupResult) -> None:
+    async def _grid(
+        self,
+        round_no: int,
+        group: str,
+        grid: Grid,
+        tensor: torch.Tensor | Callable[[], torch.Tensor],
+        weight: float,
+        window: float,
+        timeout: float,
+        base: Base | None,
+        bases: dict[str, Base],
+        rebase: Rebase | None,
+        result: GroupResult,
+    ) -> None:
         """A large group's transfers in rows and columns (``grid_allreduce.py``), into ``result``. Each
         column is a flat group of its holders; the stages' deadlines leave room for a column's retry."""
         try:
@@ -167,11 +196,17 @@ class GroupAllReduce:
             return ColumnResult(res.messages if res.ok else None, res.sent, res.bytes_sent, res.bytes_received)
 
         async def column_members(uid: str) -> list[str]:
-            found = await asyncio.wait_for(self.dht.get(group_key(self.run_id, round_no, uid), latest=True,
-                                                        return_future=True), self.matchmaking_time)
-            return sorted(p for p, v in signed_values(found).items() if isinstance(v, dict) and isinstance(v.get("t"), float))
+            found = await asyncio.wait_for(
+                self.dht.get(group_key(self.run_id, round_no, uid), latest=True, return_future=True),
+                self.matchmaking_time,
+            )
+            return sorted(
+                p for p, v in signed_values(found).items() if isinstance(v, dict) and isinstance(v.get("t"), float)
+            )
 
-        out = await self.grid.run(round_no, group, grid, flat, weight, column_run, row_deadline, deadline, column_members)
+        out = await self.grid.run(
+            round_no, group, grid, flat, weight, column_run, row_deadline, deadline, column_members
+        )
         result.tensor, result.error, result.rows = out.tensor, out.error, len(grid.rows)
         result.sent = out.sent if out.counted else None  # not counted everywhere: nothing to carry over
         result.bytes_sent, result.bytes_received, result.retries = out.bytes_sent, out.bytes_received, out.retries
@@ -192,11 +227,21 @@ class GroupAllReduce:
         result.messages = [message]
         return result
 
-    async def run(self, round_no: int, group: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
-                  weight: float, expected: set[str], on_members: Callable[[], None] | None = None,
-                  window: float | None = None, timeout: float | None = None,
-                  base: Base | None = None, rebase: Rebase | None = None, bounded: bool = False,
-                  quorum: float = 0.0) -> GroupResult:
+    async def run(
+        self,
+        round_no: int,
+        group: str,
+        tensor: torch.Tensor | Callable[[], torch.Tensor],
+        weight: float,
+        expected: set[str],
+        on_members: Callable[[], None] | None = None,
+        window: float | None = None,
+        timeout: float | None = None,
+        base: Base | None = None,
+        rebase: Rebase | None = None,
+        bounded: bool = False,
+        quorum: float = 0.0,
+    ) -> GroupResult:
         """All-reduce ``tensor`` (flat fp32, CPU) with the peers that join ``group`` of ``round_no``.
 
         ``on_members`` is called once the membership is decided (or matchmaking failed). ``window`` is the
@@ -211,19 +256,50 @@ class GroupAllReduce:
         (``matchmaking.closing_time``); a retry's members arrive together and need none.
         """
         t0 = time.monotonic()
-        result = await self._attempt(round_no, group, group, tensor, weight, expected, on_members, window,
-                                     timeout, base, rebase, bounded=bounded,
-                                     quorum=math.ceil(quorum * len(set(expected) | {self.peer_id})))
+        result = await self._attempt(
+            round_no,
+            group,
+            group,
+            tensor,
+            weight,
+            expected,
+            on_members,
+            window,
+            timeout,
+            base,
+            rebase,
+            bounded=bounded,
+            quorum=math.ceil(quorum * len(set(expected) | {self.peer_id})),
+        )
         first = result
         while not result.ok and result.retryable and result.attempts <= self.retries:
             attempt = result.attempts + 1
             survivors = set(result.members) - set(result.lost)
             late = self.peer_id not in result.members
-            log.info("round %d group %s: attempt %d among the %d members still answering%s (%s)", round_no, group,
-                     attempt, len(survivors), ", if they form it" if late else "", result.error)
-            retry = await self._attempt(round_no, group, f"{group}~{attempt}", tensor, weight, survivors, None,
-                                        None, relaxed_timeout(timeout, self.timeout), base, rebase,
-                                        hold_until=result.deadline_at + HOLD, abort=result.doomed)
+            log.info(
+                "round %d group %s: attempt %d among the %d members still answering%s (%s)",
+                round_no,
+                group,
+                attempt,
+                len(survivors),
+                ", if they form it" if late else "",
+                result.error,
+            )
+            retry = await self._attempt(
+                round_no,
+                group,
+                f"{group}~{attempt}",
+                tensor,
+                weight,
+                survivors,
+                None,
+                None,
+                relaxed_timeout(timeout, self.timeout),
+                base,
+                rebase,
+                hold_until=result.deadline_at + HOLD,
+                abort=result.doomed,
+            )
             if late and not retry.ok and not (retry.retryable and self.peer_id not in retry.members):
                 # it did not form again (its members applied the attempt we missed) or failed too: we
                 # report the group we missed, whose result the caller may adopt, as one attempt of ours
@@ -246,8 +322,7 @@ class GroupAllReduce:
             if self.retries and len(result.members) > 1:
                 # members whose attempt failed may be forming it again: they must not, we applied this one
                 key = group_key(self.run_id, round_no, f"{group}~{result.attempts + 1}")
-                task = asyncio.ensure_future(
-                    announce_done(self.dht, key, self.peer_id, self.owner, self.records_ttl))
+                task = asyncio.ensure_future(announce_done(self.dht, key, self.peer_id, self.owner, self.records_ttl))
                 self._announcing.add(task)
                 task.add_done_callback(self._announced)
         result.seconds = time.monotonic() - t0
@@ -258,21 +333,45 @@ class GroupAllReduce:
         if not task.cancelled() and task.exception() is not None:
             log.info("could not announce a finished group: %s", task.exception())
 
-    async def _attempt(self, round_no: int, group: str, key: str, tensor: torch.Tensor | Callable[[], torch.Tensor],
-                       weight: float, expected: set[str], on_members: Callable[[], None] | None,
-                       window: float | None, timeout: float | None, base: Base | None,
-                       rebase: Rebase | None, hold_until: float | None = None, bounded: bool = False,
-                       quorum: int = 0, abort: bool = False) -> GroupResult:
+    async def _attempt(
+        self,
+        round_no: int,
+        group: str,
+        key: str,
+        tensor: torch.Tensor | Callable[[], torch.Tensor],
+        weight: float,
+        expected: set[str],
+        on_members: Callable[[], None] | None,
+        window: float | None,
+        timeout: float | None,
+        base: Base | None,
+        rebase: Rebase | None,
+        hold_until: float | None = None,
+        bounded: bool = False,
+        quorum: int = 0,
+        abort: bool = False,
+    ) -> GroupResult:
         """One formation of ``group`` under DHT key ``key`` and its transfers (see :meth:`run`)."""
         t0 = time.monotonic()
         window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
         proposal = None if timeout is None else min(timeout, self.timeout)
         try:
             joined = await join_group(
-                self.dht, group_key(self.run_id, round_no, key), self.peer_id, self.owner,
-                set(expected) | {self.peer_id}, weight, window, base,
-                matchmaking_time=self.matchmaking_time, ttl=self.records_ttl,
-                hold_until=hold_until, timeout=proposal, quorum=quorum, abort=abort)
+                self.dht,
+                group_key(self.run_id, round_no, key),
+                self.peer_id,
+                self.owner,
+                set(expected) | {self.peer_id},
+                weight,
+                window,
+                base,
+                matchmaking_time=self.matchmaking_time,
+                ttl=self.records_ttl,
+                hold_until=hold_until,
+                timeout=proposal,
+                quorum=quorum,
+                abort=abort,
+            )
             members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
             timeout = joined.deadline(self.timeout)  # the longest a member proposed (matchmaking.py)
             # when the attempt's transfers have ended for every member (each counts its deadline from when it
@@ -382,8 +481,12 @@ class GroupAllReduce:
                 raise
             # a contribution that failed dooms the attempt for everyone (that reducer lacks it), and
             # parts fetched after our attempt failed are of no use: the others are cancelled
-            await gather_or_cancel((contribute(i, p) for i, p in enumerate(members)), max(deadline - time.monotonic(), 0.1))
-            parts = await gather_or_cancel((fetch(i, p) for i, p in enumerate(members)), max(deadline - time.monotonic(), 0.1))
+            await gather_or_cancel(
+                (contribute(i, p) for i, p in enumerate(members)), max(deadline - time.monotonic(), 0.1)
+            )
+            parts = await gather_or_cancel(
+                (fetch(i, p) for i, p in enumerate(members)), max(deadline - time.monotonic(), 0.1)
+            )
             result.tensor, result.sent = torch.cat(parts), torch.cat(sent_parts)
             received[mine] = part.message
             result.messages = list(received)

@@ -19,7 +19,7 @@ no 4-bit or top-k, and carry no integrity check. hivemind still serializes and s
 
 Every message is one uint8 tensor: a 32-byte header (magic with version, codec, numel, topk k, a
 BLAKE2b-64 checksum of the body) and the body. A message whose header, size, checksum, index order
-or scales do not check out is refused (:class:`~p2p_spes.transport.TransportError`), never applied.
+or scales do not check out is refused (:class:`~p2p_spes.averaging.transport.TransportError`), never applied.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2p_spes.transport import TransportError
+from p2p_spes.averaging.transport import TransportError
 
 BLOCK = 256
 CODECS = ("none", "fp16", "int8", "int4", "topk")
@@ -41,7 +41,7 @@ _HEADER = struct.Struct("<4sBxxxQH6x")  # magic, codec id, numel, topk k (24 byt
 _CHECK = 8
 HEADER_BYTES = _HEADER.size + _CHECK
 FP16_MAX = 65504.0
-_MIN_SCALE = 2.0 ** -14  # fp16's smallest normal: scales never underflow to zero or subnormals
+_MIN_SCALE = 2.0**-14  # fp16's smallest normal: scales never underflow to zero or subnormals
 _TOPK_LEVELS = torch.tensor([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0])
 
 
@@ -106,8 +106,11 @@ class Codec:
     def __post_init__(self) -> None:
         if self.name not in CODECS:
             raise ValueError(f"unknown compression {self.name!r}; choose one of {', '.join(CODECS)}")
-        for what, share in (("topk_fraction", self.topk_fraction), ("topk_result_fraction", self.result_fraction),
-                            ("floor_fraction", self.floor_fraction)):
+        for what, share in (
+            ("topk_fraction", self.topk_fraction),
+            ("topk_result_fraction", self.result_fraction),
+            ("floor_fraction", self.floor_fraction),
+        ):
             if share is not None and not 0 < share <= 1:
                 raise ValueError(f"{what} must be in (0, 1], got {share}")
 
@@ -241,10 +244,12 @@ class Codec:
             return Codec(self.name, k / BLOCK).decode(message, numel)
         body = raw[HEADER_BYTES:]
         if len(body) != self.body_bytes(numel):
-            raise TransportError(f"compressed body of {len(body)} bytes where {self.body_bytes(numel)} were expected "
-                                 "(truncated or padded)")
+            raise TransportError(
+                f"compressed body of {len(body)} bytes where {self.body_bytes(numel)} were expected "
+                "(truncated or padded)"
+            )
         checksum = hashlib.blake2b(raw[: _HEADER.size] + body, digest_size=_CHECK).digest()
-        if checksum != raw[_HEADER.size:HEADER_BYTES]:
+        if checksum != raw[_HEADER.size : HEADER_BYTES]:
             raise TransportError("compressed message fails its checksum (corrupt)")
         out = getattr(self, f"_decode_{self.name}")(torch.frombuffer(bytearray(body), dtype=torch.uint8), numel)
         if not torch.isfinite(out).all():
@@ -354,4 +359,3 @@ def fraction_label(codec: Codec) -> str:
     if codec.name != "topk":
         return codec.name
     return f"topk {100 * codec.k / BLOCK:.3g}%"
-

@@ -19,8 +19,8 @@ import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2
 
-from p2p_spes.reducer import AGAIN, MISSING, OK, TAKEN
-from p2p_spes.transport import TransportError, TruncatedStream, collect_tensors, parse_tensor, serialize_parts
+from p2p_spes.averaging.reducer import AGAIN, MISSING, OK, TAKEN
+from p2p_spes.averaging.transport import TransportError, TruncatedStream, collect_tensors, parse_tensor, serialize_parts
 
 log = logging.getLogger(__name__)
 ATTEMPTS = 3  # sends and fetches of one part, within the group's deadline
@@ -41,7 +41,7 @@ class Tally(Protocol):
 
 
 class PartClient:
-    """The client side of one peer's reducer RPCs (names as :class:`~p2p_spes.allreduce.GroupAllReduce` serves them)."""
+    """The client side of one peer's reducer RPCs (names as :class:`~p2p_spes.averaging.allreduce.GroupAllReduce` serves them)."""
 
     def __init__(self, p2p, run_id: str) -> None:
         self.p2p = p2p
@@ -59,8 +59,10 @@ class PartClient:
         async def messages():
             for j, c in enumerate(chunk_parts):
                 yield averaging_pb2.AveragingData(
-                    code=averaging_pb2.PART_FOR_AVERAGING, group_id=key if j == 0 else b"",
-                    weight=float(weight) if j == 0 else 0.0, tensor_part=c,
+                    code=averaging_pb2.PART_FOR_AVERAGING,
+                    group_id=key if j == 0 else b"",
+                    weight=float(weight) if j == 0 else 0.0,
+                    tensor_part=c,
                 )
 
         for attempt in range(ATTEMPTS):
@@ -68,8 +70,9 @@ class PartClient:
                 tally.retries += 1
             tally.bytes_sent += size
             try:
-                reply = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), self.contribute_name,
-                                                             messages(), averaging_pb2.AveragingData)
+                reply = await self.p2p.call_protobuf_handler(
+                    PeerID.from_base58(peer), self.contribute_name, messages(), averaging_pb2.AveragingData
+                )
             except P2PDaemonError as exc:  # no stream opened: nothing of this try reached it
                 if attempt == 0:
                     raise Undelivered(f"could not reach {peer}: {exc}") from None
@@ -102,8 +105,10 @@ class PartClient:
 
     async def _fetch_once(self, peer: str, key: bytes, tally: Tally, column: bool) -> list[torch.Tensor]:
         stream = await self.p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer), self.column_name if column else self.fetch_name,
-            averaging_pb2.AveragingData(group_id=key), averaging_pb2.AveragingData,
+            PeerID.from_base58(peer),
+            self.column_name if column else self.fetch_name,
+            averaging_pb2.AveragingData(group_id=key),
+            averaging_pb2.AveragingData,
         )
 
         async def checked():

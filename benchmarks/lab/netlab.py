@@ -191,12 +191,17 @@ class Lab:
         """What a result file should say about the network: names, addresses, caps and tbf parameters."""
         peers = []
         for i, link in enumerate(self.links):
-            peers.append({
-                "namespace": self.namespaces[i], "address": self.address(i), **asdict(link),
-                "cpu_quota_us": cpu_quota_us(link.cpu), "cpu_period_us": CFS_PERIOD_US,
-                "tbf_up": None if link.up_mbit is None else asdict(tbf_params(link.up_mbit)),
-                "tbf_down": None if link.down_mbit is None else asdict(tbf_params(link.down_mbit)),
-            })
+            peers.append(
+                {
+                    "namespace": self.namespaces[i],
+                    "address": self.address(i),
+                    **asdict(link),
+                    "cpu_quota_us": cpu_quota_us(link.cpu),
+                    "cpu_period_us": CFS_PERIOD_US,
+                    "tbf_up": None if link.up_mbit is None else asdict(tbf_params(link.up_mbit)),
+                    "tbf_down": None if link.down_mbit is None else asdict(tbf_params(link.down_mbit)),
+                }
+            )
         return {"lab": self.name, "hub": self.hub, "subnet": f"{SUBNET}.0/24", "peers": peers}
 
     # Building and removing --------------------------------------------------------------------------
@@ -341,8 +346,9 @@ class Lab:
                 return False, f"needs `{tool}` (iproute2) on PATH"
         if not (CPU_CGROUP / "cgroup.procs").exists():
             return False, f"needs the cgroup v1 cpu controller at {CPU_CGROUP}"
-        probe = Lab([LinkSpec(up_mbit=10, down_mbit=10, cpu=0.5)],
-                    name=f"p2plab-{os.getpid()}-probe{secrets.token_hex(2)}")
+        probe = Lab(
+            [LinkSpec(up_mbit=10, down_mbit=10, cpu=0.5)], name=f"p2plab-{os.getpid()}-probe{secrets.token_hex(2)}"
+        )
         try:
             probe.build()
         except (LabError, OSError) as exc:
@@ -384,11 +390,18 @@ def measure_link(lab: Lab, sender: int, receiver: int, nbytes: int = 1_000_000, 
     """Mbit/s of one TCP transfer of ``nbytes`` from peer ``sender`` to peer ``receiver``: the bytes after
     the first read over the time from it to the last (counting the first read's, a sink scheduled late
     on a loaded machine read 2% above an 8 Mbit/s cap)."""
-    sink = subprocess.Popen([*lab.argv_prefix(receiver), sys.executable, "-c", _SINK, lab.address(receiver)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    sink = subprocess.Popen(
+        [*lab.argv_prefix(receiver), sys.executable, "-c", _SINK, lab.address(receiver)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        _run([*lab.argv_prefix(sender), sys.executable, "-c", _SOURCE, lab.address(receiver), str(nbytes)],
-             timeout=timeout)
+        _run(
+            [*lab.argv_prefix(sender), sys.executable, "-c", _SOURCE, lab.address(receiver), str(nbytes)],
+            timeout=timeout,
+        )
         out, err = sink.communicate(timeout=timeout)
     finally:
         if sink.poll() is None:

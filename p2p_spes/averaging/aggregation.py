@@ -47,7 +47,7 @@ def trimmed_mean(tensors: list[torch.Tensor], trim_fraction: float = 0.2) -> tor
     if n - 2 * k < 1:
         k = (n - 1) // 2
     stacked = torch.stack([t.double() for t in tensors])
-    kept = stacked.sort(dim=0).values[k:n - k]
+    kept = stacked.sort(dim=0).values[k : n - k]
     return kept.mean(dim=0).float()
 
 
@@ -67,8 +67,13 @@ def centered_clip(tensors: list[torch.Tensor], clip_tau: float = 1.0, iterations
     return v.float()
 
 
-def build_aggregator(rule: Literal["mean", "trimmed_mean", "centered_clip"] = "mean", *, trim_fraction: float = 0.2,
-                     clip_tau: float = 1.0, clip_iterations: int = 5) -> Aggregator:
+def build_aggregator(
+    rule: Literal["mean", "trimmed_mean", "centered_clip"] = "mean",
+    *,
+    trim_fraction: float = 0.2,
+    clip_tau: float = 1.0,
+    clip_iterations: int = 5,
+) -> Aggregator:
     """The reducer's combine function for ``swarm.aggregation``; robust rules need 3+ contributions."""
     if rule == "mean":
         return weighted_mean

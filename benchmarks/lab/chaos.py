@@ -71,8 +71,15 @@ def failed_checkpoints(log: Path) -> int:
 class Chaos:
     """Inject faults into ``swarm``'s peers; every action is recorded in :attr:`faults`."""
 
-    def __init__(self, swarm: LocalSwarm, sync_steps: int, freeze_seconds: float, seed: int = 0,
-                 min_live: int = 2, background_freezes: bool = False) -> None:
+    def __init__(
+        self,
+        swarm: LocalSwarm,
+        sync_steps: int,
+        freeze_seconds: float,
+        seed: int = 0,
+        min_live: int = 2,
+        background_freezes: bool = False,
+    ) -> None:
         """With ``background_freezes`` a random freeze returns at once and the peer thaws on its own
         (the next fault need not wait the freeze out, so faults keep their rate)."""
         self.swarm, self.sync_steps = swarm, sync_steps
@@ -111,7 +118,9 @@ class Chaos:
                     break
                 time.sleep(0.02)
             time.sleep(self.rng.uniform(0.3, 2.0))
-            note = f"after step {self.last_step(index)}" + ("" if seen else f" (no step before a round within {timeout:.0f} s)")
+            note = f"after step {self.last_step(index)}" + (
+                "" if seen else f" (no step before a round within {timeout:.0f} s)"
+            )
         start = time.time()
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -159,12 +168,14 @@ class Chaos:
         are not frozen (one address alone may die or freeze while the peer starts: its daemon then
         fails to start, as a user's would with one dead bootstrap address)."""
         start = time.time()
-        sources = [i for i in self.live()
-                   if i not in self.frozen and (self.swarm.run_dir / f"peer{i}" / "peer.json").exists()]
+        sources = [
+            i for i in self.live() if i not in self.frozen and (self.swarm.run_dir / f"peer{i}" / "peer.json").exists()
+        ]
         if not sources:
             raise RuntimeError("no live peer to rejoin through")
-        maddrs = [m for i in self.rng.sample(sources, min(3, len(sources)))
-                  for m in self.swarm.wait_for_maddrs(i, timeout)]
+        maddrs = [
+            m for i in self.rng.sample(sources, min(3, len(sources))) for m in self.swarm.wait_for_maddrs(i, timeout)
+        ]
         self.swarm.start_peer(index, maddrs, resume=True)
         self.down.discard(index)
         fault = Fault("restart", index, start, time.time())
@@ -204,14 +215,16 @@ class Chaos:
                 pass  # the disk is full
         # its metrics lines are dropped while the disk is full: its log (elsewhere) says when it tried
         deadline = time.monotonic() + timeout
-        while (failed_checkpoints(log) <= before and time.monotonic() < deadline
-               and self.swarm.procs[index].poll() is None):
+        while (
+            failed_checkpoints(log) <= before and time.monotonic() < deadline and self.swarm.procs[index].poll() is None
+        ):
             time.sleep(0.5)
         time.sleep(1.0)
         ballast.unlink(missing_ok=True)
         tried = failed_checkpoints(log) > before
-        fault = Fault("disk-full", index, start, time.time(),
-                      f"{'through' if tried else 'no'} checkpoint attempt (step {target})")
+        fault = Fault(
+            "disk-full", index, start, time.time(), f"{'through' if tried else 'no'} checkpoint attempt (step {target})"
+        )
         self.faults.append(fault)
         return fault
 
@@ -321,23 +334,35 @@ def analyse(run_dir: Path, num_peers: int, faults: list[Fault], deadline: float,
         checks += 1
         if len({r["shared_digest"] for _, r in members}) != 1:
             failures.append(f"round {round_no}: members of shared group {gid} hold different shared parameters")
-        clean = [(i, r) for i, r in members if not (r["groups_failed"] or r["refresh_missed"] or r.get("versions_missing"))]
+        clean = [
+            (i, r) for i, r in members if not (r["groups_failed"] or r["refresh_missed"] or r.get("versions_missing"))
+        ]
         if len(clean) >= 2:
             checks += 1
             if len({json.dumps(r["expert_digests"], sort_keys=True) for _, r in clean}) != 1:
                 experts = sorted({e for _, r in clean for e in r["expert_digests"]}, key=int)
                 differ = [e for e in experts if len({r["expert_digests"].get(e) for _, r in clean}) > 1]
-                failures.append(f"round {round_no}: clean members of group {gid} (peers {sorted(i for i, _ in clean)}) "
-                                f"hold different versions of experts {differ}")
+                failures.append(
+                    f"round {round_no}: clean members of group {gid} (peers {sorted(i for i, _ in clean)}) "
+                    f"hold different versions of experts {differ}"
+                )
     round_time = statistics.median(round_times) if round_times else 0.0
     kinds: dict[str, int] = defaultdict(int)
     for f in faults:
         kinds[f.kind] += 1
     return ChaosReport(
-        faults=dict(kinds), rounds_completed=completed, rounds_discarded=discarded, groups_failed=failed_groups,
-        longest_stall_s=max(gaps, default=(0.0, ""))[0], longest_stall_at=max(gaps, default=(0.0, ""))[1],
+        faults=dict(kinds),
+        rounds_completed=completed,
+        rounds_discarded=discarded,
+        groups_failed=failed_groups,
+        longest_stall_s=max(gaps, default=(0.0, ""))[0],
+        longest_stall_at=max(gaps, default=(0.0, ""))[1],
         stall_bound_s=round(deadline + round_time, 2),
-        consistency_checks=checks, orphan_rounds=len(orphan_rounds), consistency_failures=failures, loss_first=first, loss_last=last,
+        consistency_checks=checks,
+        orphan_rounds=len(orphan_rounds),
+        consistency_failures=failures,
+        loss_first=first,
+        loss_last=last,
     )
 
 
