@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from p2p_spes.config import Config
+from p2p_spes.device import resolve_device
 from p2p_spes.errors import ConfigError
 from p2p_spes.memory import expected_memory
 from p2p_spes.model import MoETransformer
@@ -39,19 +40,11 @@ class BatchPlan:
         )
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def free_memory(device: str) -> int:
     """Bytes free on ``device`` now: CUDA's free memory, or the RAM the OS reports available."""
-    device = resolve_device(device)
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r} requested but torch sees no CUDA GPU; use --device cpu")
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        return int(torch.cuda.mem_get_info(resolved)[0])
     import psutil
 
     return int(psutil.virtual_memory().available)
@@ -60,7 +53,7 @@ def free_memory(device: str) -> int:
 def static_bytes(cfg: Config) -> int:
     """Weights, gradients and optimizer state of a swarm peer that trains its share of the experts."""
 
-    local = max(cfg.experts_per_peer(p) for p in range(cfg.peer.count))  # the largest share a peer gets
+    local = max(cfg.experts_per_partition(p) for p in range(cfg.peer.count))  # the largest share a peer gets
     model = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(local)), device="meta")
     return expected_memory(model, cfg.train).total
 

@@ -30,8 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from p2p_spes.averaging import tensor_digest
-from p2p_spes.errors import ConfigError
+from p2p_spes.device import resolve_device
 from p2p_spes.healing import take_on_experts
+from p2p_spes.hooks import TrainerHook
 
 
 @dataclass
@@ -48,12 +49,7 @@ class Node:
 
     def device(self, name: str) -> torch.device:
         """``train.device`` for this rank: GPU ``local_rank`` of the node when CUDA is used."""
-        if name in ("auto", "cuda") and torch.cuda.is_available():
-            torch.cuda.set_device(self.local_rank)
-            return torch.device("cuda", self.local_rank)
-        if name.startswith("cuda"):
-            raise ConfigError(f"train.device={name} but CUDA is not available here; use train.device=auto or cpu")
-        return torch.device(name)
+        return resolve_device(name, self.local_rank)
 
     # Collectives ---------------------------------------------------------------------------
     def send_json(self, value: Any = None) -> Any:
@@ -122,7 +118,7 @@ def node_from_env() -> Node | None:
     return node
 
 
-class NodeSync:
+class NodeSync(TrainerHook):
     """Trainer hook on every rank (after the swarm's hook on rank 0): keep the ranks identical.
 
     ``changes`` (rank 0 only) counts what altered the weights outside the optimizer step (sync
@@ -145,7 +141,7 @@ class NodeSync:
         """Before the first step: rank 0's step and weights (after resuming or catching up) everywhere."""
         self._exchange(trainer, force=True)
 
-    def __call__(self, trainer: Any) -> None:
+    def post_step(self, trainer: Any) -> None:
         self._exchange(trainer, force=False)
 
     def _exchange(self, trainer: Any, force: bool) -> None:

@@ -24,7 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 from p2p_spes.errors import SwarmError
-from p2p_spes.progress import MetricsTail, ProgressView
+from p2p_spes.metrics_log import MetricsTail, metrics_path
+from p2p_spes.progress import ProgressView
+from p2p_spes.run_summary import read_summary
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -192,7 +194,7 @@ class LocalSwarm:
             for i, code in enumerate(codes):
                 name = f"peer{i}"
                 view.add_peer(name)
-                tail = tails.setdefault(i, MetricsTail(self.run_dir / name / "metrics.jsonl"))
+                tail = tails.setdefault(i, MetricsTail(metrics_path(self.run_dir / name)))
                 for record in tail.read():
                     view.update(name, record)
                 if code is not None and i not in reported:
@@ -250,8 +252,7 @@ class LocalSwarm:
     def summaries(self) -> list[dict[str, Any]]:
         out = []
         for i in range(len(self.procs)):
-            path = self.run_dir / f"peer{i}" / "summary.json"
-            out.append(json.loads(path.read_text()) if path.exists() else {})
+            out.append(read_summary(self.run_dir / f"peer{i}"))
         return out
 
     def print_summary(self, console: Console | None = None) -> None:

@@ -17,6 +17,7 @@ from p2p_spes.config import Config
 from p2p_spes.distributed import Node, NodeSync, model_tensors
 from p2p_spes.errors import CheckpointError
 from p2p_spes.healing import take_on_experts
+from p2p_spes.hooks import TrainerHook
 from p2p_spes.swarm import RoundReport, Swarm
 from p2p_spes.train import Trainer
 
@@ -48,7 +49,7 @@ class _Background:
         return self.result
 
 
-class SwarmSync:
+class SwarmSync(TrainerHook):
     """Trainer hook: publish status every step and take part in every sync round of the swarm.
 
     Rounds are paced by the swarm (``swarm/pacing.py``): round r is due when this peer reaches step
@@ -68,9 +69,15 @@ class SwarmSync:
     """
 
     def __init__(
-        self, swarm: Swarm, sync_steps: int, tokens: int = 0, overlap: bool = False, next_round: int = 1
+        self,
+        swarm: Swarm,
+        sync_steps: int,
+        tokens: int = 0,
+        overlap: bool = False,
+        next_round: int = 1,
+        partition: int | None = None,
     ) -> None:
-        self.swarm, self.sync_steps, self.overlap = swarm, sync_steps, overlap
+        self.swarm, self.sync_steps, self.overlap, self.partition = swarm, sync_steps, overlap, partition
         self.tokens_at_last_sync = tokens  # a resumed peer weighs only what it trained since
         self._pending: tuple[_Background, torch.nn.Module, list[torch.Tensor], int] | None = None
         self.rounds_applied = 0  # rounds whose result reached the live weights (NodeSync watches it)
@@ -84,7 +91,28 @@ class SwarmSync:
             return False  # no round past the end of the run
         return trainer.step >= self.next_round * self.sync_steps or self.swarm.round_opened(self.next_round)
 
-    def __call__(self, trainer: Trainer) -> None:
+    def post_train(self, trainer: Trainer) -> None:
+        """Apply a round still running in the background, then serve the others a while before leaving."""
+        self.finish(trainer)
+        self.swarm.linger()
+
+    def summary(self, trainer: Trainer) -> dict[str, Any]:
+        """The swarm's counters and settings, for ``summary.json`` (also after Ctrl-C or SIGTERM, so the
+        launcher's table shows what was done)."""
+        sw, swarm = trainer.cfg.swarm, self.swarm
+        return {
+            "peer_id": swarm.peer_id,
+            **swarm.stats.as_dict(),
+            "tokens_averaged": self.tokens_averaged,
+            "residency": sw.residency,
+            "compression": sw.compression,
+            "overlap": sw.overlap,
+            "sync_memory": swarm.sync_memory().to_dict(),
+            "data_partition": self.partition,
+            "last_round": swarm.rounds[-1].metrics(trainer.step) if swarm.rounds else None,
+        }
+
+    def post_step(self, trainer: Trainer) -> None:
         m = trainer.last_metrics
         self.swarm.update_status(
             step=trainer.step,
@@ -148,7 +176,7 @@ class SwarmSync:
         # peer moves its schedule on; the steps it computed are all in the round, weighted by tokens)
         jump = max(min(report.round * self.sync_steps - started, trainer.cfg.train.max_steps - trainer.step), 0)
         trainer.step += jump
-        self.swarm.stats["schedule_steps_advanced"] += jump
+        self.swarm.stats.schedule_steps_advanced += jump
         if report.outcome == "averaged":
             self.tokens_averaged += report.tokens
         trainer.log_record({**report.metrics(trainer.step), "schedule_jump": jump})
@@ -194,7 +222,7 @@ class SwarmSync:
                 "step": trainer.step,
                 "took_over": mine,
                 "local_experts": trainer.model.local_experts,
-                "bytes_received_total": int(self.swarm.stats["bytes_received"]),
+                "bytes_received_total": int(self.swarm.stats.bytes_received),
             }
         )
 
@@ -222,12 +250,12 @@ class SwarmSync:
             trainer.step,
             target,
         )
-        self.swarm.stats["steps_skipped"] += target - trainer.step
+        self.swarm.stats.steps_skipped += target - trainer.step
         trainer.step = target
         skipped = list(range(self.next_round, int(meta["round"]) + 1))
         self.next_round = max(self.next_round, int(meta["round"]) + 1)
         self.tokens_at_last_sync = trainer.tokens  # what we trained since our last round was replaced
-        self.swarm.stats["rounds_skipped"] += len(skipped)
+        self.swarm.stats.rounds_skipped += len(skipped)
         trainer.log_record(
             {
                 "step": trainer.step,
@@ -320,44 +348,18 @@ def run_peer(
         print(f"training experts {experts} of {cfg.moe.num_experts}, data partition {partition}", flush=True)
         # the first round after the one we took (a run that has not synced yet is before round 1)
         next_round = max(int(meta["round"]) if meta is not None else trainer.step // cfg.swarm.sync_steps, 0) + 1
-        sync = SwarmSync(swarm, cfg.swarm.sync_steps, trainer.tokens, overlap=cfg.swarm.overlap, next_round=next_round)
+        sync = SwarmSync(
+            swarm,
+            cfg.swarm.sync_steps,
+            trainer.tokens,
+            overlap=cfg.swarm.overlap,
+            next_round=next_round,
+            partition=partition,
+        )
         trainer.hooks.append(sync)
         if node is not None:
             NodeSync.attach(node, trainer, changes=lambda: sync.rounds_applied)
-        try:
-            trainer.run(progress=progress)
-            sync.finish(trainer)
-            swarm.linger()
-        finally:  # also on Ctrl-C / SIGTERM, so the launcher's table shows what was done
-            trainer.summary_extras = {
-                "peer_id": swarm.peer_id,
-                "rounds_joined": int(swarm.stats["rounds_joined"]),
-                "rounds_alone": int(swarm.stats["rounds_alone"]),
-                "rounds_failed": int(swarm.stats["rounds_failed"]),
-                "tokens_averaged": sync.tokens_averaged,
-                "schedule_steps_advanced": int(swarm.stats["schedule_steps_advanced"]),
-                "bytes_sent": int(swarm.stats["bytes_sent"]),
-                "bytes_received": int(swarm.stats["bytes_received"]),
-                "bytes_served": int(swarm.stats["bytes_served"]),
-                "refresh_missed": int(swarm.stats["refresh_missed"]),
-                "delta_refreshes": int(swarm.stats["delta_refreshes"]),
-                "anchors_rebased": int(swarm.stats["anchors_rebased"]),
-                "steps_skipped": int(swarm.stats["steps_skipped"]),
-                "rounds_skipped": int(swarm.stats["rounds_skipped"]),
-                "updates_refused": int(swarm.stats["updates_refused"]),
-                "experts_taken_over": int(swarm.stats["experts_taken_over"]),
-                "experts_reinitialised": int(swarm.stats["experts_reinitialised"]),
-                "dht_redials": int(swarm.stats["dht_redials"]),  # its DHT had lost every neighbour
-                "reconnects": int(swarm.stats["reconnects"]),  # it read nobody at a boundary, then found the run
-                "residency": cfg.swarm.residency,
-                "compression": cfg.swarm.compression,
-                "overlap": cfg.swarm.overlap,
-                "sync_memory": swarm.sync_memory().to_dict(),
-                "data_partition": partition,
-                "last_round": swarm.rounds[-1].metrics(trainer.step) if swarm.rounds else None,
-            }
-            summary = trainer.write_summary()
-        return summary
+        return trainer.run(progress=progress)  # its summary.json carries the swarm's counters (SwarmSync.summary)
     finally:
         signal.signal(signal.SIGTERM, previous)
         swarm.leave()

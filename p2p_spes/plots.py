@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.lab.chaos import read_metrics
 from p2p_spes.errors import ConfigError, DataError
+from p2p_spes.metrics_log import metrics_path, read_metrics
 
 
 @dataclass
@@ -49,10 +49,10 @@ def run_dirs(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
     subdirectories when they hold none themselves. Raises :class:`DataError` naming a path with none."""
     out = []
     for given in map(Path, paths):
-        if (given / "metrics.jsonl").exists():
+        if metrics_path(given).exists():
             out.append((given, given.name or str(given)))
             continue
-        found = sorted(d for d in given.glob("*") if (d / "metrics.jsonl").exists()) if given.is_dir() else []
+        found = sorted(d for d in given.glob("*") if metrics_path(d).exists()) if given.is_dir() else []
         if not found:
             raise DataError(
                 f"{given}: no metrics.jsonl in it or in its subdirectories; give the run directory of "

@@ -9,12 +9,10 @@ peer's status prints as one plain line every ``plain_every`` seconds.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -65,41 +63,6 @@ class PeerProgress:
         if eta is not None and self.state == "training":
             parts.append(f"ETA {_duration(eta)}")
         return ", ".join(parts)
-
-
-class MetricsTail:
-    """The lines appended to a ``metrics.jsonl`` since the last read; a line still being written waits
-    for its end, and a line that is not JSON (cut by a kill) is skipped."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.offset = 0
-        self.partial = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            size = self.path.stat().st_size
-        except OSError:
-            return []
-        if size < self.offset:  # the file was replaced (a fresh start in the same run directory)
-            self.offset, self.partial = 0, b""
-        if size == self.offset:
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        out = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if isinstance(record, dict):
-                out.append(record)
-        return out
 
 
 class ProgressView:

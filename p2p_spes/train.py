@@ -1,7 +1,7 @@
 """The training loop of one peer: expert-subset optimizer, validation, metrics and checkpoints.
 
-The swarm (DHT, averaging) plugs in through :class:`StepHook` callbacks that run after each
-optimizer step; this module knows nothing about the network.
+The swarm (DHT, averaging) plugs in through :class:`~p2p_spes.hooks.TrainerHook` objects that act
+after each optimizer step, after the last one and on failure; this module knows nothing about the network.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -21,29 +21,19 @@ from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, load_checkpo
 from p2p_spes.config import Config
 from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
+from p2p_spes.device import resolve_device
 from p2p_spes.distributed import Node
 from p2p_spes.errors import CheckpointError, ConfigError
-from p2p_spes.memory import measure_memory
+from p2p_spes.hooks import TrainerHook
+from p2p_spes.metrics_log import MetricsWriter
 from p2p_spes.model import MoETransformer
 from p2p_spes.moe import choose_backend
 from p2p_spes.optim import MuonAdamW, build_optimizer, lr_at, set_lr, trainable_parameters
 from p2p_spes.progress import ProgressView
+from p2p_spes.run_summary import summary_path, trainer_summary, write_report
 from p2p_spes.tensorboard_log import ScalarLog
 
 log = logging.getLogger(__name__)
-
-
-class StepHook(Protocol):
-    def __call__(self, trainer: Trainer) -> None: ...
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name} but CUDA is not available here; use train.device=auto or cpu")
-    return device
 
 
 def resolve_data(cfg: Config) -> tuple[str, str, str]:
@@ -59,20 +49,18 @@ def resolve_data(cfg: Config) -> tuple[str, str, str]:
     return data.train, data.validation, data.tokenizer
 
 
-def write_report(path: Path, text: str, attempts: int = 5, wait: float = 1.0) -> bool:
-    """Write ``text`` to ``path``; whether it was written. A failed write (a full disk) is tried again
-    ``attempts`` times ``wait`` seconds apart, then logged, not raised: the weights are in the run's
-    checkpoints, and a run must not fail at its very end over its report."""
-    for attempt in range(attempts):
-        try:
-            path.write_text(text)
-            return True
-        except OSError as exc:
-            if attempt + 1 == attempts:
-                log.error("could not write %s: %s (is the disk full?); the run itself is done", path, exc)
-                return False
-            time.sleep(wait)
-    return False
+def peer_loader(cfg: Config, data: TokenDataset, partition: int, node: Node | None) -> BatchLoader:
+    """The training batches of data partition ``partition``; rank r of a node reads slice r of it."""
+    rank, world = (node.rank, node.world) if node else (0, 1)
+    return BatchLoader(
+        data,
+        cfg.model.max_seq_len,
+        cfg.train.batch_size,
+        seed=cfg.data.seed,
+        peer_index=partition * world + rank,
+        num_peers=cfg.peer.count * world,
+        shared=cfg.data.partition == "shared",
+    )
 
 
 class Trainer:
@@ -82,7 +70,7 @@ class Trainer:
         self,
         cfg: Config,
         run_dir: str | Path | None = None,
-        hooks: list[StepHook] | None = None,
+        hooks: list[TrainerHook] | None = None,
         local_experts: list[int] | None = None,
         data_partition: int | None = None,
         node: Node | None = None,
@@ -133,17 +121,9 @@ class Trainer:
         vocab = cfg.model.vocab_size
         self.train_data = TokenDataset(train_dir, vocab_size=vocab, tokenizer=tokenizer, verify=cfg.data.verify)
         self.val_data = TokenDataset(val_dir, vocab_size=vocab, tokenizer=tokenizer, verify=cfg.data.verify)
-        partition = cfg.peer.index if data_partition is None else data_partition
-        rank, world = (node.rank, node.world) if node else (0, 1)
-        self.world = world
-        self.loader = BatchLoader(  # rank r of a node reads slice r of its peer's partition
-            self.train_data,
-            cfg.model.max_seq_len,
-            tr.batch_size,
-            seed=cfg.data.seed,
-            peer_index=partition * world + rank,
-            num_peers=cfg.peer.count * world,
-            shared=cfg.data.partition == "shared",
+        self.world = node.world if node else 1
+        self.loader = peer_loader(
+            cfg, self.train_data, cfg.peer.index if data_partition is None else data_partition, node
         )
         self.val_batches = validation_batches(self.val_data, cfg.model.max_seq_len, tr.batch_size, tr.eval_batches)
 
@@ -151,7 +131,8 @@ class Trainer:
         self.tokens = 0
         self.last_metrics: dict[str, Any] = {}
         self.val_loss: float | None = None
-        self.summary_extras: dict[str, Any] = {}
+        self.summary_extras: dict[str, Any] = {}  # what the trainer itself adds (failed checkpoints, ...)
+        self.metrics = MetricsWriter(self.run_dir)
         self.first_loss: float | None = None  # of this process's first step, for the summary
         self.view: ProgressView | None = None  # the live view, while run() shows one
         self.tensorboard = (
@@ -297,25 +278,18 @@ class Trainer:
 
     # Loop ------------------------------------------------------------------------------------
     def log_record(self, record: dict[str, Any]) -> None:
-        """Append one JSON line to ``metrics.jsonl`` (steps, and sync rounds from the swarm), wall-clock stamped."""
+        """Append one line to ``metrics.jsonl`` (steps, and sync rounds from the swarm), wall-clock stamped."""
         if not self.is_main:
             return
-        record = {**record, "time": round(time.time(), 3)}
-        try:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-        except OSError as exc:  # a full disk costs metrics lines, not the run
-            lost = self.summary_extras.get("metrics_lines_lost", 0)
-            self.summary_extras["metrics_lines_lost"] = lost + 1
-            if not lost:
-                log.error("could not write metrics.jsonl (%s); lines are dropped until it can be written", exc)
+        record = self.metrics.append(record)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
         if self.view is not None and "loss" not in record:  # rounds and takeovers; the loop feeds the steps
             self.view.update(self.run_dir.name, record)
 
     def run(self, progress: bool = True) -> dict[str, Any]:
-        """Train to ``max_steps`` (from wherever the trainer stands) and write ``summary.json``.
+        """Train to ``max_steps`` (from wherever the trainer stands) and write ``summary.json`` once, at
+        the end or when the loop fails (Ctrl-C included).
 
         With ``progress`` the live view (``progress.py``) shows this peer's step, loss, rounds and ETA."""
         tr = self.cfg.train
@@ -327,61 +301,62 @@ class Trainer:
         try:
             with self.view or contextlib.nullcontext():
                 while self.step < tr.max_steps:
-                    metrics = self.train_step()
-                    if self.first_loss is None:
-                        self.first_loss = metrics["loss"]
-                    for hook in self.hooks:
-                        hook(self)
-                    # a hook may move the step past the end (a swarm round's schedule jump): that is the end too
-                    last = self.step >= tr.max_steps
-                    if self.is_main and (self.step % tr.eval_interval == 0 or last):
-                        metrics["val_loss"] = self.evaluate()
-                    if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
-                        self.log_record(metrics)
-                    if self.view is not None:
-                        self.view.update(self.run_dir.name, {**metrics, "step": self.step})
-                        self.view.refresh()
-                    if self.step % tr.checkpoint_interval == 0 or last:
-                        self.save(final=last)
+                    self._one_step()
                 if self.view is not None:
                     self.view.set_state(self.run_dir.name, "finished")
                     self.view.refresh(force=True)
-        except KeyboardInterrupt:
-            log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step)
-            self.save()
+            for hook in self.hooks:
+                hook.post_train(self)
+        except BaseException as exc:
+            self._failed(exc)
             raise
-        finally:
-            self.view = None
-            if self.tensorboard is not None:
-                self.tensorboard.flush()
+        self._close()
         return self.write_summary()
 
+    def _one_step(self) -> None:
+        """A step, its hooks, and the evaluation, log line and checkpoint due after it."""
+        tr = self.cfg.train
+        metrics = self.train_step()
+        if self.first_loss is None:
+            self.first_loss = metrics["loss"]
+        for hook in self.hooks:
+            hook.post_step(self)
+        # a hook may move the step past the end (a swarm round's schedule jump): that is the end too
+        last = self.step >= tr.max_steps
+        if self.is_main and (self.step % tr.eval_interval == 0 or last):
+            metrics["val_loss"] = self.evaluate()
+        if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
+            self.log_record(metrics)
+        if self.view is not None:
+            self.view.update(self.run_dir.name, {**metrics, "step": self.step})
+            self.view.refresh()
+        if self.step % tr.checkpoint_interval == 0 or last:
+            self.save(final=last)
+
+    def _failed(self, exc: BaseException) -> None:
+        """The loop raised: save on Ctrl-C, tell the hooks, and write the summary of what was done."""
+        if isinstance(exc, KeyboardInterrupt):
+            log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step)
+            self.save()
+        for hook in self.hooks:
+            try:
+                hook.on_error(self, exc)
+            except Exception as inner:  # the original error is the one to report
+                log.warning("%s.on_error failed: %s", type(hook).__name__, inner)
+        self._close()
+        try:
+            self.write_summary()
+        except Exception as inner:
+            log.warning("could not write summary.json after the failure: %s", inner)
+
+    def _close(self) -> None:
+        self.view = None
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+
     def write_summary(self) -> dict[str, Any]:
-        summary = {
-            "step": self.step,
-            "tokens": self.tokens,
-            "first_train_loss": self.first_loss,
-            "final_train_loss": self.last_metrics.get("loss"),
-            "final_val_loss": self.val_loss,
-            "local_experts": self.model.local_experts,
-            "num_experts": self.cfg.moe.num_experts,
-            "device": str(self.device),
-            "moe_backend": self.moe_backend.label,
-            "moe_backend_checked": self.moe_backend.checked,
-            "moe_backend_findings": self.moe_backend.findings,
-            "memory": measure_memory(self.model, self.optimizer).to_dict(),
-            **self.summary_extras,
-        }
-        if self.node is not None:  # one line per rank: equal digests mean the ranks stayed identical
-            node = {
-                "rank": self.node.rank,
-                "world": self.node.world,
-                "step": self.step,
-                "local_experts": self.model.local_experts,
-                "digest": self.node.digest(self.model),
-            }
-            (self.run_dir / f"node-rank{self.node.rank}.json").write_text(json.dumps(node))
-            summary["node"] = node
+        """``summary.json`` (rank 0 writes it; every rank of a node writes its own ``node-rank<r>.json``)."""
+        summary = trainer_summary(self)
         if self.is_main:
-            write_report(self.run_dir / "summary.json", json.dumps(summary, indent=1))
+            write_report(summary_path(self.run_dir), json.dumps(summary, indent=1))
         return summary

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -500,14 +501,14 @@ class DiesInTheRetry(GroupAllReduce):
         self.retries = 1
         return await super().run(round_no, group, tensor, weight, expected, **kwargs)
 
-    async def _attempt(self, round_no, group, key, tensor, *args, **kwargs):
-        if key != group:
+    async def form(self, attempt):
+        if attempt.is_retry:
 
             def gone():
                 raise RuntimeError("this member died inside the retry")
 
-            tensor = gone
-        return await super()._attempt(round_no, group, key, tensor, *args, **kwargs)
+            attempt = dataclasses.replace(attempt, tensor=gone)
+        return await super().form(attempt)
 
 
 @pytest.mark.slow

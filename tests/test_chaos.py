@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 
-from benchmarks.lab.chaos import Chaos, analyse, orphaned, read_metrics
+from benchmarks.lab.chaos import Chaos, analyse, orphaned
 from p2p_spes.checkpoint import find_checkpoint, read_state
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.metrics_log import read_metrics
 from p2p_spes.swarm import sync_deadline
 
 pytestmark = pytest.mark.slow  # a 4-peer loopback swarm through faults

@@ -9,7 +9,7 @@ import torch
 
 from p2p_spes.averaging.compression import BLOCK, CODECS, HEADER_BYTES, Codec, ErrorFeedback
 from p2p_spes.averaging.transport import TransportError
-from p2p_spes.swarm.membership import describe_sync, sync_settings
+from p2p_spes.swarm.compat import describe_sync, sync_settings
 
 SIZES = [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17, 20_000]
 

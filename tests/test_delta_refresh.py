@@ -19,6 +19,7 @@ from p2p_spes.averaging.transport import TransportError, tensor_digest
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.agreement import Refresher
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 
 EXPERT = 1
@@ -63,13 +64,13 @@ def setup(codec: Codec, outer_optimizer: str = "average"):
 def test_a_copy_at_the_anchor_takes_the_encoded_average_only(name):
     codec = Codec(name)
     cfg, model, downloader, peers, versions, digest = setup(codec)
-    stats = Counter()
+    stats = SwarmCounters()
     refresher = Refresher("me", downloader, stats, OuterOptimizer(cfg.swarm), codec)
     fetched, missed = refresher.refresh(model, peers, [EXPERT], versions, versions)
     assert (fetched, missed) == (1, 0)
     assert downloader.calls == Counter(update=1), "the whole expert was downloaded"
     assert tensor_digest(model.expert_tensors(EXPERT)) == digest, "not bit-identical to the holder's value"
-    assert stats["delta_refreshes"] == 1
+    assert stats.delta_refreshes == 1
     # the update is a small fraction of the expert it rebuilds
     update_bytes = sum(len(m) for m in downloader.update_entry[1])
     assert update_bytes < {"int8": 0.3, "topk": 0.05}[name] * 4 * flatten(model.expert_tensors(EXPERT)).numel()
@@ -83,12 +84,12 @@ def test_a_copy_off_the_anchor_downloads_the_whole_expert_once():
     cfg, model, downloader, peers, versions, digest = setup(codec)
     with torch.no_grad():
         model.expert_tensors(EXPERT)[0].add_(1e-3)  # not the group's anchor any more
-    stats = Counter()
+    stats = SwarmCounters()
     refresher = Refresher("me", downloader, stats, OuterOptimizer(cfg.swarm), codec)
     assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
     assert downloader.calls == Counter(update=1, whole=1)
     assert tensor_digest(model.expert_tensors(EXPERT)) == digest
-    assert stats["delta_refreshes"] == 0
+    assert stats.delta_refreshes == 0
 
 
 def test_a_corrupt_update_is_refused_and_the_expert_downloaded_whole():
@@ -101,7 +102,7 @@ def test_a_corrupt_update_is_refused_and_the_expert_downloaded_whole():
     sizes = [len(c) for c in torch.tensor_split(flatten(model.expert_tensors(EXPERT)), 3)]
     with pytest.raises(TransportError, match="checksum"):
         codec.decode(bad, sizes[1])
-    refresher = Refresher("me", downloader, Counter(), OuterOptimizer(cfg.swarm), codec)
+    refresher = Refresher("me", downloader, SwarmCounters(), OuterOptimizer(cfg.swarm), codec)
     assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
     assert downloader.calls["whole"] == 1, "the corrupt update was applied instead of refused"
     assert tensor_digest(model.expert_tensors(EXPERT)) == digest
@@ -111,7 +112,7 @@ def test_nesterov_needs_the_momentum_before_a_delta_refresh():
     """The Nesterov step of a frozen copy needs the holders' momentum: without it the expert comes whole."""
     codec = Codec("int8")
     cfg, model, downloader, peers, versions, _ = setup(codec, "nesterov")
-    refresher = Refresher("me", downloader, Counter(), OuterOptimizer(cfg.swarm), codec)
+    refresher = Refresher("me", downloader, SwarmCounters(), OuterOptimizer(cfg.swarm), codec)
     refresher.outer.fetch_momentum = lambda *args: None  # the holder serves no momentum here
     assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
     assert downloader.calls["whole"] == 1
@@ -132,6 +133,6 @@ def test_a_copy_follows_the_holder_whose_group_succeeded():
     asked = []
     download = downloader.download
     downloader.download = lambda peer, uid, like, attempts=4: asked.append((peer, uid)) or download(peer, uid, like)
-    assert Refresher("me", downloader, Counter()).refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
+    assert Refresher("me", downloader, SwarmCounters()).refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
     assert asked == [("B", f"expert:{EXPERT}@{digest}")], "the copy followed the holder whose group failed"
     assert tensor_digest(model.expert_tensors(EXPERT)) == digest

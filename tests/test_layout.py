@@ -4,7 +4,14 @@
    and what package ``__init__`` files import included);
 2. no project module imported inside a function (a lazy import hides a dependency, and usually a cycle);
 3. no module over ``MAX_MODULE_LINES`` lines;
-4. no class over ``MAX_CLASS_LINES`` lines.
+4. no class over ``MAX_CLASS_LINES`` lines;
+5. ``p2p_spes.averaging`` stands alone: nothing it imports (transitively) is the swarm, the trainer or the
+   model;
+6. the product (``p2p_spes``, ``dht``) never imports the lab or the benchmarks, and no file patches
+   ``sys.path``;
+7. one module owns each run file: ``metrics.jsonl`` (``metrics_log``) and ``summary.json``
+   (``run_summary``);
+8. every exception class the project defines derives from ``P2PSpesError``.
 
 Imports under ``if TYPE_CHECKING:`` never run and are left out of the graph.
 """
@@ -239,3 +246,128 @@ def test_dht_sits_below_the_trainer():
         seen.add(name)
         assert not any(m.split(".")[0] == "dht" for m in modules[name].imports), f"{name} imports dht"
         todo += [m for m in modules[name].imports if m not in seen]
+
+
+# what the averaging package may not reach: the swarm's rounds, the trainer, the model and its data
+NOT_BELOW_AVERAGING = (
+    "p2p_spes.swarm",
+    "p2p_spes.train",
+    "p2p_spes.model",
+    "p2p_spes.moe",
+    "p2p_spes.peer",
+    "p2p_spes.optim",
+    "p2p_spes.data",
+)
+RUN_FILES = {"metrics.jsonl": "p2p_spes/metrics_log.py", "summary.json": "p2p_spes/run_summary.py"}
+
+
+def reachable(start: str, modules: dict[str, Module]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += sorted(modules[name].imports)
+    return seen
+
+
+def test_the_averaging_package_stands_alone():
+    modules = project()
+    inside = [name for name in modules if name.startswith("p2p_spes.averaging")]
+    assert "p2p_spes.averaging.allreduce" in inside and "p2p_spes.averaging.compression" in inside
+    bad = {
+        f"{name} reaches {other}"
+        for name in inside
+        for other in reachable(name, modules)
+        if other.startswith(NOT_BELOW_AVERAGING)
+    }
+    assert not bad, "the averaging package imports the swarm, trainer or model:\n" + "\n".join(sorted(bad))
+
+
+def python_files(*folders: str) -> list[Path]:
+    return sorted(path for folder in folders for path in (ROOT / folder).rglob("*.py"))
+
+
+def imported_names(tree: ast.Module) -> list[tuple[int, str]]:
+    """Every module name an ``import`` statement names, at any depth (absolute imports only)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def test_the_product_does_not_import_the_lab():
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in python_files(*PACKAGES)
+        for line, name in imported_names(parse(path.read_text(encoding="utf-8")))
+        if name.split(".")[0] in ("benchmarks", "tests", "helpers")
+    ]
+    assert not bad, "the installed package imports the lab or the tests:\n" + "\n".join(bad)
+
+
+def test_no_file_patches_sys_path():
+    bad = []
+    for path in python_files(*PACKAGES, "benchmarks", "tests", "launch"):
+        for node in ast.walk(parse(path.read_text(encoding="utf-8"))):
+            func = node.func if isinstance(node, ast.Call) else None
+            if (
+                isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Attribute)
+                and func.value.attr == "path"
+                and isinstance(func.value.value, ast.Name)
+                and func.value.value.id == "sys"
+            ):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "sys.path is patched (run scripts as `python -m benchmarks.<name>`):\n" + "\n".join(bad)
+
+
+def docstring_nodes(tree: ast.Module) -> set[int]:
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
+def test_one_module_owns_each_run_file():
+    """Only the owner builds a path to ``metrics.jsonl`` or ``summary.json`` (messages and docstrings may
+    mention them)."""
+    bad = []
+    for path in python_files(*PACKAGES, "benchmarks"):
+        tree = parse(path.read_text(encoding="utf-8"))
+        docs = docstring_nodes(tree)
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and id(node) not in docs and isinstance(node.value, str):
+                owner = RUN_FILES.get(node.value)  # the file's name as a path part, not a message naming it
+                if owner is not None and rel != owner:
+                    bad.append(f"{rel}:{node.lineno} names {node.value!r} (use {owner})")
+    assert not bad, "run files read or written outside their module:\n" + "\n".join(bad)
+
+
+def test_the_project_errors_share_one_root():
+    errors = parse((ROOT / "p2p_spes" / "errors.py").read_text(encoding="utf-8"))
+    root = "P2PSpesError"
+    assert root in {node.name for node in errors.body if isinstance(node, ast.ClassDef)}
+    ours: dict[str, list[str]] = {}
+    for path in python_files(*PACKAGES):
+        for node in ast.walk(parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                ours[node.name] = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+
+    def derives(name: str, depth: int = 0) -> bool:
+        return name == root or (depth < 10 and any(derives(b, depth + 1) for b in ours.get(name, [])))
+
+    errors_defined = [
+        n for n, bases in ours.items() if n != root and any(b.endswith(("Error", "Exception")) for b in bases)
+    ]
+    assert "TransportError" in errors_defined and "ConfigError" in errors_defined
+    bad = sorted(n for n in errors_defined if not derives(n))
+    assert not bad, f"exceptions not derived from {root}: {bad}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +15,7 @@ from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.peer import SwarmSync
 from p2p_spes.swarm import GroupReport, RoundReport
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.pacing import Deadlines, RoundWatch, median_and_mad
 
 
@@ -125,7 +125,7 @@ class _Swarm:
     def __init__(self) -> None:
         self.opened: set[int] = set()
         self.calls: list[tuple[int, int, float]] = []
-        self.stats: Counter = Counter()
+        self.stats = SwarmCounters()
         self.members = 2
         self.others_round: int | None = None  # the newest round another live peer finished
         self.others_after_sync: int | None = None  # ... once our round is over (we were frozen inside it)
@@ -186,19 +186,19 @@ def test_a_slow_peer_joins_the_round_another_peer_opened_and_keeps_its_tokens():
     for _ in range(4):  # a peer 3x slower: 4 steps done when the others finish 10 and open round 1
         trainer.step += 1
         trainer.tokens += 100
-        hook(trainer)
+        hook.post_step(trainer)
     assert swarm.calls == []
     swarm.opened.add(1)
     trainer.step += 1
     trainer.tokens += 100
-    hook(trainer)
+    hook.post_step(trainer)
     assert swarm.calls == [(1, 10, 500)], (
         "it joins at the end of the step in progress, with all its tokens, "
         "and runs the round at the round's agreed step (merges happen at the same round for everyone)"
     )
     assert trainer.step == 10, "and takes the round's place in the schedule"
     assert hook.next_round == 2 and hook.tokens_averaged == 500
-    assert swarm.stats["schedule_steps_advanced"] == 5 and swarm.stats["steps_skipped"] == 0
+    assert swarm.stats.schedule_steps_advanced == 5 and swarm.stats.steps_skipped == 0
 
 
 def test_a_peer_runs_its_own_boundary_and_no_round_past_the_end():
@@ -207,7 +207,7 @@ def test_a_peer_runs_its_own_boundary_and_no_round_past_the_end():
     for _ in range(25):
         trainer.step += 1
         trainer.tokens += 10
-        hook(trainer)
+        hook.post_step(trainer)
     assert [c[:2] for c in swarm.calls] == [(1, 10), (2, 20)], "no round 3: it would end past max_steps"
     assert swarm.reached == 2, "a peer makes sure it reaches the others before each round it runs"
     swarm.members = 1
@@ -215,7 +215,7 @@ def test_a_peer_runs_its_own_boundary_and_no_round_past_the_end():
     for _ in range(10):
         trainer2.step += 1
         trainer2.tokens += 10
-        hook2(trainer2)
+        hook2.post_step(trainer2)
     assert hook2.tokens_averaged == 0, "a round alone averages nothing"
 
 
@@ -230,11 +230,11 @@ def test_a_peer_alone_in_a_round_the_others_have_moved_past_rejoins_them(others_
     hook = SwarmSync(swarm, sync_steps=10)
     for _ in range(10):
         trainer.step += 1
-        hook(trainer)
+        hook.post_step(trainer)
     assert [c[0] for c in swarm.calls] == [1]
     if others_round == 5:
         assert swarm.caught_up == [5] and hook.next_round == 6 and trainer.step == 50
-        assert swarm.stats["steps_skipped"] == 40
+        assert swarm.stats.steps_skipped == 40
     else:
         assert swarm.caught_up == [] and hook.next_round == 2 and trainer.step == 10
 
@@ -253,18 +253,18 @@ def test_a_peer_whose_round_the_swarm_finished_long_ago_takes_its_state_instead(
     for _ in range(10):
         trainer.step += 1
         trainer.tokens += 100
-        hook(trainer)
+        hook.post_step(trainer)
     if others_round == 1:
         assert [c[0] for c in swarm.calls] == [1] and swarm.caught_up == []
         return
     assert swarm.calls == [] and swarm.caught_up == [others_round]
     assert hook.next_round == others_round + 1 and trainer.step == 10 * others_round
-    assert swarm.stats["rounds_skipped"] == others_round
+    assert swarm.stats.rounds_skipped == others_round
     assert records[-1]["rounds_skipped"] == list(range(1, others_round + 1))
     assert records[-1]["caught_up_round"] == others_round
     trainer.step += 10
     trainer.tokens += 1000
-    hook(trainer)  # the next round weighs only what was trained since the state was taken
+    hook.post_step(trainer)  # the next round weighs only what was trained since the state was taken
     assert swarm.calls == [(others_round + 1, 10 * (others_round + 1), 1000)]
 
 

@@ -12,7 +12,8 @@ import time
 from rich.console import Console
 
 from p2p_spes.local_swarm import LocalSwarm
-from p2p_spes.progress import MetricsTail, PeerProgress, ProgressView
+from p2p_spes.metrics_log import MetricsTail
+from p2p_spes.progress import PeerProgress, ProgressView
 
 
 def plain_view(names, max_steps=100, plain_every=0.0):

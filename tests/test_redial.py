@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 
 import pytest
 from hivemind.p2p import PeerID
@@ -18,6 +17,7 @@ from hivemind.p2p import PeerID
 from dht.auth import RunAuth
 from dht.node import Redial, peer_id_of
 from p2p_spes.config import load_config
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.membership import Membership
 from p2p_spes.swarm.runtime import Runtime
 
@@ -57,7 +57,7 @@ class Member:
             ]
         )
         self.runtime = Runtime(self.cfg.swarm, RunAuth())
-        self.stats: Counter = Counter()
+        self.stats = SwarmCounters()
         self.membership = Membership(self.runtime, self.cfg, self.stats, experts=lambda: [expert])
         self.peer_id = self.runtime.peer_id
         self.alive = True
@@ -121,7 +121,7 @@ def reconnects(members: list[Member], through: set[str]) -> None:
     """One heartbeat's redial of the last peer reaches one of ``through``, and it reads the rest again."""
     me = members[-1]
     me.runtime.call(me.membership.stay_connected())
-    assert me.stats["dht_redials"] == 1
+    assert me.stats.dht_redials == 1
     assert set(me.neighbours()) & through
     announce_all(members, step=2)
     assert reads_the_rest(members, step=2)
@@ -156,13 +156,13 @@ def test_a_connected_peer_or_the_runs_first_peer_sends_nothing(swarm):
     me = swarm[-1]
     before = me.neighbours()
     me.runtime.call(me.membership.stay_connected())
-    assert me.stats["dht_redials"] == 0 and me.neighbours() == before
+    assert me.stats.dht_redials == 0 and me.neighbours() == before
     # a node with no neighbour and nobody to ask: Redial sends nothing and says so
     alone = Member([], 9)
     try:
         assert alone.runtime.dht.run_coroutine(Redial(())) == (0, 0)
         alone.runtime.call(alone.membership.stay_connected())
-        assert alone.stats["dht_redials"] == 0
+        assert alone.stats.dht_redials == 0
     finally:
         alone.stop()
 
@@ -184,7 +184,7 @@ def test_a_peer_that_reads_nobody_at_a_boundary_reconnects_before_believing_it_i
     announce_all(swarm, step=3)  # the others go on writing records it cannot read
     started = time.monotonic()
     assert me.membership.reach_others(within=20.0)
-    assert me.stats["reconnects"] == 1 and time.monotonic() - started < 20
+    assert me.stats.reconnects == 1 and time.monotonic() - started < 20
     assert reads_the_rest(swarm, step=3)
 
 
@@ -196,7 +196,7 @@ def test_a_peer_whose_run_left_waits_once_then_goes_on_alone(swarm):
     started = time.monotonic()
     assert not me.membership.reach_others(within=3.0)
     assert 3.0 <= time.monotonic() - started < 15.0
-    assert me.membership.seen == {} and me.stats["reconnects"] == 0
+    assert me.membership.seen == {} and me.stats.reconnects == 0
     started = time.monotonic()
     assert not me.membership.reach_others(within=3.0), "it forgot them: no second wait"
     assert time.monotonic() - started < 1.0
@@ -249,7 +249,7 @@ def test_a_recent_read_of_the_live_peers_stands_in_for_a_new_one_when_asked(monk
     clock = [100.0]
     monkeypatch.setattr("p2p_spes.swarm.membership.time.monotonic", lambda: clock[0])
     runtime = CountingRuntime()
-    membership = Membership(runtime, load_config(None, []), Counter(), experts=lambda: [0])
+    membership = Membership(runtime, load_config(None, []), SwarmCounters(), experts=lambda: [0])
     membership.live_peers()
     membership.others(max_age=2.0)
     membership.live_peers(max_age=2.0)

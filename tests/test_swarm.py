@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +30,7 @@ from p2p_spes.averaging.transport import TruncatedStream
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.swarm import GroupReport, RoundReport
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.outer import OuterOptimizer
 from p2p_spes.swarm.state import Downloader
 
@@ -58,7 +58,7 @@ class _SlowRound:
     """A stand-in for Swarm whose round sets every weight of the model it is given to 1.0, slowly."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.stats, self.seen = model, Counter(), []
+        self.model, self.stats, self.seen = model, SwarmCounters(), []
 
     def use_model(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -106,7 +106,7 @@ def test_download_retries_a_refused_dial_and_a_cut_stream_but_not_a_peer_that_ne
     runtime = SimpleNamespace(
         call=lambda coro, timeout=None: asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
     )
-    swarm = Downloader(runtime, Counter(), timeout=0.3)
+    swarm = Downloader(runtime, SwarmCounters(), timeout=0.3)
     calls = []
 
     async def silent(peer, uid, like):
@@ -174,19 +174,19 @@ def test_overlapped_round_adds_its_change_to_the_progress_made_meanwhile():
     swarm = _SlowRound(model)
     hook = SwarmSync(swarm, sync_steps=10, overlap=True)
     at_boundary = [p.detach().clone() for p in model.parameters()]
-    hook(trainer)  # step 10: the round starts in the background, on a copy
+    hook.post_step(trainer)  # step 10: the round starts in the background, on a copy
     assert swarm.seen[0] is not model and swarm.model is not model
     with torch.no_grad():  # training goes on meanwhile
         for p in model.parameters():
             p.add_(0.5)
     trainer.step = 11
     time.sleep(0.6)
-    hook(trainer)  # the round is over: theta = live + (round result - theta at the boundary)
+    hook.post_step(trainer)  # the round is over: theta = live + (round result - theta at the boundary)
     assert swarm.model is model and logged and logged[0]["overlapped_steps"] == 1
     for p, before in zip(model.parameters(), at_boundary):
         torch.testing.assert_close(p, before + 0.5 + (1.0 - before))
     trainer.step = 40  # the last step's round runs in the foreground, on the live weights
-    hook(trainer)
+    hook.post_step(trainer)
     assert swarm.seen[-1] is model and all(bool((p == 1.0).all()) for p in model.parameters())
 
 

@@ -15,6 +15,7 @@ from p2p_spes.checkpoint import find_checkpoint, load_checkpoint, read_state
 from p2p_spes.cli import main as cli_main
 from p2p_spes.config import load_config
 from p2p_spes.errors import CheckpointError
+from p2p_spes.hooks import PostStep
 from p2p_spes.model import MoETransformer
 from p2p_spes.train import Trainer
 
@@ -186,7 +187,7 @@ def test_a_hook_that_moves_the_step_past_the_end_still_gets_the_final_evaluation
         if t.step == 4:
             t.step += 3
 
-    trainer.hooks.append(jump)
+    trainer.hooks.append(PostStep(jump))
     summary = trainer.run(progress=False)
     assert summary["step"] == 7 and summary["final_val_loss"] is not None
     assert read_state(find_checkpoint(tmp_path))["step"] == 7
@@ -213,7 +214,7 @@ def test_a_full_disk_during_a_checkpoint_costs_that_checkpoint_not_the_run(tmp_p
     monkeypatch.setattr(checkpoint, "save_file", full_disk)
     trainer = Trainer(fast_config(tmp_path, "train.max_steps=12", "train.keep_checkpoints=5"))
     seen = []
-    trainer.hooks.append(lambda t: seen.append(find_checkpoint(tmp_path).name) if t.step == 9 else None)
+    trainer.hooks.append(PostStep(lambda t: seen.append(find_checkpoint(tmp_path).name) if t.step == 9 else None))
     summary = trainer.run(progress=False)
     assert calls["n"] == 1 and seen == ["step_00000004"]
     assert summary["step"] == 12 and summary["checkpoints_failed"] == 1

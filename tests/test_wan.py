@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from helpers import SMALL, group_alive, stop, wait_for
 
-from benchmarks.lab.chaos import read_metrics
 from benchmarks.lab.netlab import CFS_PERIOD_US, Lab, LabError, LinkSpec, cpu_quota_us, measure_link, tbf_params
 from benchmarks.lab.wan_report import PeerReport, SwarmReport, outcome_of, read_swarm
 from p2p_spes.local_swarm import LocalSwarm, PeerPlace
+from p2p_spes.metrics_log import read_metrics
 
 MBIT = 8.0
 # compute between rounds (30 steps of 1,024 tokens) outlasts a round's transfers on these links, as it must

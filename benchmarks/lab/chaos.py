@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from p2p_spes.local_swarm import LocalSwarm, signal_group
+from p2p_spes.metrics_log import read_metrics
 
 
 @dataclass
@@ -37,19 +38,6 @@ class Fault:
     start: float
     end: float
     note: str = ""
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by SIGKILL
-            continue
-    return out
 
 
 def group_alive(pid: int) -> bool:

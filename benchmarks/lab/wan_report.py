@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lab.chaos import read_metrics
+from p2p_spes.metrics_log import read_metrics
+from p2p_spes.run_summary import read_summary
 
 
 @dataclass
@@ -158,8 +159,7 @@ def round_row(peer: int, record: dict[str, Any]) -> RoundRow:
 def read_peer(run_dir: Path, peer: int) -> PeerReport:
     """The report of the peer whose run directory is ``run_dir`` (``<swarm run dir>/peer<i>``)."""
     records = read_metrics(run_dir)
-    path = run_dir / "summary.json"
-    summary: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    summary: dict[str, Any] = read_summary(run_dir)
     steps = [r for r in records if "step_time_s" in r]
     rounds = [round_row(peer, r) for r in records if "sync_round" in r]
     start = steps[0]["step"] - 1 if steps else 0

@@ -9,7 +9,7 @@ the model, the trainer or the swarm's rounds; the swarm drives it through the na
 """
 
 from p2p_spes.averaging.aggregation import Aggregator, build_aggregator, weighted_mean
-from p2p_spes.averaging.allreduce import HOLD, GroupAllReduce, GroupResult
+from p2p_spes.averaging.allreduce import HOLD, Attempt, GroupAllReduce, GroupResult
 from p2p_spes.averaging.compression import Codec, ErrorFeedback
 from p2p_spes.averaging.matchmaking import DECISION_LAG, Base, arrival_delays, longest_wait
 from p2p_spes.averaging.transport import (
@@ -27,6 +27,7 @@ __all__ = [
     "DECISION_LAG",
     "HOLD",
     "Aggregator",
+    "Attempt",
     "Base",
     "Codec",
     "ErrorFeedback",

@@ -14,13 +14,9 @@ loop:
    The sorted member list hashes to a group id. The *base* is the digest (and round) of the value the
    tensor is relative to (a pseudo-gradient's anchor): the group agrees on the newest one its members
    name, and a member holding another first takes the agreed one from a member (``rebase``).
-2. **Reduce-scatter.** The flat tensor is cut into one part per member; member i receives part i
-   from everyone (its side is ``reducer.py``), encoded with the run's codec (``compression.py``), and computes the weighted mean in
-   member order.
-3. **All-gather.** The reducer encodes its averaged part once (adding what its last encoding of that
-   range dropped: error feedback on the reducer's side too) and serves those same bytes to everyone,
-   so every member decodes bit-identical values. Members keep the encoded parts: a peer that holds
-   the base can rebuild the result from them alone (a frozen expert's refresh).
+2. **Transfers.** A flat group reduce-scatters and all-gathers its members' encoded parts
+   (``flat_allreduce.py``); a bounded group larger than ``group_size`` runs in rows and columns
+   (``grid_allreduce.py``). Every member that succeeds decodes bit-identical values.
 
 Any missing contribution or part before the deadline fails the attempt *for the whole group*: a
 reducer either serves one result to everybody or none, and a member applies nothing unless it has
@@ -46,12 +42,11 @@ whose reply was lost says so (``TAKEN``) instead of refusing it.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 from hivemind.proto import averaging_pb2
@@ -60,52 +55,39 @@ from hivemind.utils import get_dht_time
 from dht.keys import group_key
 from dht.records import signed_values
 from p2p_spes.averaging.aggregation import Aggregator, weighted_mean
+from p2p_spes.averaging.attempt import HOLD, Attempt, Contribution, GroupResult, Rebase, based_tensor, relaxed_timeout
 from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.flat_allreduce import FlatGroup, FlatRound
 from p2p_spes.averaging.grid import Grid, make_grid
 from p2p_spes.averaging.grid_allreduce import ColumnResult, GridRound
-from p2p_spes.averaging.matchmaking import DECISION_LAG, Base, agreed_base, announce_done, join_group
-from p2p_spes.averaging.part_client import PartClient, PartMissing, Undelivered
-from p2p_spes.averaging.reducer import Part, PartServer
-from p2p_spes.averaging.transport import TransportError, TruncatedStream, gather_or_cancel, pack
+from p2p_spes.averaging.matchmaking import DECISION_LAG, Base, Joined, agreed_base, announce_done, join_group
+from p2p_spes.averaging.part_client import PartClient
+from p2p_spes.averaging.reducer import PartServer
+
+__all__ = ["HOLD", "Attempt", "GroupAllReduce", "GroupResult", "relaxed_timeout"]
 
 log = logging.getLogger(__name__)
-HOLD = 1.0  # seconds past a failed attempt's deadline before the next forms: members that finished say so by then
 
 
-def relaxed_timeout(proposal: float | None, configured: float) -> float | None:
-    """What a member proposes for a retry: twice the deadline it measured, at most ``configured`` (a
-    round that lost a member is a disturbed one, and the members' rates were not measured under it)."""
-    return None if proposal is None else min(2 * proposal, configured)
-
-
-Rebase = Callable[[Base, list[str]], Awaitable[None]]
-
-
-@dataclass
-class GroupResult:
-    tensor: torch.Tensor | None  # the group's average, decoded (the same bits on every member)
-    members: list[str]
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-    transfer_seconds: float = 0.0  # from the membership decided to the result (or the failure)
-    lateness: dict[str, float] = field(default_factory=dict)  # every arrival's delay after the first, seconds
-    window: float = 0.0  # the join window the group used (the first arrival's proposal)
-    sent: torch.Tensor | None = None  # our contribution as the reducers decoded it (error feedback)
-    messages: list[torch.Tensor] = field(default_factory=list)  # the encoded averaged parts, in order
-    base: Base | None = None  # the base the group agreed on
-    retries: int = 0  # parts sent or fetched again after their stream was cut short
-    attempts: int = 1  # times the group formed this round (a failed transfer is retried among those who come)
-    lost: list[str] = field(default_factory=list)  # members of the first attempt missing from the one that succeeded
-    retryable: bool = False  # failed in the transfers (not in matchmaking): the survivors may form again
-    deadline_at: float = 0.0  # monotonic time by which the transfers had to end: any member done by then says so
-    rows: int = 0  # rows of a bounded group run as a grid (0: one flat group)
-    doomed: bool = False  # failed for every member (a reducer lacks our contribution): retry without waiting
-
-    @property
-    def ok(self) -> bool:
-        return self.tensor is not None
+def stands_aside(
+    peer_id: str, group_size: int, attempt: Attempt, joined: Joined, result: GroupResult, ended: float
+) -> bool:
+    """Whether the decided group runs without us (``result.error`` says why; ``result.retryable`` when we
+    may join its retry)."""
+    if joined.done:
+        # a member applied the attempt before: a new average would set the rest of us apart from it,
+        # failing lets the caller take the result it agreed on
+        result.error = f"{len(joined.done)} member(s) applied the earlier attempt: not forming it again"
+        return True
+    if peer_id not in joined.members:
+        result.error = "arrived after the group closed"
+        if len(joined.members) > 1 and not (attempt.bounded and make_grid(joined.members, group_size) is not None):
+            # if its transfers fail, its survivors form it again once they have ended for every member
+            # (``ended``); we may join that attempt instead of losing the round with them
+            result.retryable = True
+            result.deadline_at = ended
+        return True
+    return False
 
 
 class GroupAllReduce:
@@ -132,12 +114,21 @@ class GroupAllReduce:
         self.matchmaking_time, self.timeout = matchmaking_time, timeout
         self.aggregate = aggregate or weighted_mean
         self.retries = retries  # attempts after a failed transfer, per group and round
-        # the parts we reduce for the groups we are in (reducer.py); replaceable before start()
-        self.server = PartServer(self.codec, self.aggregate, matchmaking_time + timeout)
+        server = PartServer(self.codec, self.aggregate, matchmaking_time + timeout)
         self._announcing: set[asyncio.Future] = set()  # "done" records being stored (kept from the collector)
         self.client = PartClient(p2p, run_id)
         self.group_size = group_size  # a bounded group larger than this runs in rows and columns (grid.py)
-        self.grid = GridRound(peer_id, self.codec, self.server, self.client)
+        self.grid = GridRound(peer_id, self.codec, server, self.client)
+        self.flat = FlatRound(peer_id, self.codec, server, self.client, keep=timeout + matchmaking_time)
+
+    @property
+    def server(self) -> PartServer:
+        """The parts we reduce for the groups we are in (``reducer.py``), for flat groups and grids alike."""
+        return self.flat.server
+
+    @server.setter
+    def server(self, server: PartServer) -> None:  # replaceable before start()
+        self.flat.server = self.grid.server = server
 
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(
@@ -148,69 +139,6 @@ class GroupAllReduce:
             (self.client.column_name, self.server.column),
         ):
             await self.p2p.add_protobuf_handler(name, handler, averaging_pb2.AveragingData, stream_output=True)
-
-    # Client side ---------------------------------------------------------------------------
-    @staticmethod
-    async def _based(
-        tensor: torch.Tensor | Callable[[], torch.Tensor],
-        base: Base | None,
-        result: GroupResult,
-        bases: dict[str, Base],
-        rebase: Rebase | None,
-    ) -> torch.Tensor:
-        """Our tensor, once we hold the base the group agreed on (taken from a member that holds it)."""
-        if base is not None and result.base is not None and result.base.digest != base.digest:
-            holders = [p for p in result.members if p in bases and bases[p].digest == result.base.digest]
-            if rebase is None:
-                raise TransportError(f"the group agreed on base {result.base.digest[:12]}, we hold another")
-            await rebase(result.base, holders)
-        return tensor() if callable(tensor) else tensor
-
-    async def _grid(
-        self,
-        round_no: int,
-        group: str,
-        grid: Grid,
-        tensor: torch.Tensor | Callable[[], torch.Tensor],
-        weight: float,
-        window: float,
-        timeout: float,
-        base: Base | None,
-        bases: dict[str, Base],
-        rebase: Rebase | None,
-        result: GroupResult,
-    ) -> None:
-        """A large group's transfers in rows and columns (``grid_allreduce.py``), into ``result``. Each
-        column is a flat group of its holders; the stages' deadlines leave room for a column's retry."""
-        try:
-            flat = await asyncio.wait_for(self._based(tensor, base, result, bases, rebase), timeout)
-        except Exception as exc:
-            result.error = f"could not take the agreed base: {exc!r}"
-            return
-        row_deadline = time.monotonic() + timeout
-        deadline = row_deadline + window + (2 + self.retries) * timeout + self.retries * HOLD
-        result.deadline_at = deadline
-
-        async def column_run(uid: str, values: torch.Tensor, w: float, expected: set[str]) -> ColumnResult:
-            res = await self.run(round_no, uid, values, w, expected, window=window, timeout=timeout)
-            return ColumnResult(res.messages if res.ok else None, res.sent, res.bytes_sent, res.bytes_received)
-
-        async def column_members(uid: str) -> list[str]:
-            found = await asyncio.wait_for(
-                self.dht.get(group_key(self.run_id, round_no, uid), latest=True, return_future=True),
-                self.matchmaking_time,
-            )
-            return sorted(
-                p for p, v in signed_values(found).items() if isinstance(v, dict) and isinstance(v.get("t"), float)
-            )
-
-        out = await self.grid.run(
-            round_no, group, grid, flat, weight, column_run, row_deadline, deadline, column_members
-        )
-        result.tensor, result.error, result.rows = out.tensor, out.error, len(grid.rows)
-        result.sent = out.sent if out.counted else None  # not counted everywhere: nothing to carry over
-        result.bytes_sent, result.bytes_received, result.retries = out.bytes_sent, out.bytes_received, out.retries
-        result.lost = out.missing
 
     @property
     def records_ttl(self) -> float:
@@ -231,7 +159,7 @@ class GroupAllReduce:
         self,
         round_no: int,
         group: str,
-        tensor: torch.Tensor | Callable[[], torch.Tensor],
+        tensor: Contribution,
         weight: float,
         expected: set[str],
         on_members: Callable[[], None] | None = None,
@@ -256,248 +184,195 @@ class GroupAllReduce:
         (``matchmaking.closing_time``); a retry's members arrive together and need none.
         """
         t0 = time.monotonic()
-        result = await self._attempt(
-            round_no,
-            group,
-            group,
-            tensor,
-            weight,
-            expected,
-            on_members,
-            window,
-            timeout,
-            base,
-            rebase,
+        attempt = Attempt(
+            round_no=round_no,
+            group=group,
+            key=group,
+            tensor=tensor,
+            weight=weight,
+            expected=frozenset(expected),
+            on_members=on_members,
+            window=window,
+            timeout=timeout,
+            base=base,
+            rebase=rebase,
             bounded=bounded,
             quorum=math.ceil(quorum * len(set(expected) | {self.peer_id})),
         )
-        first = result
+        first = result = await self.form(attempt)
         while not result.ok and result.retryable and result.attempts <= self.retries:
-            attempt = result.attempts + 1
-            survivors = set(result.members) - set(result.lost)
-            late = self.peer_id not in result.members
-            log.info(
-                "round %d group %s: attempt %d among the %d members still answering%s (%s)",
-                round_no,
-                group,
-                attempt,
-                len(survivors),
-                ", if they form it" if late else "",
-                result.error,
-            )
-            retry = await self._attempt(
-                round_no,
-                group,
-                f"{group}~{attempt}",
-                tensor,
-                weight,
-                survivors,
-                None,
-                None,
-                relaxed_timeout(timeout, self.timeout),
-                base,
-                rebase,
-                hold_until=result.deadline_at + HOLD,
-                abort=result.doomed,
-            )
-            if late and not retry.ok and not (retry.retryable and self.peer_id not in retry.members):
-                # it did not form again (its members applied the attempt we missed) or failed too: we
-                # report the group we missed, whose result the caller may adopt, as one attempt of ours
-                # (late for the retry as well, we may still join the next one)
-                result.error = f"{result.error}; then {retry.error}"
-                result.retryable = False
+            retry, stop = await self._retry(attempt, first, result)
+            if stop:
                 break
-            retry.attempts = attempt
-            retry.bytes_sent += result.bytes_sent
-            retry.bytes_received += result.bytes_received
-            retry.retries += result.retries
-            retry.transfer_seconds += result.transfer_seconds  # the link's speed is measured over all of them
-            retry.lateness, retry.window = first.lateness, first.window  # the round's arrivals, not the retry's
-            if not retry.ok and not retry.members:
-                retry.members = result.members  # nobody came: report the group we had
             result = retry
         if result.ok:
-            if not result.rows:  # (a grid reports the row members whose parts never came)
-                result.lost = sorted(set(first.members) - set(result.members))
-            if self.retries and len(result.members) > 1:
-                # members whose attempt failed may be forming it again: they must not, we applied this one
-                key = group_key(self.run_id, round_no, f"{group}~{result.attempts + 1}")
-                task = asyncio.ensure_future(announce_done(self.dht, key, self.peer_id, self.owner, self.records_ttl))
-                self._announcing.add(task)
-                task.add_done_callback(self._announced)
+            self._succeeded(attempt, first, result)
         result.seconds = time.monotonic() - t0
         return result
+
+    async def _retry(self, attempt: Attempt, first: GroupResult, result: GroupResult) -> tuple[GroupResult, bool]:
+        """The next attempt after ``result`` failed in the transfers, among its members still answering;
+        ``(result, True)`` when we stop instead (we were late and the group did not form again)."""
+        number = result.attempts + 1
+        survivors = set(result.members) - set(result.lost)
+        late = self.peer_id not in result.members
+        log.info(
+            "round %d group %s: attempt %d among the %d members still answering%s (%s)",
+            attempt.round_no,
+            attempt.group,
+            number,
+            len(survivors),
+            ", if they form it" if late else "",
+            result.error,
+        )
+        retry = await self.form(
+            dataclasses.replace(
+                attempt,
+                key=f"{attempt.group}~{number}",
+                expected=frozenset(survivors),
+                on_members=None,
+                window=None,
+                timeout=relaxed_timeout(attempt.timeout, self.timeout),
+                hold_until=result.deadline_at + HOLD,
+                bounded=False,
+                quorum=0,
+                abort=result.doomed,
+            )
+        )
+        if late and not retry.ok and not (retry.retryable and self.peer_id not in retry.members):
+            # it did not form again (its members applied the attempt we missed) or failed too: we
+            # report the group we missed, whose result the caller may adopt, as one attempt of ours
+            # (late for the retry as well, we may still join the next one)
+            result.error = f"{result.error}; then {retry.error}"
+            result.retryable = False
+            return result, True
+        retry.attempts = number
+        retry.bytes_sent += result.bytes_sent
+        retry.bytes_received += result.bytes_received
+        retry.retries += result.retries
+        retry.transfer_seconds += result.transfer_seconds  # the link's speed is measured over all of them
+        retry.lateness, retry.window = first.lateness, first.window  # the round's arrivals, not the retry's
+        if not retry.ok and not retry.members:
+            retry.members = result.members  # nobody came: report the group we had
+        return retry, False
+
+    def _succeeded(self, attempt: Attempt, first: GroupResult, result: GroupResult) -> None:
+        if not result.rows:  # (a grid reports the row members whose parts never came)
+            result.lost = sorted(set(first.members) - set(result.members))
+        if self.retries and len(result.members) > 1:
+            # members whose attempt failed may be forming it again: they must not, we applied this one
+            key = group_key(self.run_id, attempt.round_no, f"{attempt.group}~{result.attempts + 1}")
+            task = asyncio.ensure_future(announce_done(self.dht, key, self.peer_id, self.owner, self.records_ttl))
+            self._announcing.add(task)
+            task.add_done_callback(self._announced)
 
     def _announced(self, task: asyncio.Future) -> None:
         self._announcing.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.info("could not announce a finished group: %s", task.exception())
 
-    async def _attempt(
-        self,
-        round_no: int,
-        group: str,
-        key: str,
-        tensor: torch.Tensor | Callable[[], torch.Tensor],
-        weight: float,
-        expected: set[str],
-        on_members: Callable[[], None] | None,
-        window: float | None,
-        timeout: float | None,
-        base: Base | None,
-        rebase: Rebase | None,
-        hold_until: float | None = None,
-        bounded: bool = False,
-        quorum: int = 0,
-        abort: bool = False,
-    ) -> GroupResult:
-        """One formation of ``group`` under DHT key ``key`` and its transfers (see :meth:`run`)."""
+    async def form(self, attempt: Attempt) -> GroupResult:
+        """One formation of ``attempt.group`` under ``attempt.key`` and its transfers (see :meth:`run`)."""
         t0 = time.monotonic()
-        window = self.matchmaking_time if window is None else min(window, self.matchmaking_time)
-        proposal = None if timeout is None else min(timeout, self.timeout)
         try:
-            joined = await join_group(
-                self.dht,
-                group_key(self.run_id, round_no, key),
-                self.peer_id,
-                self.owner,
-                set(expected) | {self.peer_id},
-                weight,
-                window,
-                base,
-                matchmaking_time=self.matchmaking_time,
-                ttl=self.records_ttl,
-                hold_until=hold_until,
-                timeout=proposal,
-                quorum=quorum,
-                abort=abort,
-            )
-            members, lateness, agreed, bases = joined.members, joined.lateness, joined.window, joined.bases
+            joined = await self._join(attempt)
             timeout = joined.deadline(self.timeout)  # the longest a member proposed (matchmaking.py)
-            # when the attempt's transfers have ended for every member (each counts its deadline from when it
-            # read the decision: up to DECISION_LAG past the window, by the DHT clock); the next attempt forms
-            # after it. Counted from our own decision instead, the late peers (who know only the DHT clock)
-            # and the members that failed at once formed the retry before the members that waited their
-            # deadline out came (12 of 17 peers of a 24-peer churn run's round arrived 3.5 s too late)
+            # when the attempt's transfers have ended for every member (each counts its deadline from when
+            # it read the decision: up to DECISION_LAG past the window, by the DHT clock); the next attempt
+            # forms after it. Counted from our own decision instead, the late peers (who know only the DHT
+            # clock) and the members that failed at once formed the retry before the members that waited
+            # their deadline out came (12 of 17 peers of a 24-peer churn run's round arrived 3.5 s too late)
             ended = time.monotonic() + joined.first + joined.window + DECISION_LAG + timeout - get_dht_time()
         except asyncio.TimeoutError:
             result = GroupResult(None, [])
             result.error, result.seconds = "the DHT did not answer during matchmaking", time.monotonic() - t0
-            log.warning("round %d group %s failed: %s", round_no, group, result.error)
+            log.warning("round %d group %s failed: %s", attempt.round_no, attempt.group, result.error)
             return result
         finally:
-            if on_members is not None:
-                on_members()
-        result = GroupResult(None, members, lateness=lateness, window=agreed)
+            if attempt.on_members is not None:
+                attempt.on_members()
+        members = joined.members
+        result = GroupResult(None, members, lateness=joined.lateness, window=joined.window)
         t_decided = time.monotonic()
-        if joined.done:
-            # a member applied the attempt before: a new average would set the rest of us apart from it,
-            # failing lets the caller take the result it agreed on
-            result.error = f"{len(joined.done)} member(s) applied the earlier attempt: not forming it again"
+        if stands_aside(self.peer_id, self.group_size, attempt, joined, result, ended):
             return result
-        if self.peer_id not in members:
-            result.error = "arrived after the group closed"
-            if len(members) > 1 and not (bounded and make_grid(members, self.group_size) is not None):
-                # if its transfers fail, its survivors form it again once they have ended for every member
-                # (``ended``); we may join that attempt instead of losing the round with them
-                result.retryable = True
-                result.deadline_at = ended
-            return result
-        result.base = agreed_base(bases)
+        result.base = agreed_base(joined.bases)
         deadline = time.monotonic() + timeout
         result.deadline_at = max(deadline, ended)
-        if len(members) == 1 and key != group:
+        if len(members) == 1 and attempt.is_retry:
             # alone at a retry: the others applied the first attempt's result (or are gone); averaging
             # with nobody would set us apart from them, failing lets the caller take what they agreed on
             result.error = "nobody else came to form the group again"
             return result
         if len(members) == 1:
-            self.solo(tensor() if callable(tensor) else tensor, result)
+            self.solo(attempt.tensor() if callable(attempt.tensor) else attempt.tensor, result)
             result.seconds = time.monotonic() - t0
             return result
-        grid = make_grid(members, self.group_size) if bounded else None
+        grid = make_grid(members, self.group_size) if attempt.bounded else None
         if grid is not None:
-            await self._grid(round_no, group, grid, tensor, weight, agreed, timeout, base, bases, rebase, result)
-            result.seconds, result.transfer_seconds = time.monotonic() - t0, time.monotonic() - t_decided
-            return result
-        gid = hashlib.sha256(pack(members)).hexdigest()[:16]
-        self.server.decided[(round_no, key)] = gid
-        keys = [pack([round_no, key, gid, i]) for i in range(len(members))]
-        mine = members.index(self.peer_id)
-        part: Part | None = None
-        sizes: list[int] = []
-        sent_parts: list[torch.Tensor | None] = [None] * len(members)
-        received: list[torch.Tensor | None] = [None] * len(members)
-
-        async def prepare() -> list[torch.Tensor]:
-            """Our contribution cut into encoded parts, once we hold the group's base; then our part is
-            registered (a member's contribution that comes earlier waits for it)."""
-            nonlocal part
-            flat = await self._based(tensor, base, result, bases, rebase)
-            chunks = torch.tensor_split(flat, len(members))
-            sizes[:] = [len(c) for c in chunks]
-            part = Part(members, gid, (sizes[mine],), deadline, name=group, start=sum(sizes[:mine]))
-            self.server.register(keys[mine], part)
-            return [self.codec.encode(c.contiguous()) for c in chunks]
-
-        messages_out: list[torch.Tensor] = []
-        suspects: set[str] = set()  # members that refused or failed us in this attempt
-        contributed: set[str] = set()  # members that took our contribution
-
-        async def contribute(i: int, peer: str) -> None:
-            message = messages_out[i]
-            sent_parts[i] = self.codec.decode(message, sizes[i])  # what the reducer will decode
-            if peer == self.peer_id:
-                self.server.add(part, peer, float(weight), sent_parts[i])
-                return
-            try:
-                if await self.client.send(peer, keys[i], message, weight, result):
-                    contributed.add(peer)
-            except TruncatedStream:
-                raise
-            except TransportError as exc:
-                suspects.add(peer)
-                result.doomed |= isinstance(exc, Undelivered)  # its part can never be served
-                raise
-
-        async def fetch(i: int, peer: str) -> torch.Tensor:
-            if peer == self.peer_id:
-                await part.done.wait()
-                return part.result
-            try:
-                (received[i],) = await self.client.fetch(peer, keys[i], result)
-            except PartMissing:  # it answers: what it lacks is someone else's contribution
-                raise
-            except Exception:
-                suspects.add(peer)
-                raise
-            return self.codec.result.decode(received[i], sizes[i])
-
-        try:
-            try:
-                messages_out[:] = await asyncio.wait_for(prepare(), timeout)
-            except Exception:
-                result.doomed = True  # we contribute to no part: none can be served
-                raise
-            # a contribution that failed dooms the attempt for everyone (that reducer lacks it), and
-            # parts fetched after our attempt failed are of no use: the others are cancelled
-            await gather_or_cancel(
-                (contribute(i, p) for i, p in enumerate(members)), max(deadline - time.monotonic(), 0.1)
-            )
-            parts = await gather_or_cancel(
-                (fetch(i, p) for i, p in enumerate(members)), max(deadline - time.monotonic(), 0.1)
-            )
-            result.tensor, result.sent = torch.cat(parts), torch.cat(sent_parts)
-            received[mine] = part.message
-            result.messages = list(received)
-        except Exception as exc:  # a failed attempt is discarded whatever went wrong
-            if isinstance(exc, asyncio.TimeoutError):  # those that had not taken our contribution by the
-                # deadline (a reducer that has not served its part may be waiting for someone else's)
-                suspects.update(set(members) - contributed - {self.peer_id})
-            result.error = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} after {timeout:.0f} s"
-            result.retryable, result.lost = True, sorted(suspects)
-            log.warning("round %d group %s failed: %s", round_no, key, result.error)
-        finally:
-            self.server.forget_later(keys[mine], (round_no, key), self.timeout + self.matchmaking_time)
+            await self._grid(attempt, grid, joined.window, timeout, joined.bases, result)
+        else:
+            await self.flat.run(attempt, FlatGroup(tuple(members), joined.bases, timeout, deadline), result)
         result.seconds, result.transfer_seconds = time.monotonic() - t0, time.monotonic() - t_decided
         return result
+
+    async def _join(self, attempt: Attempt) -> Joined:
+        """Matchmaking for ``attempt``: the decided membership, window, bases and deadline proposals."""
+        return await join_group(
+            self.dht,
+            group_key(self.run_id, attempt.round_no, attempt.key),
+            self.peer_id,
+            self.owner,
+            set(attempt.expected) | {self.peer_id},
+            attempt.weight,
+            self.matchmaking_time if attempt.window is None else min(attempt.window, self.matchmaking_time),
+            attempt.base,
+            matchmaking_time=self.matchmaking_time,
+            ttl=self.records_ttl,
+            hold_until=attempt.hold_until,
+            timeout=None if attempt.timeout is None else min(attempt.timeout, self.timeout),
+            quorum=attempt.quorum,
+            abort=attempt.abort,
+        )
+
+    async def _grid(
+        self,
+        attempt: Attempt,
+        grid: Grid,
+        window: float,
+        timeout: float,
+        bases: dict[str, Base],
+        result: GroupResult,
+    ) -> None:
+        """A large group's transfers in rows and columns (``grid_allreduce.py``), into ``result``. Each
+        column is a flat group of its holders; the stages' deadlines leave room for a column's retry."""
+        round_no = attempt.round_no
+        try:
+            flat = await asyncio.wait_for(based_tensor(attempt, result, bases), timeout)
+        except Exception as exc:
+            result.error = f"could not take the agreed base: {exc!r}"
+            return
+        row_deadline = time.monotonic() + timeout
+        deadline = row_deadline + window + (2 + self.retries) * timeout + self.retries * HOLD
+        result.deadline_at = deadline
+
+        async def column_run(uid: str, values: torch.Tensor, w: float, expected: set[str]) -> ColumnResult:
+            res = await self.run(round_no, uid, values, w, expected, window=window, timeout=timeout)
+            return ColumnResult(res.messages if res.ok else None, res.sent, res.bytes_sent, res.bytes_received)
+
+        async def column_members(uid: str) -> list[str]:
+            found = await asyncio.wait_for(
+                self.dht.get(group_key(self.run_id, round_no, uid), latest=True, return_future=True),
+                self.matchmaking_time,
+            )
+            return sorted(
+                p for p, v in signed_values(found).items() if isinstance(v, dict) and isinstance(v.get("t"), float)
+            )
+
+        out = await self.grid.run(
+            round_no, attempt.group, grid, flat, attempt.weight, column_run, row_deadline, deadline, column_members
+        )
+        result.tensor, result.error, result.rows = out.tensor, out.error, len(grid.rows)
+        result.sent = out.sent if out.counted else None  # not counted everywhere: nothing to carry over
+        result.bytes_sent, result.bytes_received, result.retries = out.bytes_sent, out.bytes_received, out.retries
+        result.lost = out.missing

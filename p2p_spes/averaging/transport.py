@@ -18,12 +18,14 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from p2p_spes.errors import P2PSpesError
+
 CHUNK_BYTES = 2**19
 T = TypeVar("T")
 UNWIND_SECONDS = 1.0  # how long cancelled transfers get to close their streams
 
 
-class TransportError(ValueError):
+class TransportError(P2PSpesError, ValueError):
     """A peer sent something malformed, of the wrong shape or dtype, or not finite."""
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -30,14 +29,15 @@ from p2p_spes.errors import SwarmError
 from p2p_spes.memory import SyncMemory
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.agreement import Refresher
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.coverage import Coverage
 from p2p_spes.swarm.membership import FRESH, Membership
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard
-from p2p_spes.swarm.pacing import Deadlines, RoundWatch
+from p2p_spes.swarm.pacing import Deadlines, RoundWatch, sync_deadline, version_window
 from p2p_spes.swarm.report import GroupReport, RoundReport
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
-from p2p_spes.swarm.sync_round import RoundRunner, sync_deadline, version_window
+from p2p_spes.swarm.sync_round import RoundRunner
 
 __all__ = ["GroupReport", "RoundReport", "Swarm", "sync_deadline", "version_window"]
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Swarm:
         self.cfg = cfg
         sw = cfg.swarm
         self.auth = load_auth(sw.secret_file, sw.allowed_peers)
-        self.stats: Counter = Counter()
+        self.stats = SwarmCounters()
         self.runtime = Runtime(sw, self.auth)
         self.peer_id, self.maddrs = self.runtime.peer_id, self.runtime.maddrs
         self._model: MoETransformer | None = None
@@ -234,7 +234,7 @@ class Swarm:
             return False
         log.info("the run has not synced yet and %s serves our own initial weights: nothing to download", source)
         self.server.take_snapshot(-1, 0, self.outer.momentum)
-        self.stats["catch_up_skipped"] += 1
+        self.stats.catch_up_skipped += 1
         return True
 
     # Sync ----------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ class Swarm:
         return SyncMemory(
             anchors=sum(t.numel() * t.element_size() for t in outer.anchor.values()),
             momentum=sum(t.numel() * t.element_size() for t in outer.momentum.values()),
-            residuals=self.runner.feedback.nbytes(),
+            residuals=self.runner.applier.feedback.nbytes(),
             reducer_residuals=sum(t.numel() * t.element_size() for _, t in self.reducer.server.residual.values()),
         )
 
@@ -283,7 +283,7 @@ class Swarm:
             self.outer.reanchor(f"expert:{e}", model.expert_tensors(e))
         last = self.rounds[-1] if self.rounds else None
         self.server.take_snapshot(last.round if last else -1, last.step if last else 0, self.outer.momentum)
-        self.stats["experts_taken_over"] += len(experts)
+        self.stats.experts_taken_over += len(experts)
         self.announce()
         log.warning("took over experts %s (now training %s)", experts, model.local_experts)
 

@@ -23,6 +23,7 @@ from dht.keys import version_key
 from dht.records import PeerRecord, VersionRecord
 from p2p_spes.averaging import Codec, TransportError, tensor_digest
 from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader
@@ -112,7 +113,7 @@ class Refresher:
         self,
         peer_id: str,
         downloader: Downloader,
-        stats: Counter,
+        stats: SwarmCounters,
         outer: OuterOptimizer | None = None,
         codec: Codec | None = None,
     ) -> None:
@@ -151,7 +152,7 @@ class Refresher:
                 log.warning("expert %d rebuilt from %s's update does not match the agreed digest", e, holder)
                 return False
             model.write_expert(e, tensors)
-            self.stats["delta_refreshes"] += 1
+            self.stats.delta_refreshes += 1
             return True
         return False
 
@@ -213,7 +214,7 @@ class Refresher:
                 break
             else:
                 missed += bool(holders)
-        self.stats["refresh_missed"] += missed
+        self.stats.refresh_missed += missed
         return fetched, missed
 
     def agree_on_copies(
@@ -229,7 +230,7 @@ class Refresher:
             like = [t.detach() for t in model.expert_tensors(e)]
             found = self.downloader.first_of(sources, f"expert:{e}@{best}", like)
             if found is None:
-                self.stats["refresh_missed"] += 1
+                self.stats.refresh_missed += 1
                 continue
             model.write_expert(e, found[1][1])
             fetched += 1

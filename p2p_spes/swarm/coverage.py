@@ -16,6 +16,7 @@ from dht.records import PeerRecord, VersionRecord
 from p2p_spes.config import Config
 from p2p_spes.healing import initial_expert, plan_takeover
 from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.membership import Membership
 from p2p_spes.swarm.state import Downloader
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 class Coverage:
     """The takeover plan (same on every peer) and this peer's part of it."""
 
-    def __init__(self, cfg: Config, membership: Membership, downloader: Downloader, stats: Counter) -> None:
+    def __init__(self, cfg: Config, membership: Membership, downloader: Downloader, stats: SwarmCounters) -> None:
         self.cfg, self.membership, self.downloader, self.stats = cfg, membership, downloader, stats
         self.peer_id = membership.peer_id
         self._planned_before: set[int] = set()  # experts the plan gave us at the last boundary
@@ -48,7 +49,7 @@ class Coverage:
         for e, n in holders.items():
             self._most_holders[e] = max(self._most_holders[e], n)
         experts = [e for e, most in self._most_holders.items() if holders[e] < most]  # lost a holder
-        per_peer = cfg.experts_per_peer(partition=0)  # the smallest share a peer is given
+        per_peer = cfg.experts_per_partition(partition=0)  # the smallest share a peer is given
         if len(held) * per_peer >= cfg.moe.num_experts * cfg.swarm.replicas:
             experts = list(range(cfg.moe.num_experts))  # enough peers to cover all: a gap is a racing join's
         capacity = {
@@ -80,7 +81,7 @@ class Coverage:
         copies = sorted(p for p, r in peers.items() if p not in holders and r.extra.get("residency", "full") == "full")
         if not holders and not copies:
             log.warning("no live peer has a copy of expert %d: restarting it from its initial weights", expert)
-            self.stats["experts_reinitialised"] += 1
+            self.stats.experts_reinitialised += 1
             return initial_expert(self.cfg, expert)
         store = model.expert_modules()[0]
         like = [

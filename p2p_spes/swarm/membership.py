@@ -24,8 +24,9 @@ from dht.records import PeerRecord
 from dht.run_config import run_config_record
 from p2p_spes import __version__
 from p2p_spes.config import Config
-from p2p_spes.errors import SwarmError
 from p2p_spes.placement import free_partition, least_covered
+from p2p_spes.swarm.compat import Ours, RunView, check_run, sync_settings
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -34,43 +35,14 @@ PROBES = 3  # peers the DHT lacks that a heartbeat pings (a group cut off from t
 # seconds a read of the live peers stands in for a new one at a round boundary: the reconnect check reads
 # them, then the are-we-behind check and the round would read them again before the peer arrives
 FRESH = 2.0
-SYNC_PROTOCOL = 2  # 1: groups averaged weights; 2: pseudo-gradients through a codec (compression.py)
-
-
-def describe_difference(ours: dict, theirs: dict) -> str:
-    """The model-defining settings in which two configs differ, as ``section.key: ours X, run's Y``."""
-    diffs = []
-    for section in sorted(set(ours) | set(theirs)):
-        a, b = ours.get(section, {}), theirs.get(section, {})
-        for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
-                diffs.append(f"{section}.{key}: ours {a.get(key)!r}, run's {b.get(key)!r}")
-    return "; ".join(diffs) or "fingerprints differ"
-
-
-def sync_settings(compression: Any, topk_fraction: Any, topk_result_fraction: Any = None) -> dict[str, Any]:
-    """What peers must share to average together: the protocol (pseudo-gradients since version 2)
-    and the codec; the top-k shares only matter to ``topk`` (the result's only when it is set, so
-    that peers which predate it still match the default)."""
-    out = {"protocol": SYNC_PROTOCOL, "compression": compression}
-    if compression == "topk":
-        out["topk_fraction"] = topk_fraction
-        if topk_result_fraction is not None:
-            out["topk_result_fraction"] = topk_result_fraction
-    return out
-
-
-def describe_sync(settings: Any) -> str:
-    if not isinstance(settings, dict) or settings.get("protocol") != SYNC_PROTOCOL:
-        return "an older p2p-spes (it averages weights, not pseudo-gradients: upgrade every peer)"
-    extra = "".join(f" ({k} {settings[k]})" for k in ("topk_fraction", "topk_result_fraction") if k in settings)
-    return f"compression {settings.get('compression')}{extra}"
 
 
 class Membership:
     """Our record (status, experts, counters) and our view of everyone else's."""
 
-    def __init__(self, runtime: Runtime, cfg: Config, stats: Counter, experts: Callable[[], list[int] | None]) -> None:
+    def __init__(
+        self, runtime: Runtime, cfg: Config, stats: SwarmCounters, experts: Callable[[], list[int] | None]
+    ) -> None:
         """``experts`` returns the experts we train now (None before a model exists: the claimed ones)."""
         self.runtime, self.cfg, self.stats = runtime, cfg, stats
         self.peer_id = runtime.peer_id
@@ -142,7 +114,7 @@ class Membership:
                 log.info("redial failed: %s", exc)
             found = self.others()
             if found:
-                self.stats["reconnects"] += 1
+                self.stats.reconnects += 1
                 log.warning("reached the run again (%d other peers)", len(found))
                 return True
             time.sleep(min(self.cfg.swarm.heartbeat, 1.0))
@@ -175,49 +147,15 @@ class Membership:
     def check_model(self) -> None:
         """Refuse to join a run that trains a different model (nothing of ours is sent before this)."""
         rt = self.runtime
-        records = rt.call(rt.get(config_key(rt.run_id)))
-        run_configs = rt.call(rt.get(run_config_key(rt.run_id)))
         ours = self.cfg.model_defining()
-        for peer, value in run_configs.items():
-            published = value.get("config") if isinstance(value.get("config"), dict) else {}
-            moe = published.get("moe") if isinstance(published.get("moe"), dict) else {}
-            swarm = published.get("swarm") if isinstance(published.get("swarm"), dict) else {}
-            records.setdefault(
-                peer,
-                {
-                    "fingerprint": value.get("fingerprint"),
-                    "model": {"model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours["moe"]}},
-                    "sync": sync_settings(
-                        swarm.get("compression"), swarm.get("topk_fraction"), swarm.get("topk_result_fraction")
-                    ),
-                },
-            )
-        for peer, value in records.items():
-            if isinstance(value, dict) and value.get("fingerprint") != self.fingerprint:
-                theirs = value.get("model") if isinstance(value.get("model"), dict) else {}
-                raise SwarmError(
-                    f"run {rt.run_id!r} trains a different model than this config (peer {peer}): "
-                    f"{describe_difference(ours, theirs)}. Join with --config-from-swarm to use the run's config, "
-                    "or pick another --run-id"
-                )
         sw = self.cfg.swarm
         sync = sync_settings(sw.compression, sw.topk_fraction, sw.topk_result_fraction)
-        for peer, value in records.items():
-            other = value.get("sync") if isinstance(value, dict) else None
-            if peer != self.peer_id and other != sync:
-                raise SwarmError(
-                    f"run {rt.run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
-                    f"{describe_sync(other)} there, {describe_sync(sync)} here. swarm.compression and "
-                    "swarm.topk_fraction (and topk_result_fraction) are run-wide: set them as the run does, or join with --config-from-swarm"
-                )
-        theirs = {v.get("hash") for p, v in run_configs.items() if p != self.peer_id}
-        if theirs and self.run_config["hash"] not in theirs:
-            log.warning(
-                "this config (hash %s) differs from the one the run publishes (%s) in settings other than "
-                "the model; join with --config-from-swarm to train with the run's",
-                self.run_config["hash"][:16],
-                ", ".join(h[:16] for h in sorted(h for h in theirs if isinstance(h, str))),
-            )
+        check_run(
+            rt.run_id,
+            self.peer_id,
+            RunView(rt.call(rt.get(config_key(rt.run_id))), rt.call(rt.get(run_config_key(rt.run_id)))),
+            Ours(self.fingerprint, ours, sync, self.run_config["hash"]),
+        )
         self._published = [
             (config_key(rt.run_id), {"fingerprint": self.fingerprint, "model": ours, "sync": sync}),
             (run_config_key(rt.run_id), self.run_config),
@@ -240,7 +178,7 @@ class Membership:
             return cfg.local_experts(partition)
         holders = Counter(e for r in self.others().values() for e in r.experts)
         return least_covered(
-            holders, cfg.moe.num_experts, cfg.experts_per_peer(partition), self.peer_id, cfg.swarm.replicas
+            holders, cfg.moe.num_experts, cfg.experts_per_partition(partition), self.peer_id, cfg.swarm.replicas
         )
 
     def claim(self, experts: list[int], partition: int) -> None:
@@ -275,7 +213,9 @@ class Membership:
                 short = [e for e in range(num_experts) if holders[e] < replicas and e not in experts]
                 chosen = sorted(experts)
                 if (clash and short) or moved != partition:
-                    chosen = least_covered(holders, num_experts, cfg.experts_per_peer(moved), self.peer_id, replicas)
+                    chosen = least_covered(
+                        holders, num_experts, cfg.experts_per_partition(moved), self.peer_id, replicas
+                    )
             if moved == partition and chosen == sorted(experts):
                 return partition, experts
             log.info(
@@ -309,7 +249,7 @@ class Membership:
             "residency": sw.residency,
             "max_experts": sw.max_experts_per_peer or self.cfg.moe.num_experts,
             **status,
-            **{k: int(v) for k, v in self.stats.items()},
+            **self.stats.as_dict(),
         }
         if left:
             extra["left"] = True
@@ -354,7 +294,7 @@ class Membership:
             self._isolated = False
             return
         if after > 0:
-            self.stats["dht_redials"] += 1
+            self.stats.dht_redials += 1
             log.warning("the DHT had lost every neighbour; reconnected through the peers we knew (%d now)", after)
         elif not self._isolated:
             log.warning(

@@ -24,6 +24,7 @@ import statistics
 from collections import deque
 
 from dht.keys import group_key
+from p2p_spes.averaging import DECISION_LAG, HOLD, longest_wait
 from p2p_spes.config import SwarmConfig
 from p2p_spes.swarm.runtime import Runtime
 
@@ -125,3 +126,37 @@ class RoundWatch:
             except Exception as exc:  # a failed poll only delays the next look
                 log.debug("round watch: %s", exc)
             await asyncio.sleep(self.poll)
+
+
+def version_window(sw: SwarmConfig) -> float:
+    """How long a peer waits after its groups for the others' digests: their rounds start up to a
+    join window apart."""
+    return sw.matchmaking_time + 2.0
+
+
+def adopt_window(sw: SwarmConfig) -> float:
+    """How long a peer that missed the shared group waits for the digests of those that made it: they
+    publish after their transfers (up to an averaging timeout after the group closed) and expert groups,
+    and without a digest of theirs there is no result to adopt."""
+    return version_window(sw) + sw.averaging_timeout
+
+
+def version_ttl(sw: SwarmConfig) -> float:
+    """How long a digest stays in the DHT: a peer that missed the group reads it up to an adopt window
+    after the members published it."""
+    return sw.record_ttl + adopt_window(sw)
+
+
+def sync_deadline(sw: SwarmConfig, peers: int | None = None) -> float:
+    """The longest a sync round can hold a peer up, whatever the others do: join window (held open for
+    its quorum up to ``longest_wait``) and averaging timeout, then a join window and a timeout once more
+    per group retry (which forms ``HOLD`` after the failed attempt's deadline has passed for every
+    member, ``DECISION_LAG`` after it has for the first), then the wait for the others' digests, which
+    is longest when adopting their result (downloads of refreshed experts come on top, bounded by
+    size). A shared group run as a grid (more than ``group_size`` of the swarm's ``peers``, or any
+    number when not given) has its rows' deadline, a column's (and its retries') and the results' on top."""
+    flat = (longest_wait(sw.matchmaking_time) if sw.quorum else sw.matchmaking_time) + sw.averaging_timeout
+    flat += sw.group_retries * (sw.matchmaking_time + sw.averaging_timeout + HOLD + DECISION_LAG)
+    if sw.group_size and (peers is None or peers > sw.group_size):
+        flat += 2 * sw.averaging_timeout + sw.matchmaking_time
+    return flat + adopt_window(sw)

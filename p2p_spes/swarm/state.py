@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
@@ -33,6 +32,7 @@ from p2p_spes.averaging import (
     unpack,
 )
 from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.pacing import Deadlines
 from p2p_spes.swarm.runtime import Runtime
 
@@ -47,7 +47,7 @@ class StateServer:
         self,
         runtime: Runtime,
         auth: RunAuth,
-        stats: Counter,
+        stats: SwarmCounters,
         refresh_members: Callable[[], Awaitable[set[str]]],
         anchors: Callable[[], dict[str, torch.Tensor]],
         public: Callable[[MoETransformer], dict[str, list[torch.Tensor]]] | None = None,
@@ -152,7 +152,7 @@ class StateServer:
         first = True
         for tensor in tensors:
             for chunk in serialize_parts(tensor):
-                self.stats["bytes_served"] += chunk.ByteSize()
+                self.stats.bytes_served += chunk.ByteSize()
                 yield averaging_pb2.DownloadData(tensor_part=chunk, metadata=pack(meta) if first else b"")
                 first = False
 
@@ -160,7 +160,9 @@ class StateServer:
 class Downloader:
     """Fetches served entries from other peers, checking each against the digest it was served under."""
 
-    def __init__(self, runtime: Runtime, stats: Counter, timeout: float, deadlines: Deadlines | None = None) -> None:
+    def __init__(
+        self, runtime: Runtime, stats: SwarmCounters, timeout: float, deadlines: Deadlines | None = None
+    ) -> None:
         """``timeout`` bounds every download; with ``deadlines`` a download's deadline is its size over
         the rate observed so far (at most ``timeout``), and each finished download is measured."""
         self.runtime, self.stats, self.timeout, self.deadlines = runtime, stats, timeout, deadlines
@@ -192,12 +194,12 @@ class Downloader:
             messages = [parse_tensor(p) for p in parts]
             if any(m.dtype != torch.uint8 or m.dim() != 1 for m in messages):
                 raise TransportError(f"{peer} served an update for {uid} that is not encoded messages")
-            self.stats["bytes_received"] += sum(c.ByteSize() for p in parts for c in p)
+            self.stats.bytes_received += sum(c.ByteSize() for p in parts for c in p)
             return meta, messages
         if len(parts) != len(like):
             raise TransportError(f"{peer} sent {len(parts)} tensors for {uid}, expected {len(like)}")
         tensors = [parse_tensor(p, tuple(t.shape), t.dtype) for p, t in zip(parts, like)]
-        self.stats["bytes_received"] += sum(c.ByteSize() for p in parts for c in p)
+        self.stats.bytes_received += sum(c.ByteSize() for p in parts for c in p)
         wanted = uid.partition("@")[2] or meta["digest"]
         if tensor_digest(tensors) != meta["digest"] or meta["digest"] != wanted:
             raise TransportError(f"{uid} from {peer} does not match the digest it announced")

@@ -20,70 +20,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from dht.keys import group_key, peers_key, version_key
 from dht.records import PeerRecord, VersionRecord
 from p2p_spes.averaging import (
-    DECISION_LAG,
-    HOLD,
     Base,
-    ErrorFeedback,
     GroupAllReduce,
     GroupResult,
     arrival_delays,
-    longest_wait,
     tensor_digest,
 )
 from p2p_spes.config import SwarmConfig
-from p2p_spes.merging import merge_alpha, merge_experts
-from p2p_spes.model import MoETransformer, copy_into
-from p2p_spes.swarm.agreement import Refresher, adoptable, all_published, group_id, majority, wait_versions
+from p2p_spes.merging import merge_alpha
+from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.agreement import Refresher, adoptable, all_published, majority, wait_versions
+from p2p_spes.swarm.apply import GroupApplier
+from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.membership import FRESH, Membership
-from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten, split_like
-from p2p_spes.swarm.pacing import Deadlines
-from p2p_spes.swarm.report import GroupReport, RoundReport
+from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten
+from p2p_spes.swarm.pacing import Deadlines, adopt_window, version_ttl, version_window
+from p2p_spes.swarm.report import RoundReport
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
 
 log = logging.getLogger(__name__)
-
-
-def version_window(sw: SwarmConfig) -> float:
-    """How long a peer waits after its groups for the others' digests: their rounds start up to a
-    join window apart."""
-    return sw.matchmaking_time + 2.0
-
-
-def adopt_window(sw: SwarmConfig) -> float:
-    """How long a peer that missed the shared group waits for the digests of those that made it: they
-    publish after their transfers (up to an averaging timeout after the group closed) and expert groups,
-    and without a digest of theirs there is no result to adopt."""
-    return version_window(sw) + sw.averaging_timeout
-
-
-def version_ttl(sw: SwarmConfig) -> float:
-    """How long a digest stays in the DHT: a peer that missed the group reads it up to an adopt window
-    after the members published it."""
-    return sw.record_ttl + adopt_window(sw)
-
-
-def sync_deadline(sw: SwarmConfig, peers: int | None = None) -> float:
-    """The longest a sync round can hold a peer up, whatever the others do: join window (held open for
-    its quorum up to ``longest_wait``) and averaging timeout, then a join window and a timeout once more
-    per group retry (which forms ``HOLD`` after the failed attempt's deadline has passed for every
-    member, ``DECISION_LAG`` after it has for the first), then the wait for the others' digests, which
-    is longest when adopting their result (downloads of refreshed experts come on top, bounded by
-    size). A shared group run as a grid (more than ``group_size`` of the swarm's ``peers``, or any
-    number when not given) has its rows' deadline, a column's (and its retries') and the results' on top."""
-    flat = (longest_wait(sw.matchmaking_time) if sw.quorum else sw.matchmaking_time) + sw.averaging_timeout
-    flat += sw.group_retries * (sw.matchmaking_time + sw.averaging_timeout + HOLD + DECISION_LAG)
-    if sw.group_size and (peers is None or peers > sw.group_size):
-        flat += 2 * sw.averaging_timeout + sw.matchmaking_time
-    return flat + adopt_window(sw)
 
 
 def with_current_records(peers: dict[str, PeerRecord], membership: Membership, me: str) -> dict[str, PeerRecord]:
@@ -109,6 +73,25 @@ def holder_groups(
     return {e: {p for p, r in peers.items() if e in r.experts and p in present} | {me} for e in experts}
 
 
+@dataclass(frozen=True)
+class SharedOutcome:
+    """What the shared group decided for the rest of the round: who took part and whom the expert
+    groups wait for."""
+
+    decided: bool  # the group's membership is the round's, with or without us
+    late: bool  # the group closed without us
+    members: frozenset[str]  # its members (every peer we expected, when undecided)
+    peers: dict[str, PeerRecord]  # the live peers' records, re-read once the membership was decided
+    lateness: dict[str, float]  # every arrival's delay after the first (the next join window is fitted to it)
+
+    @property
+    def present(self) -> set[str]:
+        """Whom the expert groups expect: a peer that missed the shared group is dead, frozen or late, and
+        waiting for it in every expert group would cost one join window per expert. When we are the late
+        one, the group's members expect nobody else."""
+        return set() if self.late else set(self.members)
+
+
 class RoundRunner:
     """Runs sync rounds with the parts of a :class:`~p2p_spes.swarm.Swarm`."""
 
@@ -124,13 +107,13 @@ class RoundRunner:
         outer: OuterOptimizer,
         guard: UpdateGuard,
         deadlines: Deadlines,
-        stats: Counter,
+        stats: SwarmCounters,
     ) -> None:
         self.sw, self.runtime, self.membership, self.reducer = sw, runtime, membership, reducer
         self.server, self.downloader, self.refresher = server, downloader, refresher
-        self.outer, self.guard, self.deadlines, self.stats = outer, guard, deadlines, stats
+        self.outer, self.deadlines, self.stats = outer, deadlines, stats
         self.peer_id = runtime.peer_id
-        self.feedback = ErrorFeedback(reducer.codec)  # what our messages dropped, sent next round
+        self.applier = GroupApplier(reducer, server, outer, guard, deadlines, stats)
         self.last_versions: dict[str, VersionRecord] = {}  # the digests published in our last round, by peer
 
     def run(
@@ -144,23 +127,41 @@ class RoundRunner:
         """One round on ``model`` (see the module docstring); ``on_joined`` is called once the shared
         group's membership is decided."""
         t0 = time.monotonic()
-        downloaded0, served0 = self.stats["bytes_received"], self.stats["bytes_served"]
-        reduced_in0, reduced_out0 = self.reducer.server.served_in, self.reducer.server.served_out
-        sw, call = self.sw, self.runtime.call
+        marks = self._byte_marks()
         peers = self.membership.live_peers(FRESH)  # the boundary's checks read them a moment ago
         peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self.membership.record())
         report = RoundReport(round=round_no, step=step, tokens=int(weight))
         weight = max(float(weight), 1e-6)
-
-        shared = [p for _, p in model.shared_parameters()]
-        flat = flatten(shared)
         window = self.deadlines.join_window()
         sending: dict[str, torch.Tensor] = {}  # uid -> the pseudo-gradient (with residual) we send
-        shared_res = call(
+        shared = self._shared_group(model, round_no, peers, weight, window, sending, on_joined, report)
+        self._expert_groups(model, round_no, shared, weight, window, sending, report)
+        self.server.take_snapshot(round_no, step, self.outer.momentum)
+        self._agree(model, round_no, shared, report)
+        self._merge_if_due(model, round_no, step, report)
+        report.seconds = time.monotonic() - t0
+        self._finish(model, report, marks)
+        return report
+
+    def _shared_group(
+        self,
+        model: MoETransformer,
+        round_no: int,
+        peers: dict[str, PeerRecord],
+        weight: float,
+        window: float,
+        sending: dict[str, torch.Tensor],
+        on_joined: Callable[[], None] | None,
+        report: RoundReport,
+    ) -> SharedOutcome:
+        """Phase 1: the shared parameters' group across every live peer, applied; what it decided."""
+        shared = [p for _, p in model.shared_parameters()]
+        flat = flatten(shared)
+        res = self.runtime.call(
             self.reducer.run(
                 round_no,
                 "shared",
-                self._contribution("shared", flat, sending),
+                self.applier.contribution("shared", flat, sending),
                 weight,
                 set(peers),
                 on_members=on_joined,
@@ -169,26 +170,34 @@ class RoundRunner:
                 base=self.outer.base("shared"),
                 rebase=self._rebase("shared", flat.numel()),
                 bounded=True,
-                quorum=sw.quorum,
+                quorum=self.sw.quorum,
             )
         )
-        report.groups["shared"] = self._apply(shared_res, shared, "shared", flat, sending, round_no)
-        report.join_window = shared_res.window
-
-        # a peer that missed the shared group is dead, frozen or late: waiting for it in every expert
-        # group would cost one join window per expert, so the expert groups expect only its members.
-        # When we are the late one (the group closed without us), its members expect nobody else.
-        late = not shared_res.ok and bool(shared_res.members) and self.peer_id not in shared_res.members
-        decided = shared_res.ok or late  # the shared group's membership is the round's, with or without us
-        shared_members = set(shared_res.members) if decided else set(peers)
-        present = {self.peer_id} if late else shared_members
+        report.groups["shared"] = self.applier.apply(res, shared, "shared", flat, sending, round_no)
+        report.join_window = res.window
+        late = not res.ok and bool(res.members) and self.peer_id not in res.members
+        decided = res.ok or late
         if decided:
             peers = with_current_records(peers, self.membership, self.peer_id)
-        # all expert groups at once: they share one join window and one deadline, where one after
-        # another a member that froze mid-round would cost a window or a timeout per expert
+        members = frozenset(res.members) if decided else frozenset(peers)
+        return SharedOutcome(decided=decided, late=late, members=members, peers=peers, lateness=res.lateness)
+
+    def _expert_groups(
+        self,
+        model: MoETransformer,
+        round_no: int,
+        shared: SharedOutcome,
+        weight: float,
+        window: float,
+        sending: dict[str, torch.Tensor],
+        report: RoundReport,
+    ) -> None:
+        """Phase 2: every expert we train, averaged among its holders, all groups at once (they share one
+        join window and one deadline, where one after another a member that froze mid-round would cost
+        a window or a timeout per expert); a lone holder's copy is the truth."""
         flats = {e: flatten(model.expert_tensors(e)) for e in model.local_experts}
-        groups = holder_groups(peers, present, self.peer_id, flats)
-        pooled = [e for e in flats if len(groups[e]) > 1]  # a lone holder's copy is the truth
+        groups = holder_groups(shared.peers, shared.present, self.peer_id, flats)
+        pooled = [e for e in flats if len(groups[e]) > 1]
 
         async def expert_groups() -> list[GroupResult]:
             # the groups share the link: each one's deadline is for all of their bytes together
@@ -198,7 +207,7 @@ class RoundRunner:
                     self.reducer.run(
                         round_no,
                         f"expert{e}",
-                        self._contribution(f"expert:{e}", flats[e], sending),
+                        self.applier.contribution(f"expert:{e}", flats[e], sending),
                         weight,
                         groups[e],
                         window=window,
@@ -210,13 +219,16 @@ class RoundRunner:
                 )
             )
 
-        results = dict(zip(pooled, call(expert_groups()))) if pooled else {}
+        results = dict(zip(pooled, self.runtime.call(expert_groups()))) if pooled else {}
         for e, flat in flats.items():
             uid = f"expert:{e}"
-            res = results[e] if e in results else self.reducer.solo(self._contribution(uid, flat, sending)())
-            report.groups[f"expert{e}"] = self._apply(res, model.expert_tensors(e), uid, flat, sending, round_no)
+            res = results[e] if e in results else self.reducer.solo(self.applier.contribution(uid, flat, sending)())
+            report.groups[f"expert{e}"] = self.applier.apply(res, model.expert_tensors(e), uid, flat, sending, round_no)
 
-        self.server.take_snapshot(round_no, step, self.outer.momentum)
+    def _agree(self, model: MoETransformer, round_no: int, shared: SharedOutcome, report: RoundReport) -> None:
+        """Phase 3: publish the digests of what we now hold, wait for the others', adopt the shared result
+        if we missed the group, and bring the experts we do not train to the agreed versions."""
+        sw, peers = self.sw, shared.peers
         # experts no live peer trains: every peer keeps a copy, and the copies must agree
         held = model.held_experts()
         orphaned = [e for e in range(model.moe_cfg.num_experts) if not any(e in r.experts for r in peers.values())]
@@ -229,7 +241,9 @@ class RoundRunner:
             group=report.shared.members if report.shared.ok else 0,
             failed=frozenset(e for e in model.local_experts if not report.groups[f"expert{e}"].ok),
         )
-        call(self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=version_ttl(sw)))
+        self.runtime.call(
+            self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=version_ttl(sw))
+        )
         # wait for the digests of the peers that took part in this round; a peer that did not join the
         # shared group is dead or late, and waiting for it would only slow everyone down
         adopting = not report.shared.ok and not report.shared.refused
@@ -239,35 +253,33 @@ class RoundRunner:
         # first. Ending later made the adopter late for the next round, to adopt again (rounds 10-15 of
         # a 24-peer churn run: 12-15 adopters behind groups of 2-5); ending at the first result made it
         # open the next round before the members came, to a group of adopters
-        candidates = shared_members if decided else None
+        candidates = set(shared.members) if shared.decided else None
         versions = wait_versions(
             self.runtime,
             round_no,
-            shared_members,
+            set(shared.members),
             adopt_window(sw) if adopting else version_window(sw),
             enough=(lambda vs: bool(adoptable(vs, self.peer_id, candidates))) if adopting else None,
             after=version_window(sw),
-            complete=(lambda vs: all_published(adoptable(vs, self.peer_id, candidates))) if decided else None,
+            complete=(lambda vs: all_published(adoptable(vs, self.peer_id, candidates))) if shared.decided else None,
         )
-        report.versions_missing = len(shared_members - set(versions))
+        report.versions_missing = len(shared.members - set(versions))
         if adopting:
             report.adopted_shared_from = self._adopt_shared(model, round_no, versions, candidates)
         # the next join window counts every arrival in the group's key, the late ones included: a window
         # fitted to the members alone shrinks to the fast peers' spread and shuts the slower ones out
         # for good (each of them adopts, late, every round; its tokens are lost every time)
-        if shared_res.lateness:
-            self.deadlines.observe_round(
-                shared_res.lateness,
-                arrival_delays(call(self.runtime.get(group_key(self.runtime.run_id, round_no, "shared")))),
-            )
+        if shared.lateness:
+            key = group_key(self.runtime.run_id, round_no, "shared")
+            self.deadlines.observe_round(shared.lateness, arrival_delays(self.runtime.call(self.runtime.get(key))))
         # choose versions from the shared group's members first: a late peer (thawed, or out of its group)
         # publishes a digest some members see and others do not, and must not tip anyone's choice
-        agreed = {p: v for p, v in versions.items() if p in shared_members} if decided else versions
+        agreed = {p: v for p, v in versions.items() if p in shared.members} if shared.decided else versions
         self.last_versions = versions
         frozen = [e for e in held if e not in model.local_experts]  # none in partial residency
-        by_delta = self.stats["delta_refreshes"]
+        by_delta = self.stats.delta_refreshes
         report.refreshed, report.refresh_missed = self.refresher.refresh(model, peers, frozen, versions, agreed)
-        report.refreshed_by_delta = self.stats["delta_refreshes"] - by_delta
+        report.refreshed_by_delta = self.stats.delta_refreshes - by_delta
         report.orphaned = orphaned
         # an expert a peer trained this round is not orphaned, even if its record came too late for
         # our snapshot of the live peers (a joiner): its holder's version, refreshed above, stands
@@ -276,29 +288,38 @@ class RoundRunner:
             model, [e for e in orphaned if e in held and e not in trained], agreed
         )
 
+    def _merge_if_due(self, model: MoETransformer, round_no: int, step: int, report: RoundReport) -> None:
+        """Phase 4: the warm-up merge at merge rounds, while its alpha is above 0."""
+        sw = self.sw
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
             if alpha > 0:
-                self._merge(model, alpha)
+                self.applier.merge(model, alpha)
                 self.server.take_snapshot(round_no, step, self.outer.momentum)
                 report.merge_alpha = alpha
 
-        report.seconds = time.monotonic() - t0
+    def _byte_marks(self) -> tuple[int, int, int, int]:
+        """The byte counters at the round's start (downloads, served state, reducer in and out)."""
+        served = self.reducer.server
+        return self.stats.bytes_received, self.stats.bytes_served, served.served_in, served.served_out
+
+    def _finish(self, model: MoETransformer, report: RoundReport, marks: tuple[int, int, int, int]) -> None:
+        """Phase 5: the round's bytes, digests and outcome into ``report`` and the counters."""
+        downloaded0, served0, reduced_in0, reduced_out0 = marks
         report.bytes_sent = sum(g.bytes_sent for g in report.groups.values())
         report.bytes_received = sum(g.bytes_received for g in report.groups.values())
         public = self.outer.public_values(model)  # what we serve where our weights run ahead of it
         report.shared_digest = tensor_digest(public.get("shared", [p.detach() for _, p in model.shared_parameters()]))
         report.expert_digests = {
-            str(e): tensor_digest(public.get(f"expert:{e}", model.expert_tensors(e))) for e in held
+            str(e): tensor_digest(public.get(f"expert:{e}", model.expert_tensors(e))) for e in model.held_experts()
         }
-        self.stats[{"averaged": "rounds_joined", "alone": "rounds_alone"}.get(report.outcome, "rounds_failed")] += 1
-        report.downloaded_bytes = self.stats["bytes_received"] - downloaded0
-        report.served_bytes = self.stats["bytes_served"] - served0
+        self.stats.count_round(report.outcome)
+        report.downloaded_bytes = self.stats.bytes_received - downloaded0
+        report.served_bytes = self.stats.bytes_served - served0
         report.reducer_in_bytes = self.reducer.server.served_in - reduced_in0
         report.reducer_out_bytes = self.reducer.server.served_out - reduced_out0
-        self.stats["bytes_sent"] += report.bytes_sent
-        self.stats["bytes_received"] += report.bytes_received
-        return report
+        self.stats.bytes_sent += report.bytes_sent
+        self.stats.bytes_received += report.bytes_received
 
     def _group_timeout(self, flat: torch.Tensor, members: int) -> float | None:
         """The transfer deadline we propose for an all-reduce of ``flat`` among ``members`` (None: not
@@ -334,93 +355,13 @@ class RoundRunner:
                     log.info("could not take the anchor of %s from %s: %s", uid, peer, exc)
                     continue
                 self.outer.set_anchor(uid, anchor, base.round)
-                self.feedback.drop(uid)  # it was relative to our old anchor
-                self.stats["anchors_rebased"] += 1
+                self.applier.feedback.drop(uid)  # it was relative to our old anchor
+                self.stats.anchors_rebased += 1
                 log.info("took the agreed anchor of %s (round %d) from %s", uid, base.round, peer)
                 return
             raise RuntimeError(f"no member served the agreed anchor of {uid}")
 
         return rebase
-
-    def _apply(
-        self,
-        res: GroupResult,
-        targets: list[torch.Tensor],
-        uid: str,
-        local: torch.Tensor,
-        sending: dict[str, torch.Tensor],
-        round_no: int,
-    ) -> GroupReport:
-        """Write a successful group's result (the outer step of its decoded average, from the agreed
-        anchor) into the model and keep its encoded parts to serve; a failed one is dropped, and so is
-        one the update guard refuses (we keep our values and take no one's)."""
-        info = GroupReport(
-            ok=res.ok,
-            members=len(res.members),
-            group_id=group_id(res.members),
-            bytes_sent=res.bytes_sent,
-            bytes_received=res.bytes_received,
-            seconds=round(res.seconds, 3),
-            retries=res.retries or None,
-            attempts=res.attempts if res.attempts > 1 else None,
-            lost=res.lost or None,
-            rows=res.rows or None,
-            partial=True if res.ok and res.rows and res.sent is None else None,
-        )
-        if not res.ok:
-            info.error = res.error
-            return info
-        if len(res.members) > 1:
-            if not res.lost:
-                # a round that lost a member waited for it: its time says nothing of the links, and the
-                # group's deadline is the longest any member proposes, so one member's inflated estimate
-                # would become everyone's (a round without losses still counts a retry our own link needed)
-                self.deadlines.observe_transfer(res.bytes_sent + res.bytes_received, res.transfer_seconds)
-            reason = self.guard.implausible(uid.split(":")[0], local, self.outer.anchor[uid] - res.tensor)
-            if reason:
-                log.warning("refused the %s result of this round: %s", uid, reason)
-                self.stats["updates_refused"] += 1
-                info.ok, info.refused, info.error = False, reason, f"refused: {reason}"
-                return info
-        base = self.outer.base(uid)
-        value = self.outer.step(uid, res.tensor, round_no)
-        if self.outer.keeps_own(len(res.members), not self.reducer.codec.lossless, carried=res.sent is not None):
-            # our weights keep what we trained; the anchor, what we serve, took the encoded value, and
-            # the next pseudo-gradient (anchor - weights) carries what this message dropped: no residual.
-            # Alone, that is our weights as they are; in a group, its result plus what we sent and it
-            # did not carry (what we sent is relative to the anchor the result moved from)
-            if len(res.members) > 1:
-                copy_into(targets, split_like(value - (sending[uid] - res.sent), targets))
-            self.outer.ahead.add(uid)
-            self.feedback.drop(uid)
-            digest = tensor_digest(self.outer.public(uid, targets))
-        else:
-            copy_into(targets, split_like(value, targets))
-            if res.sent is None:  # our contribution missed part of the result: it holds nothing to carry over
-                self.feedback.drop(uid)
-            else:
-                self.feedback.settle(uid, sending[uid], res.sent)
-            digest = tensor_digest(targets)
-        self.server.keep_update(uid, base.digest, digest, res.messages)
-        return info
-
-    def _merge(self, model: MoETransformer, alpha: float) -> None:
-        """The warm-up merge, on the values every peer holds: an expert whose weights run ahead of its
-        anchor is merged at its anchor (as the others hold it) and keeps its lead on top."""
-        leads = {}
-        for e in model.local_experts:
-            uid, targets = f"expert:{e}", model.expert_tensors(e)
-            if uid in self.outer.ahead:
-                public = self.outer.public(uid, targets)
-                leads[uid] = [t.detach() - p.to(t.device) for t, p in zip(targets, public)]
-                copy_into(targets, public)
-        merge_experts(model, alpha)
-        for e in model.local_experts:
-            uid, targets = f"expert:{e}", model.expert_tensors(e)
-            self.outer.reanchor(uid, targets, only_existing=True)
-            if uid in leads:
-                copy_into(targets, [t.detach() + d for t, d in zip(targets, leads[uid])])
-                self.outer.ahead.add(uid)
 
     def _adopt_shared(
         self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord], among: set[str] | None = None
@@ -439,9 +380,9 @@ class RoundRunner:
         model.write_shared(tensors)
         self.outer.fetch_momentum(self.downloader, peer, "shared", sum(t.numel() for t in like))
         self.outer.set_anchor("shared", flatten(tensors), round_no)
-        self.feedback.drop("shared")
+        self.applier.feedback.drop("shared")
         self.server.take_snapshot(round_no, self.server.current("shared")["step"], self.outer.momentum)
-        self.stats["rounds_adopted"] += 1
+        self.stats.rounds_adopted += 1
         return peer
 
     def publish_record(self) -> None:

@@ -1,0 +1,113 @@
+"""What peers must share to train together, checked before a peer sends anything: the model (its
+fingerprint) and how sync rounds are encoded (the protocol and the codec). A peer that differs is refused
+with a sentence naming the difference and the fix."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from p2p_spes.errors import SwarmError
+
+log = logging.getLogger(__name__)
+SYNC_PROTOCOL = 2  # 1: groups averaged weights; 2: pseudo-gradients through a codec (compression.py)
+
+
+def describe_difference(ours: dict, theirs: dict) -> str:
+    """The model-defining settings in which two configs differ, as ``section.key: ours X, run's Y``."""
+    diffs = []
+    for section in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(section, {}), theirs.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                diffs.append(f"{section}.{key}: ours {a.get(key)!r}, run's {b.get(key)!r}")
+    return "; ".join(diffs) or "fingerprints differ"
+
+
+def sync_settings(compression: Any, topk_fraction: Any, topk_result_fraction: Any = None) -> dict[str, Any]:
+    """What peers must share to average together: the protocol (pseudo-gradients since version 2)
+    and the codec; the top-k shares only matter to ``topk`` (the result's only when it is set, so
+    that peers which predate it still match the default)."""
+    out = {"protocol": SYNC_PROTOCOL, "compression": compression}
+    if compression == "topk":
+        out["topk_fraction"] = topk_fraction
+        if topk_result_fraction is not None:
+            out["topk_result_fraction"] = topk_result_fraction
+    return out
+
+
+def describe_sync(settings: Any) -> str:
+    if not isinstance(settings, dict) or settings.get("protocol") != SYNC_PROTOCOL:
+        return "an older p2p-spes (it averages weights, not pseudo-gradients: upgrade every peer)"
+    extra = "".join(f" ({k} {settings[k]})" for k in ("topk_fraction", "topk_result_fraction") if k in settings)
+    return f"compression {settings.get('compression')}{extra}"
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What the run's peers published: their model records and their run configs, by peer."""
+
+    records: dict[str, Any]
+    run_configs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Ours:
+    """What this peer would publish: its model fingerprint and settings, sync settings and config hash."""
+
+    fingerprint: str
+    model: dict[str, Any]
+    sync: dict[str, Any]
+    config_hash: str
+
+
+def model_records(view: RunView, ours: Ours) -> dict[str, Any]:
+    """Every peer's model record, those only known from a published run config included."""
+    records = dict(view.records)
+    for peer, value in view.run_configs.items():
+        published = value.get("config") if isinstance(value.get("config"), dict) else {}
+        moe = published.get("moe") if isinstance(published.get("moe"), dict) else {}
+        swarm = published.get("swarm") if isinstance(published.get("swarm"), dict) else {}
+        records.setdefault(
+            peer,
+            {
+                "fingerprint": value.get("fingerprint"),
+                "model": {"model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours.model["moe"]}},
+                "sync": sync_settings(
+                    swarm.get("compression"), swarm.get("topk_fraction"), swarm.get("topk_result_fraction")
+                ),
+            },
+        )
+    return records
+
+
+def check_run(run_id: str, peer_id: str, view: RunView, ours: Ours) -> None:
+    """Raise :class:`SwarmError` if the run trains another model or encodes its rounds otherwise; warn
+    if its config differs from ours in other settings."""
+    records = model_records(view, ours)
+    for peer, value in records.items():
+        if isinstance(value, dict) and value.get("fingerprint") != ours.fingerprint:
+            theirs = value.get("model") if isinstance(value.get("model"), dict) else {}
+            raise SwarmError(
+                f"run {run_id!r} trains a different model than this config (peer {peer}): "
+                f"{describe_difference(ours.model, theirs)}. Join with --config-from-swarm to use the run's config, "
+                "or pick another --run-id"
+            )
+    for peer, value in records.items():
+        other = value.get("sync") if isinstance(value, dict) else None
+        if peer != peer_id and other != ours.sync:
+            raise SwarmError(
+                f"run {run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
+                f"{describe_sync(other)} there, {describe_sync(ours.sync)} here. swarm.compression and "
+                "swarm.topk_fraction (and topk_result_fraction) are run-wide: set them as the run does, or join "
+                "with --config-from-swarm"
+            )
+    theirs = {v.get("hash") for p, v in view.run_configs.items() if p != peer_id}
+    if theirs and ours.config_hash not in theirs:
+        log.warning(
+            "this config (hash %s) differs from the one the run publishes (%s) in settings other than "
+            "the model; join with --config-from-swarm to train with the run's",
+            ours.config_hash[:16],
+            ", ".join(h[:16] for h in sorted(h for h in theirs if isinstance(h, str))),
+        )
