@@ -195,7 +195,7 @@ def test_swarm_trains_syncs_merges_and_ends_identical(tmp_path):
     # the shared group of three runs the robust centered_clip rule, and its rounds overlap training:
     # members still end bit-identical. AdamW inside: with Muon, DiLoCo's Nesterov outer step and
     # overlapped rounds, one CI run out of two learned nothing in these 90 steps (val 8.99 from 9.02);
-    # in the quality benchmark that pair ends 2.2% behind the plain average (README, Limits), and this test is about syncing
+    # in the quality benchmark that pair ends 2.2% behind the plain average (docs/limits.md), and this test is about syncing
     swarm = LocalSwarm(
         None,
         SMALL
