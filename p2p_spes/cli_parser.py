@@ -201,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("config", help="print the resolved config (after --set overrides) and its model fingerprint")
     _add_config_args(show)
+    show.add_argument(
+        "--explain",
+        action="store_true",
+        help="list every key with its value, scope, whether it differs from the default, and its doc",
+    )
     show.set_defaults(command="config")
     export = sub.add_parser("export", help="export a checkpoint as a Hugging Face OlmoeForCausalLM directory")
     export.add_argument(

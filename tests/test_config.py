@@ -38,7 +38,7 @@ def test_spes_rule_and_explicit_placement():
         (["model.num_layers=2.5"], r"model.num_layers: expected int"),
         (["train.lr=fast"], r"train.lr: expected float"),
         (["experts.decayed_lb=1"], r"experts.decayed_lb: expected bool"),
-        (["data.partition=overlapping"], r"data.partition must be disjoint or shared, got 'overlapping'"),
+        (["data.partition=overlapping"], r"data.partition: must be one of 'disjoint', 'shared', got 'overlapping'"),
         (["moe.impl=cuda"], r"moe.impl: must be one of 'auto', 'torch', 'megablocks'"),
         (["moe.top_k=9"], r"moe.top_k \(9\) cannot exceed moe.num_experts \(8\)"),
         (["peer.count=2", "peer.index=2"], r"peer.index \(2\) must be in \[0, peer.count=2\)"),
@@ -107,6 +107,19 @@ def test_scopes_live_on_the_fields_and_the_lists_derive_from_them():
     assert scope_of("swarm", "run_id") == "local" and scope_of("experts", "placement") == "run"
     assert scope_of("train", "lr") == "run" and scope_of("moe", "impl") == "local"
     assert settings_of_scope("batch") == [("train", "batch_size"), ("train", "grad_accum")]
+    # the machine-local settings, pinned: moving one in or out of "local" changes what peers must agree on
+    local = {f"{section}.{name}" for section, name in settings_of_scope("local")}
+    assert local == {
+        *("moe.impl", "moe.torch_kernel", "experts.local", "peer.index"),
+        *("data.train", "data.validation", "data.tokenizer", "data.verify"),
+        *("train.device", "train.dtype", "train.log_interval", "train.eval_interval", "train.eval_batches"),
+        *("train.checkpoint_interval", "train.keep_checkpoints", "train.run_dir", "train.threads"),
+        *("train.tensorboard", "train.tensorboard_dir"),
+        *("swarm.run_id", "swarm.initial_peers", "swarm.host_maddrs", "swarm.announce_maddrs"),
+        *("swarm.identity_path", "swarm.client_mode", "swarm.use_relay", "swarm.use_auto_relay"),
+        *("swarm.bootstrap_timeout", "swarm.residency", "swarm.max_experts_per_peer", "swarm.overlap"),
+        "swarm.secret_file",
+    }
     # a local setting changes neither the fingerprint nor the published config's hash; a run-wide one does
     from dht.run_config import run_config_record
 
@@ -123,10 +136,11 @@ def test_scopes_live_on_the_fields_and_the_lists_derive_from_them():
     ],
 )
 def test_command_line_flags_are_validated_like_set(flags, message, capsys, tmp_path):
-    from p2p_spes.cli import _overrides, build_parser
+    from p2p_spes.cli_config import config_overrides
+    from p2p_spes.cli_parser import build_parser
 
     args = build_parser().parse_args(["train", "--run-dir", str(tmp_path), *flags])
-    overrides = _overrides(args)
+    overrides = config_overrides(args)
     assert f'train.run_dir="{tmp_path}"' in overrides
     if message is None:
         assert load_config(None, overrides).swarm.initial_peers == ["not-an-address"]

@@ -31,16 +31,16 @@ def test_more_peers_than_experts_replicate_every_expert():
 
 def test_three_local_peers_share_eight_experts():
     cfg = load_config("tiny", ["peer.count=3"])  # was refused: "peer.count (3) to divide moe.num_experts (8)"
-    assert [cfg.experts_per_peer(p) for p in range(3)] == [2, 3, 3]
+    assert [cfg.experts_per_partition(p) for p in range(3)] == [2, 3, 3]
     assert sorted(e for p in range(3) for e in cfg.local_experts(p)) == list(range(8))
     cfg = load_config("tiny", ["peer.count=16"])
-    assert [cfg.experts_per_peer(p) for p in range(16)] == [1] * 16
+    assert [cfg.experts_per_partition(p) for p in range(16)] == [1] * 16
 
 
 def test_replicas_raise_each_peers_share_to_that_many_holders_per_expert():
     shares = {
         (count, replicas): [
-            load_config("tiny", [f"peer.count={count}", f"swarm.replicas={replicas}"]).experts_per_peer(p)
+            load_config("tiny", [f"peer.count={count}", f"swarm.replicas={replicas}"]).experts_per_partition(p)
             for p in range(count)
         ]
         for count, replicas in ((4, 2), (3, 2), (2, 4), (16, 2), (16, 4))
