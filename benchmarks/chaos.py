@@ -1,8 +1,8 @@
 """Long chaos run: a loopback swarm under random faults for several minutes, then the checks.
 
-    python benchmarks/chaos.py                      # 4 peers, 10 minutes, a fault every 15-30 s
-    python benchmarks/chaos.py --peers 8 --minutes 20 --seed 3
-    sudo .venv/bin/python benchmarks/chaos.py --minutes 30 --interval 5 15 --disk-full    # the README's run
+    python -m benchmarks.chaos                      # 4 peers, 10 minutes, a fault every 15-30 s
+    python -m benchmarks.chaos --peers 8 --minutes 20 --seed 3 --variant p8-seed3
+    sudo .venv/bin/python -m benchmarks.chaos --minutes 30 --interval 5 15 --disk-full    # the README's run
 
 Faults: SIGKILL of a peer's main process (at a random moment, or inside a sync round), SIGSTOP of a
 peer's whole process group for longer than the sync deadline then SIGCONT, restarts of killed peers
@@ -10,13 +10,13 @@ from their own checkpoints, the run's bootstrap killed and started again (peers 
 a real run), and with ``--disk-full`` (root: each peer's run directory is a small tmpfs of its own) a
 peer's disk filled up until it has tried its next checkpoint. Prints a table (faults injected, rounds
 completed and discarded, longest stall of a healthy peer against its bound, consistency checks,
-checkpoints lost to a full disk, orphaned processes, loss) and writes ``benchmarks/results/chaos/main.json``.
+checkpoints lost to a full disk, orphaned processes, loss) and writes
+``benchmarks/results/chaos/<variant>.json`` (``--variant``, default ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import socket
 import subprocess
@@ -27,12 +27,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.lab import results
 from benchmarks.lab.chaos import Chaos, analyse, failed_checkpoints, orphaned
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.metrics_log import METRICS_FILE, metrics_path
 from p2p_spes.swarm import sync_deadline
 
-RESULTS = Path(__file__).parent / "results" / "chaos.json"
 CONFIG = [
     "model.d_model=64",
     "model.num_layers=2",
@@ -76,7 +77,9 @@ def main() -> None:
         help="also fill a peer's disk during a checkpoint (root: mounts a tmpfs per peer)",
     )
     parser.add_argument("--disk-mb", type=int, default=96, help="size of each peer's tmpfs with --disk-full")
+    results.add_variant(parser)
     args = parser.parse_args()
+    writer = results.start("chaos", args.variant, seeds=[args.seed])
 
     overrides = CONFIG + args.overrides
     cfg = load_config(None, overrides)
@@ -129,8 +132,8 @@ def main() -> None:
     report.orphans = orphaned(swarm)
     lost = checkpoints_lost(run_dir, swarm, ended)
     for mount in mounts:  # after the analysis: it reads the peers' metrics there; a copy outlives the tmpfs
-        if (mount / "metrics.jsonl").exists():
-            shutil.copy(mount / "metrics.jsonl", mount.with_name(f"{mount.name}.metrics.jsonl"))
+        if metrics_path(mount).exists():
+            shutil.copy(metrics_path(mount), mount.with_name(f"{mount.name}.{METRICS_FILE}"))
         subprocess.run(["umount", str(mount)], check=False)
 
     table = Table(title=f"chaos: {args.peers} peers, {args.minutes:g} min, seed {args.seed}")
@@ -163,13 +166,11 @@ def main() -> None:
     console.print(table)
     for failure in report.consistency_failures:
         console.print(f"[red]{failure}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "command": "python benchmarks/chaos.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("run_dir", "overrides")),
         "peers": args.peers,
         "minutes": args.minutes,
         "seed": args.seed,
+        "overrides": overrides,
         "sync_deadline_s": deadline,
         **report.to_dict(),
         "fault_log": [vars(f) for f in chaos.faults],
@@ -183,8 +184,7 @@ def main() -> None:
             "loss_fell": report.loss_fell,
         },
     }
-    RESULTS.write_text(json.dumps(result, indent=1))
-    console.print(f"wrote {RESULTS}")
+    console.print(f"wrote {writer.write(result)}")
 
 
 def checkpoints_lost(run_dir: Path, swarm: LocalSwarm, ended: list[int]) -> dict[str, int]:

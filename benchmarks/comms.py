@@ -1,9 +1,9 @@
 """Bytes per peer per sync round, for every compression codec: this project against the SPES reference
 protocol and an fp32 all-reduce of the whole model.
 
-    python benchmarks/comms.py                                 # 5 codecs x 4 loopback peers x 4 rounds: ~5 min
-    python benchmarks/comms.py --compressions int8 topk --rounds 4
-    python benchmarks/comms.py --no-run --run-dir DIR          # tables again from the records of an earlier run
+    python -m benchmarks.comms                                 # 5 codecs x 4 loopback peers x 4 rounds: ~5 min
+    python -m benchmarks.comms --compressions topk topk-dense --rounds 3 --variant topk-dense
+    python -m benchmarks.comms --no-run --run-dir DIR          # tables again from the records of an earlier run
 
 Measured: one real 4-peer loopback swarm per codec (``swarm.compression``: none fp16 int8 int4 topk, and
 ``topk-dense``: topk with ``swarm.topk_result_fraction`` 4/64, averaged parts denser than messages) of a
@@ -40,15 +40,13 @@ experts (one holder each), S shared parameters and X parameters per expert:
 
 The framing overhead of a codec is measured / computed on the loopback run; the projections to
 spes-1b and spes-7b at 4 and 16 peers multiply the computed payload by it. Writes
-``benchmarks/results/comms/main.json``.
+``benchmarks/results/comms/<variant>.json`` (``--variant``, default ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,13 +54,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.lab import results
 from p2p_spes.averaging.compression import BLOCK, CODECS, Codec, bits_per_value
 from p2p_spes.config import load_config
 from p2p_spes.errors import SwarmError
 from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.metrics_log import round_records
 from p2p_spes.model import MoETransformer
 
-RESULTS = Path(__file__).parent / "results" / "comms.json"
 SYNC_STEPS = 3
 PAYLOAD = [
     "model.d_model=256",
@@ -204,9 +203,7 @@ def read_records(run_dir: Path, peers: int) -> dict:
     """Mean bytes per peer per round by component over the complete rounds after each peer's first."""
     by_round: dict[int, dict[int, dict]] = {}
     for i in range(peers):
-        path = run_dir / f"peer{i}" / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        records = [json.loads(line) for line in lines if '"sync_round"' in line]
+        records = round_records(run_dir / f"peer{i}")
         for r in records[1:]:  # the first: peers join and catch up
             by_round.setdefault(r["sync_round"], {})[i] = r
     counted, excluded = [], {}
@@ -274,9 +271,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may run")
     parser.add_argument("--run-dir", type=Path, help="where the swarms run (default: a new temporary directory)")
     parser.add_argument("--no-run", action="store_true", help="only read the records already in --run-dir")
+    results.add_variant(parser)
     args = parser.parse_args()
     if args.no_run and args.run_dir is None:
         parser.error("--no-run needs --run-dir")
+    seed = load_config(None, PAYLOAD).train.seed  # the swarms' train.seed and data.seed: the config's
+    writer = results.start("comms", args.variant, seeds=[seed])
     console = Console(width=200)
     mb, gb = 1e6, 1e9
     codecs = {
@@ -533,44 +533,39 @@ def main() -> None:
         + " of its growth)"
     )
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "command": "python benchmarks/comms.py " + " ".join(sys.argv[1:]),
-                "wall_seconds": round(wall, 1),
-                "peers": args.peers,
-                "rounds": args.rounds,
-                "codecs": list(codecs),
-                "topk_fraction": args.topk_fraction,
-                "topk_k_per_block": codecs["topk"].k if "topk" in codecs else None,
-                "topk_result_fraction": args.topk_result_fraction if "topk-dense" in codecs else None,
-                "bits_per_value": {n: bits_per_value(c) for n, c in codecs.items()},
-                "payload_config": PAYLOAD,
-                "shared_params": shared,
-                "expert_params": expert,
-                "experts": experts,
-                "measured": measured,
-                "computed": computed,
-                "framing_overhead": overhead,
-                "measured_over_computed": {n: overhead[n] for n in overhead},
-                "loopback_baselines": {"spes_reference_fp32": ref, "allreduce_fp32": ar},
-                "loopback_times_less_than": {
-                    n: {
-                        "spes_reference_fp32": ref["total"] / m["bytes"]["total"],
-                        "allreduce_fp32": ar["total"] / m["bytes"]["total"],
-                    }
-                    for n, m in measured.items()
-                    if "bytes" in m
-                },
-                "projections": projections,
-                "per_peer_growth_16_over_4_peers": flatness,
-                "targets": {"wanted": TARGETS, "spes-1b": targets},
+    written = writer.write(
+        {
+            "wall_seconds": round(wall, 1),
+            "peers": args.peers,
+            "rounds": args.rounds,
+            "codecs": list(codecs),
+            "topk_fraction": args.topk_fraction,
+            "topk_k_per_block": codecs["topk"].k if "topk" in codecs else None,
+            "topk_result_fraction": args.topk_result_fraction if "topk-dense" in codecs else None,
+            "bits_per_value": {n: bits_per_value(c) for n, c in codecs.items()},
+            "payload_config": PAYLOAD,
+            "shared_params": shared,
+            "expert_params": expert,
+            "experts": experts,
+            "measured": measured,
+            "computed": computed,
+            "framing_overhead": overhead,
+            "measured_over_computed": {n: overhead[n] for n in overhead},
+            "loopback_baselines": {"spes_reference_fp32": ref, "allreduce_fp32": ar},
+            "loopback_times_less_than": {
+                n: {
+                    "spes_reference_fp32": ref["total"] / m["bytes"]["total"],
+                    "allreduce_fp32": ar["total"] / m["bytes"]["total"],
+                }
+                for n, m in measured.items()
+                if "bytes" in m
             },
-            indent=1,
-        )
+            "projections": projections,
+            "per_peer_growth_16_over_4_peers": flatness,
+            "targets": {"wanted": TARGETS, "spes-1b": targets},
+        }
     )
-    console.print(f"wrote {RESULTS}; records in {run_dir}; {wall / 60:.1f} min")
+    console.print(f"wrote {written}; records in {run_dir}; {wall / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Validation loss at equal tokens: centralized training against 4-peer swarms, all scored on the same tokens.
 
-    .venv/bin/python benchmarks/convergence.py      # 7 arms x 3 seeds x 480 steps: ~76 min on 2 cores
-    .venv/bin/python benchmarks/convergence.py --arms centralized spes --seeds 0 --steps 120 --out /tmp/conv
-                                                    # a quick look: ~2.5 min
+    python -m benchmarks.convergence      # 7 arms x 3 seeds x 480 steps: ~76 min on 2 cores
+    python -m benchmarks.convergence --arms centralized spes --seeds 0 --steps 120 --variant quick
+                                          # a quick look: ~2.5 min
 
 Arms (every one trains the same model config on the same embedded corpus with the same token budget,
 P x b x seq_len tokens per step for ``--steps`` steps, with the same seeds):
@@ -35,7 +35,7 @@ Model: the embedded tiny config narrowed to d_model 64, 2 layers, 4 heads, 8 exp
 seq_len 64; P = 4 peers, b = 8, 480 steps (0.98M tokens), sync every 30 steps, merge every 60, warm-up
 5% of the steps, cosine to 10% of the peak lr at the last step.
 
-Lockstep. The swarm peers are started through this script (``--peer-launcher``), which holds each peer
+Lockstep. The swarm peers are started through this module (``--peer-launcher``), which holds each peer
 before the hook that runs a sync round until all P peers have reached that boundary step; nothing else
 changes. Without it (``--free-pacing``) the first peer at a boundary opens the round and the others
 join at the end of the step they are in, skipping the rest: on 2 shared cores the first round alone
@@ -62,13 +62,13 @@ checkpoints are deleted once scored.
 Prints a table, writes ``benchmarks/results/convergence/main.json`` (per arm and seed: the curve, the final
 loss, the run's rounds, skipped steps and tokens; per arm: mean, min-max and std over seeds, the gap to
 centralized and to uncompressed spes) and plots the curves to ``benchmarks/results/convergence/main.png``
-(needs matplotlib: ``pip install -e .[bench]``). ``--out`` writes elsewhere (use it for quick looks).
+(needs matplotlib: ``pip install -e .[bench]``). ``--variant NAME`` writes ``NAME.json`` and ``NAME.png``
+there instead (a quick look, or a setup other than the default).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -85,7 +85,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.lab.chaos import read_metrics
+from benchmarks.lab import results
 from p2p_spes.checkpoint import WEIGHTS, load_checkpoint, read_state
 from p2p_spes.config import load_config
 from p2p_spes.corpus import prepare_embedded_data
@@ -93,9 +93,10 @@ from p2p_spes.data import TokenDataset
 from p2p_spes.errors import SwarmError
 from p2p_spes.export import checkpoint_config
 from p2p_spes.local_swarm import LocalSwarm, PeerPlace
+from p2p_spes.metrics_log import read_metrics
 from p2p_spes.model import MoETransformer
+from p2p_spes.run_summary import read_summary
 
-RESULTS = Path(__file__).parent / "results"
 # a narrow version of the embedded tiny model, so that every arm x 3 seeds fits ~75 min on 2 cores
 CONFIG = [
     "model.d_model=64",
@@ -290,13 +291,16 @@ BARRIER_TIMEOUT = 300.0
 
 
 def lockstep_place(gate: Path, peers: int):
-    """LocalSwarm places that start each peer through :func:`peer_launcher` (same process id, loopback)."""
-    prefix = (sys.executable, str(Path(__file__).resolve()), LAUNCHER, str(gate), str(peers))
+    """LocalSwarm places that start each peer through :func:`peer_launcher` (same process id, loopback):
+    ``env`` execs ``python -m benchmarks.convergence`` with the checkout on the path, whatever the cwd."""
+    module = "benchmarks.convergence"
+    prefix = ("env", f"PYTHONPATH={results.REPO}", sys.executable, "-m", module, LAUNCHER, str(gate), str(peers))
     return lambda index: PeerPlace(argv_prefix=prefix)
 
 
 def peer_launcher(argv: list[str]) -> int:
-    """``convergence.py --peer-launcher GATE P python -m p2p_spes train ...``: that peer, held at each boundary.
+    """``-m benchmarks.convergence --peer-launcher GATE P python -m p2p_spes train ...``: that peer, held at
+    each boundary.
 
     Before the hook that runs a sync round at a boundary step, the peer waits until all P peers have
     reached that step (a file per peer and step under GATE). Nothing else changes: the round, the
@@ -310,7 +314,7 @@ def peer_launcher(argv: list[str]) -> int:
     from p2p_spes.cli import main as cli_main
     from p2p_spes.peer import SwarmSync
 
-    run_hook = SwarmSync.__call__
+    run_hook = SwarmSync.post_step
 
     def held(self: SwarmSync, trainer) -> None:
         if trainer.step % self.sync_steps == 0 and trainer.step <= trainer.cfg.train.max_steps:
@@ -323,7 +327,7 @@ def peer_launcher(argv: list[str]) -> int:
                 time.sleep(0.01)
         run_hook(self, trainer)
 
-    SwarmSync.__call__ = held
+    SwarmSync.post_step = held
     return cli_main(rest)
 
 
@@ -349,8 +353,7 @@ def swarm_report(peer_dirs: list[Path]) -> dict[str, Any]:
     """What the peers did: their summaries, and per round the outcome and schedule jump of each peer."""
     peers, rounds = [], []
     for i, peer in enumerate(peer_dirs):
-        summary_path = peer / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary = read_summary(peer)
         peers.append({k: summary.get(k) for k in SUMMARY_KEYS})
         for r in read_metrics(peer):
             if "sync_round" in r:
@@ -405,7 +408,7 @@ def run_arm(
         overrides = common + seeded + [f"train.batch_size={peers * args.batch}", f"train.threads={args.threads}"]
         run_centralized(overrides, run_dir, timeout=args.timeout)
         peer_dirs, report = [run_dir], None
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = read_summary(run_dir)
         tokens, memory = summary["tokens"], summary.get("memory")
     else:
         overrides = common + seeded + [f"train.batch_size={args.batch}", *extra]
@@ -635,12 +638,7 @@ def main() -> None:
         help="do not hold peers at sync boundaries: the swarm's own pacing (peers may skip steps)",
     )
     parser.add_argument("--keep-runs", action="store_true", help="keep the run directories (and checkpoints)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=RESULTS / "convergence",
-        help="path stem of the .json and .png written (default benchmarks/results/convergence)",
-    )
+    results.add_variant(parser, help="writes benchmarks/results/convergence/<variant>.json and .png (default main)")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
     args = parser.parse_args()
     args.eval_every = args.eval_every or 2 * args.sync_steps
@@ -649,6 +647,7 @@ def main() -> None:
             "--eval-every must be a multiple of --sync-steps, and --steps a multiple of --eval-every "
             "(every scored point is a sync boundary, the last one the last step)"
         )
+    writer = results.start("convergence", args.variant, seeds=args.seeds)
 
     cfg = load_config(None, CONFIG + args.extra)
     seq, args.experts = cfg.model.max_seq_len, cfg.moe.num_experts
@@ -716,34 +715,29 @@ def main() -> None:
     for arm, o in summary.items():
         console.print(sentence(arm, o, len(args.seeds)))
     console.print(f"total wall time {wall / 60:.1f} min")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    png = args.out.with_suffix(".png")
+    png = writer.sibling(".png")
+    png.parent.mkdir(parents=True, exist_ok=True)
     plotted = plot(runs, tokens_per_step, png)
-    json_path = args.out.with_suffix(".json")
-    json_path.write_text(
-        json.dumps(
-            {
-                "command": "python benchmarks/convergence.py " + " ".join(sys.argv[1:]),
-                "config": common,
-                "arms": {arm: ARMS[arm] for arm in args.arms},
-                "seeds": args.seeds,
-                "peers": args.peers,
-                "batch": args.batch,
-                "steps": args.steps,
-                "sync_steps": args.sync_steps,
-                "eval_every": args.eval_every,
-                "merge_interval": args.merge_interval,
-                "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
-                "tokens_per_step": tokens_per_step,
-                "token_budget": budget,
-                "validation": validation.describe,
-                "wall_seconds": round(wall, 1),
-                "summary": jsonable(summary),
-                "runs": {arm: [jsonable(r) for r in seeds] for arm, seeds in runs.items()},
-                "plot": png.name if plotted else None,
-            },
-            indent=1,
-        )
+    json_path = writer.write(
+        {
+            "config": common,
+            "arms": {arm: ARMS[arm] for arm in args.arms},
+            "seeds": args.seeds,
+            "peers": args.peers,
+            "batch": args.batch,
+            "steps": args.steps,
+            "sync_steps": args.sync_steps,
+            "eval_every": args.eval_every,
+            "merge_interval": args.merge_interval,
+            "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
+            "tokens_per_step": tokens_per_step,
+            "token_budget": budget,
+            "validation": validation.describe,
+            "wall_seconds": round(wall, 1),
+            "summary": jsonable(summary),
+            "runs": {arm: [jsonable(r) for r in seeds] for arm, seeds in runs.items()},
+            "plot": png.name if plotted else None,
+        }
     )
     console.print(f"wrote {json_path}" + (f" and {png}" if plotted else ""))
 

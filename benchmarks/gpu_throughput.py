@@ -1,8 +1,8 @@
 """One peer's training throughput on a GPU: tokens/s, model FLOPs utilisation and peak memory.
 
-    python benchmarks/gpu_throughput.py                      # CUDA: the spes-1b shape, every backend, ~5 min
-    python benchmarks/gpu_throughput.py --largest            # also the deepest spes-1b-wide model that fits
-    python benchmarks/gpu_throughput.py --cpu-smoke          # the same code on CPU with tiny shapes (checks the script)
+    python -m benchmarks.gpu_throughput                      # CUDA: the spes-1b shape, every backend, ~5 min
+    python -m benchmarks.gpu_throughput --largest            # also the deepest spes-1b-wide model that fits
+    python -m benchmarks.gpu_throughput --cpu-smoke          # the same code on CPU with tiny shapes (checks the script)
 
 Arms, measured side by side in one process on the same device: each MoE backend (MegaBlocks when
 importable, the torch backend with ``torch._grouped_mm``, the torch backend's per-expert loop) x the
@@ -15,29 +15,27 @@ Model FLOPs per token are ``6 * N_active + 12 * layers * d_model * seq_len`` (we
 tokens/s ratios. MFU is given against the bf16 matmul rate this device reached in the same run (an
 8192^3 matmul; ~800 TFLOP/s on an H100 here) and, where known, the vendor's dense bf16 peak. Peak
 memory is ``torch.cuda.max_memory_allocated`` per arm; the SPES arm's ratio to the all-experts arm
-is the per-peer saving measured on the GPU. Writes ``benchmarks/results/gpu_throughput.json``.
+is the per-peer saving measured on the GPU. Writes ``benchmarks/results/gpu_throughput/<variant>.json``
+(``--variant``, default ``main``; with ``--cpu-smoke`` only when ``--variant`` is given).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from benchmarks.lab import results
 from p2p_spes.config import load_config
 from p2p_spes.memory import measure_memory
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer
 
-RESULTS = Path(__file__).parent / "results" / "gpu_throughput.json"
 NOMINAL_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12}
 SMOKE = [
     "model.vocab_size=512",
@@ -159,8 +157,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--largest", action="store_true", help="also search the deepest model that fits")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: checks the script, not a GPU")
-    parser.add_argument("--json", type=Path, default=None, help=f"default {RESULTS} (none with --cpu-smoke)")
+    results.add_variant(
+        parser,
+        default=None,
+        help="writes benchmarks/results/gpu_throughput/<variant>.json (default main, none with --cpu-smoke)",
+    )
     args = parser.parse_args()
+    variant = args.variant or (None if args.cpu_smoke else results.MAIN)
+    writer = results.start("gpu_throughput", variant, seeds=[0]) if variant else None  # the tokens' generator: seed 0
 
     if args.cpu_smoke:
         device, base, args.batch, args.warmup, args.steps = torch.device("cpu"), SMOKE, 2, 1, 2
@@ -254,25 +258,19 @@ def main() -> None:
                     f"{deepest['num_layers']} layers, {deepest['parameters'] / 1e9:.2f}B parameters, "
                     f"{deepest['tokens_per_s']:,.0f} tokens/s, {deepest['peak_memory_bytes'] / 2**30:.1f} GiB"
                 )
-    out = args.json or (None if args.cpu_smoke else RESULTS)
-    if out is None:
+    if writer is None:
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "command": "python benchmarks/gpu_throughput.py " + " ".join(sys.argv[1:]),
-                "device": device_name,
-                "torch": torch.__version__,
-                "matmul_bf16_flops": measured_peak,
-                "nominal_bf16_flops": nominal,
-                "batch": args.batch,
-                "config": base,
-                "rows": rows,
-                "largest": deepest,
-            },
-            indent=1,
-        )
+    out = writer.write(
+        {
+            "device": device_name,
+            "torch": torch.__version__,
+            "matmul_bf16_flops": measured_peak,
+            "nominal_bf16_flops": nominal,
+            "batch": args.batch,
+            "config": base,
+            "rows": rows,
+            "largest": deepest,
+        }
     )
     console.print(f"wrote {out}")
 

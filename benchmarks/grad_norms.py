@@ -1,6 +1,6 @@
 """Gradient norms of a peer's batch against centralized training's, at the same weights.
 
-    .venv/bin/python benchmarks/grad_norms.py        # ~3 min, seed 0
+    python -m benchmarks.grad_norms        # ~3 min, seed 0
 
 Trains the quality benchmark's model (``benchmarks/quality.py``'s setup: the convergence benchmark's
 narrow tiny config, 400 steps) centrally with batches of P x 8 sequences, exactly as
@@ -9,29 +9,26 @@ each of the P batches of 8 those sequences split into (at the same weights, not 
 gradient noise dominates, a batch P times smaller has a norm up to sqrt(P) larger; with
 ``train.grad_clip`` unchanged, a swarm peer's batches are then clipped where centralized training's
 are not. Prints, per span of steps, how often each is above the clip threshold and the mean ratio of
-the norms, and writes ``benchmarks/results/grad_norms/main.json``.
+the norms, and writes ``benchmarks/results/grad_norms/<variant>.json`` (``--variant``, default ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from benchmarks import convergence
+from benchmarks.lab import results
 from p2p_spes.config import load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer, lr_at, set_lr, trainable_parameters
 
-RESULTS = Path(__file__).parent / "results" / "grad_norms.json"
 PEERS = 4
 
 
@@ -47,8 +44,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=8, help="a peer's batch; centralized trains P x this")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    results.add_variant(parser)
     args = parser.parse_args()
+    writer = results.start("grad_norms", args.variant, seeds=[args.seed])
     torch.set_num_threads(1)
     cfg = load_config(None, [*convergence.CONFIG, *convergence.schedule(args.steps), f"train.seed={args.seed}"])
     tr = cfg.train
@@ -108,23 +106,18 @@ def main() -> None:
             f"{r['ratio']:.2f}x",
         )
     Console(width=140).print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "command": "python benchmarks/grad_norms.py " + " ".join(sys.argv[1:]),
-                "steps": args.steps,
-                "batch": args.batch,
-                "peers": PEERS,
-                "seed": args.seed,
-                "grad_clip": tr.grad_clip,
-                "spans": rows,
-                "norms": [[round(a, 5), round(b, 5)] for a, b in norms],
-            },
-            indent=1,
-        )
+    out = writer.write(
+        {
+            "steps": args.steps,
+            "batch": args.batch,
+            "peers": PEERS,
+            "seed": args.seed,
+            "grad_clip": tr.grad_clip,
+            "spans": rows,
+            "norms": [[round(a, 5), round(b, 5)] for a, b in norms],
+        }
     )
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

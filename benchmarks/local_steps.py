@@ -1,8 +1,8 @@
 """Where the swarm's gap to centralized comes from: P model replicas averaged every H steps, in one process.
 
-    .venv/bin/python benchmarks/local_steps.py                 # every arm, seeds 0 1 2 (~3 min per arm and seed)
-    .venv/bin/python benchmarks/local_steps.py --arms h50 h1 --seeds 0 --out /tmp/local
-    .venv/bin/python benchmarks/local_steps.py --arms h1-moments --seeds 0 --add   # merged into the stored runs
+    python -m benchmarks.local_steps                 # every arm, seeds 0 1 2 (~3 min per arm and seed)
+    python -m benchmarks.local_steps --arms h50 h1 --seeds 0 --variant quick
+    python -m benchmarks.local_steps --arms h1-moments --seeds 0 --add   # merged into the stored runs
 
 No network, no DHT, no experts split: P full replicas of the quality benchmark's model
 (``benchmarks/quality.py``: the convergence benchmark's narrow tiny config, 400 steps) train in turn on
@@ -108,8 +108,10 @@ replica of batch P x b, and reproduces ``p2p-spes train`` to the last digit. Arm
   a per-replica normalization; if the gap to its own centralized run is small, the normalization of
   each replica's noisy step (AdamW's, Muon's) is what the averaged swarms lose. ``-lr3``: at 300x.
 
-``--steps`` other than 400 writes its own file (``local_steps_<steps>.json``), so that a longer budget
-never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) needs ``--out``.
+``--steps`` other than 400 writes its own variant (``benchmarks/results/local_steps/<steps>.json``), so that a
+longer budget never mixes with the stored 400-step runs; ``--set K=V`` (a wider model, say) needs a
+``--variant`` of its own. ``--add`` merges only a file this script wrote with its provenance
+(``benchmarks/lab/results.py``), never one from elsewhere.
 
 The table's ``spread`` (arms averaged without a codec, runs since it was added): at each average, the
 RMS distance of the replicas from their mean (all trainable parameters), and in brackets that over the
@@ -117,18 +119,16 @@ distance their mean moved since the last average, each averaged over the run's a
 how far the replicas went apart in a round, and that for the progress they made together.
 
 Scored by ``convergence.Validation`` (the same 1,024 validation windows as every quality arm). Prints a
-table and writes ``benchmarks/results/local_steps/main.json``.
+table and writes ``benchmarks/results/local_steps/<variant>.json`` (default ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +138,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import convergence
+from benchmarks.lab import results
 from p2p_spes.averaging.compression import BLOCK, Codec
 from p2p_spes.config import Config, SwarmConfig, load_config
 from p2p_spes.corpus import prepare_embedded_data
@@ -146,7 +147,6 @@ from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer, is_hidden_matrix, lr_at, parameter_groups, set_lr, trainable_parameters
 from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
 
-RESULTS = Path(__file__).parent / "results" / "local_steps.json"
 PEERS = 4  # replicas of the averaged arms; centralized trains one replica of PEERS x the batch
 
 
@@ -629,19 +629,26 @@ def baseline(arm: str, finals: dict[str, dict[int, float]]) -> str:
 
 
 def previous_finals(
-    args: argparse.Namespace,
-) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, list[float]]], list[str]]:
-    """The stored final losses and spreads ([mean distance, mean ratio]) by arm and seed (for ``--add``)
-    and the commands that produced them; refused when they were measured with other steps or batch."""
-    previous = json.loads(args.out.read_text())
+    args: argparse.Namespace, base: Path | None = None
+) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, list[float]]], list[results.Result]]:
+    """The stored final losses and spreads ([mean distance, mean ratio]) by arm and seed of ``--variant``
+    (for ``--add``; none stored yet: nothing) and the result they come from; refused when this script did
+    not write it (``results.own``) or measured it with other steps, batch or overrides."""
+    if not results.path("local_steps", args.variant, base=base).exists():
+        return {}, {}, []
+    try:
+        earlier = results.own("local_steps", args.variant, base=base)
+    except results.ResultError as exc:
+        raise SystemExit(f"--add: {exc}") from None
+    previous = earlier.payload
     if (previous["steps"], previous["batch"], previous.get("overrides", [])) != (args.steps, args.batch, args.extra):
         raise SystemExit(
-            f"{args.out} holds {previous['steps']} steps of batch {previous['batch']} with overrides "
-            f"{previous.get('overrides', [])}: run without --add, or with --out elsewhere"
+            f"{earlier.path} holds {previous['steps']} steps of batch {previous['batch']} with overrides "
+            f"{previous.get('overrides', [])}: run without --add, or with another --variant"
         )
     finals = {arm: {int(s): v for s, v in row["finals"].items()} for arm, row in previous["arms"].items()}
     spreads = {arm: {int(s): v for s, v in row.get("spread", {}).items()} for arm, row in previous["arms"].items()}
-    return finals, spreads, previous.get("commands", [previous["command"]])
+    return finals, spreads, [earlier]
 
 
 def main() -> None:
@@ -656,11 +663,10 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=8, help="per-replica batch (centralized: replicas x this)")
-    parser.add_argument(
-        "--out",
-        type=Path,
+    results.add_variant(
+        parser,
         default=None,
-        help="default: results/local_steps/main.json at 400 steps, results/local_steps_<steps>.json otherwise",
+        help="writes benchmarks/results/local_steps/<variant>.json (default main at 400 steps, <steps> otherwise)",
     )
     parser.add_argument("--add", action="store_true", help="merge into the stored runs of the same steps and batch")
     parser.add_argument(
@@ -669,19 +675,20 @@ def main() -> None:
         action="append",
         default=[],
         metavar="K=V",
-        help="a config override on top of the quality benchmark's model (a wider model, say); needs --out",
+        help="a config override on top of the quality benchmark's model (a wider model, say); needs --variant",
     )
     args = parser.parse_args()
-    if args.extra and args.out is None:
-        parser.error("--set changes what is measured: give --out, so it never mixes with the stored runs")
-    if args.out is None:
-        args.out = RESULTS if args.steps == 400 else RESULTS.with_name(f"local_steps_{args.steps}.json")
+    if args.extra and args.variant is None:
+        parser.error("--set changes what is measured: give a --variant, so it never mixes with the stored runs")
+    if args.variant is None:
+        args.variant = results.MAIN if args.steps == 400 else str(args.steps)
+    writer = results.start("local_steps", args.variant, seeds=args.seeds)
     torch.set_num_threads(1)
     common = [*convergence.CONFIG, *convergence.schedule(args.steps), *args.extra]
     data = TokenDataset(prepare_embedded_data()["train"], verify=True)
     validation = convergence.Validation(load_config(None, common).model.max_seq_len, 1024)
     console = Console(width=160)
-    finals, spreads, commands = previous_finals(args) if args.add and args.out.exists() else ({}, {}, [])
+    finals, spreads, merged = previous_finals(args) if args.add else ({}, {}, [])
     for arm in args.arms:
         finals.setdefault(arm, {})
         spreads.setdefault(arm, {})
@@ -752,25 +759,19 @@ def main() -> None:
             else "-",
         )
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/local_steps.py " + " ".join(sys.argv[1:])
-    args.out.write_text(
-        json.dumps(
-            {
-                "command": command,
-                "commands": [*commands, command],
-                "steps": args.steps,
-                "batch": args.batch,
-                "overrides": args.extra,
-                "seeds": seeds,
-                "validation": validation.describe,
-                "wall_seconds": round(time.monotonic() - t0, 1),
-                "arms": rows,
-            },
-            indent=1,
-        )
+    out = writer.write(
+        {
+            "steps": args.steps,
+            "batch": args.batch,
+            "overrides": args.extra,
+            "seeds": seeds,
+            "validation": validation.describe,
+            "wall_seconds": round(time.monotonic() - t0, 1),
+            "arms": rows,
+        },
+        merged=merged,
     )
-    console.print(f"wrote {args.out}")
+    console.print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -5,20 +5,21 @@ For each config the model is built on the ``meta`` device and its bytes of weigh
 optimizer state are computed from the shapes; for the tiny config the same numbers are also measured
 by real allocation on CPU after one optimizer step, and the two must agree.
 
-    python benchmarks/memory.py [--configs tiny spes-1b spes-7b] [--peers 4] [--json out.json]
+    python -m benchmarks.memory [--configs tiny spes-1b spes-7b] [--peers 4] [--variant NAME]
+
+Writes ``benchmarks/results/memory/<variant>.json`` (default ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.lab import results
 from p2p_spes.config import TrainConfig, load_config
 from p2p_spes.memory import expected_memory, measure_memory
 from p2p_spes.model import MoETransformer
@@ -93,8 +94,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=["tiny", "spes-1b", "spes-7b"])
     parser.add_argument("--peers", type=int, default=4, help="SPES peers P: each trains E/P experts (default 4)")
-    parser.add_argument("--json", default="benchmarks/results/memory/main.json", help="where to write the rows")
+    results.add_variant(parser)
     args = parser.parse_args(argv)
+    writer = results.start("memory", args.variant, argv=argv)  # computed from shapes; no seed
 
     rows = []
     for name in args.configs:
@@ -133,10 +135,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{ratio:.2f}x",
         )
     Console(width=120).print(table)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"peers": args.peers, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {writer.write({'peers': args.peers, 'rows': rows})}")
     return rows
 
 

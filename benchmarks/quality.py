@@ -1,10 +1,10 @@
 """Quality at equal tokens: each knob that decides a swarm's validation loss, against centralized training.
 
-    .venv/bin/python benchmarks/quality.py                   # every arm x 3 seeds (~3 min per arm and seed)
-    .venv/bin/python benchmarks/quality.py --arms centralized default sync-10 --seeds 0 1 2 --add
-                                                             # run these and merge them into the results
-    .venv/bin/python benchmarks/quality.py --arms centralized default --seeds 0 --steps 100 --out /tmp/q
-    .venv/bin/python benchmarks/quality.py --report          # the table and plot of the stored runs
+    python -m benchmarks.quality                   # every arm x 3 seeds (~3 min per arm and seed)
+    python -m benchmarks.quality --arms centralized default sync-10 --seeds 0 1 2 --add
+                                                   # run these and merge them into the results
+    python -m benchmarks.quality --arms centralized default --seeds 0 --steps 100 --variant quick
+    python -m benchmarks.quality --report          # the table and plot of the stored runs
 
 Every arm trains the convergence benchmark's narrow tiny model (d_model 64, 2 layers, 8 experts top-2,
 seq_len 64) with AdamW (``train.optimizer=adamw``, pinned by ``convergence.CONFIG``: the default when the
@@ -56,10 +56,11 @@ own experts, so this scorer cannot load them one at a time).
 Per arm: the final validation loss (mean and min-max over seeds), the gap to its centralized baseline
 (per seed, then mean and min-max), MB sent + received per peer per sync round and over the whole run, and per-peer training
 memory (weights, gradients and AdamW state, from the peers' own ``measure_memory``; the host-side sync
-state is listed apart). Prints a table, writes ``benchmarks/results/quality/main.json`` and plots the gap
-against bytes and against memory to ``benchmarks/results/quality/main.png``. With ``--add`` the arms run
-are merged into an existing result of the same setup (same config, steps and validation), so the
-table can be filled over several sessions; each arm keeps the command that produced it.
+state is listed apart). Prints a table, writes ``benchmarks/results/quality/<variant>.json`` (default
+``main``) and plots the gap against bytes and against memory to ``<variant>.png`` beside it. With ``--add``
+the arms run are merged into the stored result of the same variant and setup (same config, steps and
+validation), so the table can be filled over several sessions: only a file this script wrote is merged
+(``benchmarks/lab/results.py``), and its provenance lists every command that contributed (``merged``).
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +82,9 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import convergence  # the scorer and the lockstep launcher
+from benchmarks.lab import results
 from p2p_spes.config import load_config
 
-RESULTS = Path(__file__).parent / "results" / "quality"
 MB = 1e6
 
 
@@ -380,13 +382,20 @@ def plot(summary: dict[str, Any], out: Path) -> bool:
     return True
 
 
-def load_previous(json_path: Path, setup_key: dict[str, Any]) -> dict[str, Any]:
-    """The results ``--add`` merges into; refused when they were measured with another setup."""
-    previous = json.loads(json_path.read_text())
-    differs = [k for k in setup_key if previous.get(k) != json.loads(json.dumps(setup_key[k]))]
+def load_previous(variant: str, setup_key: dict[str, Any], base: Path | None = None) -> results.Result | None:
+    """The stored result ``--add`` merges into (None: none yet); refused when this script did not write it
+    (``results.own``: a file without provenance, or another script's) or measured it with another setup."""
+    if not results.path("quality", variant, base=base).exists():
+        return None
+    try:
+        previous = results.own("quality", variant, base=base)
+    except results.ResultError as exc:
+        raise SystemExit(f"--add: {exc}") from None
+    differs = [k for k in setup_key if previous.payload.get(k) != json.loads(json.dumps(setup_key[k]))]
     if differs:
         raise SystemExit(
-            f"{json_path} was measured with another {', '.join(differs)}; run without --add, or with --out elsewhere"
+            f"{previous.path} was measured with another {', '.join(differs)}; run without --add, or with another "
+            "--variant"
         )
     return previous
 
@@ -421,7 +430,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="per-peer batch size")
     parser.add_argument("--val-windows", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results path without suffix (.json, .png)")
+    results.add_variant(parser, help="writes benchmarks/results/quality/<variant>.json and .png (default main)")
     parser.add_argument("--add", action="store_true", help="merge into an existing result of the same setup")
     parser.add_argument("--keep-runs", action="store_true")
     parser.add_argument(
@@ -437,35 +446,40 @@ def main() -> None:
         sync = [o for o in ARMS[name].overrides or () if o.startswith("swarm.sync_steps=")]
         if sync and args.eval_every % int(sync[0].split("=")[1]):
             parser.error(f"--eval-every {args.eval_every} is not a multiple of {name}'s sync interval")
+    writer = results.start("quality", args.variant, seeds=[] if args.report else args.seeds)
     # convergence.run_arm's knobs: lockstep pacing, one thread per centralized run
     args.free_pacing, args.threads, args.peers = False, 1, 4
     common, boundaries = setup(args)
     cfg = load_config(None, common)
     seq = cfg.model.max_seq_len
-    json_path, png = args.out.with_suffix(".json"), args.out.with_suffix(".png")
+    png = writer.sibling(".png")
     torch.set_num_threads(1)
     validation = convergence.Validation(seq, args.val_windows)
     setup_key = {"config": common, "steps": args.steps, "batch": args.batch, "validation": validation.describe}
-    previous = load_previous(json_path, setup_key) if args.add and json_path.exists() else {}
+    previous = load_previous(args.variant, setup_key) if args.add else None
+    merged = [previous] if previous else []
     console = Console(width=220)
     console.print(
         f"{len(args.arms)} arms x {len(args.seeds)} seeds, {args.steps} steps; scoring on "
         f"{validation.count} validation windows"
     )
     work = Path(tempfile.mkdtemp(prefix="p2p-spes-quality-"))
-    runs: dict[str, list[dict[str, Any]]] = {n: list(r) for n, r in previous.get("runs", {}).items()}
-    commands: dict[str, str] = dict(previous.get("commands", {}))
+    runs: dict[str, list[dict[str, Any]]] = {
+        n: list(r) for n, r in (previous.payload if previous else {}).get("runs", {}).items()
+    }
     t_start = time.monotonic()
+    save = partial(write_results, writer, setup_key, runs, merged)
     try:
-        run_all(args, common, work, validation, boundaries, runs, commands, setup_key, json_path, console, t_start)
+        run_all(args, common, work, validation, boundaries, runs, save, console, t_start)
     finally:
         if not args.keep_runs:
             shutil.rmtree(work, ignore_errors=True)
-    summary = write_results(json_path, setup_key, commands, runs)
+    summary = save()
+    png.parent.mkdir(parents=True, exist_ok=True)
     print_table(console, summary, args.steps, args.batch, seq)
     plotted = plot(summary, png)
     console.print(
-        f"wrote {json_path}" + (f" and {png}" if plotted else "") + f" ({(time.monotonic() - t_start) / 60:.1f} min)"
+        f"wrote {writer.file}" + (f" and {png}" if plotted else "") + f" ({(time.monotonic() - t_start) / 60:.1f} min)"
     )
 
 
@@ -476,15 +490,12 @@ def run_all(
     validation: convergence.Validation,
     boundaries: list[int],
     runs: dict[str, list[dict[str, Any]]],
-    commands: dict[str, str],
-    setup_key: dict[str, Any],
-    json_path: Path,
+    save: Callable[[], Any],
     console: Console,
     t_start: float,
 ) -> None:
     """Every arm at every seed (seed-major: an interrupted run has every arm at the first seeds),
-    the results file rewritten after each run."""
-    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
+    the results file rewritten (``save``) after each run."""
     for seed in args.seeds:
         for name in args.arms:
             arm = ARMS[name]
@@ -493,44 +504,41 @@ def run_all(
                 name, seed, args, [*common, *arm.train], work, validation, boundaries, extra=extra, peers=arm.peers
             )
             runs[name] = [r for r in runs.get(name, []) if r["seed"] != seed] + [convergence.jsonable(result)]
-            commands[name] = command
             console.print(
                 f"{name} seed {seed}: final validation loss {result['final']:.4f} "
                 f"({(time.monotonic() - t_start) / 60:.1f} min so far)"
             )
-            write_results(json_path, setup_key, commands, runs)  # after every run: nothing lost
+            save()  # after every run: nothing lost
 
 
 def write_results(
-    json_path: Path, setup_key: dict[str, Any], commands: dict[str, str], runs: dict[str, list[dict[str, Any]]]
+    writer: results.Run,
+    setup_key: dict[str, Any],
+    runs: dict[str, list[dict[str, Any]]],
+    merged: list[results.Result],
 ) -> dict[str, Any]:
-    """The setup, every run and their summary, to ``json_path``; returns the summary."""
+    """The setup, every run and their summary, through ``writer`` (``merged``: the stored result the runs
+    were added to); returns the summary."""
     summary = summarise(runs)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(
-        json.dumps(
-            {
-                **setup_key,
-                "commands": commands,
-                "arms": {
-                    n: {
-                        "overrides": ARMS[n].overrides,
-                        "train": ARMS[n].train,
-                        "peers": ARMS[n].peers,
-                        "knob": ARMS[n].knob,
-                    }
-                    for n in runs
-                },
-                "summary": convergence.jsonable(summary),
-                "runs": runs,
+    writer.write(
+        {
+            **setup_key,
+            "arms": {
+                n: {
+                    "overrides": ARMS[n].overrides,
+                    "train": ARMS[n].train,
+                    "peers": ARMS[n].peers,
+                    "knob": ARMS[n].knob,
+                }
+                for n in runs
             },
-            indent=1,
-        )
+            "summary": convergence.jsonable(summary),
+            "runs": runs,
+        },
+        merged=merged,
     )
     return summary
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == convergence.LAUNCHER:
-        sys.exit(convergence.peer_launcher(sys.argv[2:]))
     main()

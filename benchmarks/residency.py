@@ -8,14 +8,15 @@ the peer's own validation loss (a partial peer evaluates with its skips) and the
 of the full model assembled from the peers' final checkpoints (shared weights from one peer, each
 expert from its holder), all at equal tokens.
 
-    python benchmarks/residency.py [--configs tiny spes-1b spes-7b] [--peers 4] [--run-config tiny]
-        [--run-peers 2] [--steps 100] [--sync-steps 20] [--set k=v ...] [--skip-runs] [--json out.json]
+    python -m benchmarks.residency [--configs tiny spes-1b spes-7b] [--peers 4] [--run-config tiny]
+        [--run-peers 2] [--steps 100] [--sync-steps 20] [--set k=v ...] [--skip-runs] [--variant NAME]
+
+Writes ``benchmarks/results/residency/<variant>.json`` (default ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,8 +24,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.lab import results
 from p2p_spes.config import load_config
 from p2p_spes.memory import expected_memory
+from p2p_spes.metrics_log import read_metrics
 from p2p_spes.model import MoETransformer
 
 GIB = 1024**3
@@ -96,7 +99,7 @@ def swarm_rows(config: str, peers: int, steps: int, sync_steps: int, extra: list
         dirs = [run_dir / f"peer{i}" for i in range(peers)]
         assembled = assembled_val_loss(config, overrides, dirs)
         for i, s in enumerate(swarm.summaries()):
-            rounds = [json.loads(line) for line in (dirs[i] / "metrics.jsonl").read_text().splitlines()]
+            rounds = read_metrics(dirs[i])
             skips = [sum(r["skip_rate"]) / len(r["skip_rate"]) for r in rounds if "skip_rate" in r]
             n_rounds = max(s["rounds_joined"] + s["rounds_failed"], 1)
             mem = s["memory"]
@@ -133,8 +136,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sync-steps", type=int, default=20)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
     parser.add_argument("--skip-runs", action="store_true", help="memory table only")
-    parser.add_argument("--json", default="benchmarks/results/residency/main.json")
+    results.add_variant(parser)
     args = parser.parse_args(argv)
+    seeds = [] if args.skip_runs else [load_config(args.run_config, args.overrides).train.seed]  # the swarms'
+    writer = results.start("residency", args.variant, seeds=seeds, argv=argv)
 
     console = Console(width=140)
     memory = [row for name in args.configs for row in memory_rows(name, args.peers)]
@@ -194,8 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         console.print(table)
 
     out = {"memory": memory, "swarm": runs, "args": vars(args)}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {writer.write(out)}")
     return out
 
 

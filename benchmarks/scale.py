@@ -1,9 +1,10 @@
 """Rounds at size: 8, 16 and 24 loopback peers of a micro config, with peers killed, frozen and restarted.
 
-    python benchmarks/scale.py                                  # 8, 16 and 24 peers, one kill each
-    python benchmarks/scale.py --peers 24 --faults churn        # faults all through the run
-    python benchmarks/scale.py --peers 24 --faults churn --set swarm.group_size=16   # the shared group as a grid
-    python benchmarks/scale.py --peers 16 --faults kill --steps 200 --seed 1
+    python -m benchmarks.scale                                  # 8, 16 and 24 peers, one kill each
+    python -m benchmarks.scale --peers 24 --faults churn --variant churn        # faults all through the run
+    python -m benchmarks.scale --peers 24 --faults churn --set swarm.group_size=16 --variant churn-grid
+                                                                # the shared group as a grid
+    python -m benchmarks.scale --peers 16 --faults kill --steps 200 --seed 1 --variant kill-seed1
 
 Every peer is a ``p2p-spes train`` process on 127.0.0.1 (``p2p_spes/local_swarm.py``), one thread
 each, all sharing this machine's cores, so they reach each boundary spread out as unequal peers on
@@ -34,13 +35,12 @@ the median seconds per round, bytes sent + received + downloaded per
 peer per round, how many different shared weights the surviving peers hold at the end (at the last round any of them
 ran or took; ``ended_behind`` counts survivors whose last round is an earlier one), groups that needed a retry and members lost from them, the peak proportional memory (PSS) of a
 peer (its process group: trainer, DHT, p2pd) and of the whole swarm, and processes left behind.
-Writes ``benchmarks/results/scale/main.json``.
+Writes ``benchmarks/results/scale/<variant>.json`` (``--variant``, default ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -53,12 +53,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.lab.chaos import Chaos, Fault, orphaned, read_metrics
+from benchmarks.lab import results
+from benchmarks.lab.chaos import Chaos, Fault, orphaned
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.metrics_log import read_metrics
 from p2p_spes.swarm import sync_deadline
 
-RESULTS = Path(__file__).parent / "results" / "scale.json"
 SYNC_STEPS = 10
 
 
@@ -297,7 +298,7 @@ def main() -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default=None, help="keep the peers' run directories here")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    results.add_variant(parser)
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -307,17 +308,18 @@ def main() -> int:
         help="config override for every peer (e.g. swarm.group_size=0 for one flat shared group)",
     )
     args = parser.parse_args()
+    writer = results.start("scale", args.variant, seeds=[args.seed])
     work = Path(args.run_dir or tempfile.mkdtemp(prefix="p2p-spes-scale-"))
     console = Console(width=170)
-    results = []
+    rows = []
     for n in args.peers:
         console.print(f"== {n} peers, faults: {args.faults}, run dir {work}")
-        results.append(
+        rows.append(
             run_size(
                 n, args.experts or max(args.peers), args.faults, args.steps, args.seed, work, console, args.overrides
             )
         )
-        r = results[-1]
+        r = rows[-1]
         console.print(
             f"  applied {r['peer_rounds_applied']}/{r['peer_rounds']} peer-rounds "
             f"({r['peer_rounds_skipped']} skipped by peers that came back rounds behind), "
@@ -341,8 +343,8 @@ def main() -> int:
         "left behind",
     ):
         table.add_column(col, justify="right")
-    base = results[0]["mb_per_peer_round"] if results and results[0]["mb_per_peer_round"] else None
-    for r in results:
+    base = rows[0]["mb_per_peer_round"] if rows and rows[0]["mb_per_peer_round"] else None
+    for r in rows:
         mb = r["mb_per_peer_round"]
         table.add_row(
             str(r["peers"]),
@@ -360,9 +362,7 @@ def main() -> int:
             str(r["processes_left"]),
         )
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": ["benchmarks/scale.py", *sys.argv[1:]], "results": results}, indent=1))
-    console.print(f"wrote {args.out}")
+    console.print(f"wrote {writer.write({'results': rows})}")
     return 0
 
 

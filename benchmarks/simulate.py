@@ -1,7 +1,7 @@
 """The round protocol at 100 and 1,000 peers, simulated (``benchmarks/lab/simulation.py``): rounds applied, time, bytes.
 
-    python benchmarks/simulate.py                           # 100 and 1,000 peers, flat and grid, retries 0, 1 and 2, 3 seeds
-    python benchmarks/simulate.py --peers 1000 --fail-prob 0.02 --rounds 100
+    python -m benchmarks.simulate                           # 100 and 1,000 peers, flat and grid, retries 0, 1 and 2, 3 seeds
+    python -m benchmarks.simulate --peers 1000 --fail-prob 0.02 --rounds 100 --variant p1000-f002
 
 Sizes are spes-1b's (shared 261M parameters, 16 experts of 56.6M), top-k compression, links uniform in
 10-100 Mbit/s, step times log-normal around 1 s (sigma 0.3), a round every 50 steps, each live peer
@@ -13,27 +13,25 @@ Per configuration: the share of rounds whose shared average was applied (mean an
 the share of peer-rounds applied among peers that did not fail, the share of the members' contributions
 the applied averages hold (a grid, ``--group-size`` 16, may drop a lost member's row from some
 columns; a flat group counts all), rounds that needed a retry, median and
-90th-percentile seconds per round, MB per peer per round. Writes ``benchmarks/results/simulate/main.json``.
+90th-percentile seconds per round, MB per peer per round. Writes ``benchmarks/results/simulate/<variant>.json``
+(``--variant``, default ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.lab import results
 from benchmarks.lab.simulation import SimConfig, simulate
 from p2p_spes.config import SwarmConfig
-
-RESULTS = Path(__file__).parent / "results" / "simulate.json"
 
 
 def main() -> int:
@@ -46,8 +44,9 @@ def main() -> int:
     parser.add_argument("--fail-prob", type=float, default=0.05)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    results.add_variant(parser)
     args = parser.parse_args()
+    writer = results.start("simulate", args.variant, seeds=args.seeds)
     rows = []
     t0 = time.monotonic()
     for n, size, retries in itertools.product(args.peers, args.group_size, args.retries):
@@ -97,24 +96,19 @@ def main() -> int:
             f"{r['mb_per_peer_round']:.1f}",
         )
     Console(width=150).print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     default = asdict(SimConfig())
     default.pop("swarm")
-    args.out.write_text(
-        json.dumps(
-            {
-                "command": ["benchmarks/simulate.py", *sys.argv[1:]],
-                "model": default,
-                "fail_prob": args.fail_prob,
-                "rounds": args.rounds,
-                "seeds": args.seeds,
-                "wall_seconds": round(time.monotonic() - t0, 1),
-                "results": rows,
-            },
-            indent=1,
-        )
+    out = writer.write(
+        {
+            "model": default,
+            "fail_prob": args.fail_prob,
+            "rounds": args.rounds,
+            "seeds": args.seeds,
+            "wall_seconds": round(time.monotonic() - t0, 1),
+            "results": rows,
+        }
     )
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """How much of a peer's wall time goes to syncing, at sync_steps 100 and 25, blocking or overlapped.
 
-    python benchmarks/sync_overhead.py                      # 100 and 25, each blocking and overlapped, ~10 min
-    python benchmarks/sync_overhead.py --intervals 40 10 --steps 200
+    python -m benchmarks.sync_overhead                      # 100 and 25, each blocking and overlapped, ~10 min
+    python -m benchmarks.sync_overhead --intervals 40 10 --steps 200 --variant every40-10
 
 A 2-peer loopback swarm per (interval, mode); from each peer's metrics (every step logged with its
 wall clock and compute time, every round with its duration): the share of wall time not spent in
@@ -9,25 +9,24 @@ training steps (rounds, and anything else outside a step), the wall time per ste
 blocking run at the same interval, and the compute time of the steps a round ran beside (overlap)
 or right after (blocking) against the others. A blocking round stops training for its duration;
 ``swarm.overlap=true`` runs it in the background (p2p_spes/peer.py). Writes
-``benchmarks/results/sync_overhead/main.json``.
+``benchmarks/results/sync_overhead/<variant>.json`` (``--variant``, default ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.lab.chaos import read_metrics
+from benchmarks.lab import results
+from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.metrics_log import read_metrics
 
-RESULTS = Path(__file__).parent / "results" / "sync_overhead.json"
 CONFIG = [
     "model.d_model=128",
     "model.num_layers=2",
@@ -90,7 +89,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--intervals", type=int, nargs="+", default=(100, 25), help="the sync_steps to compare")
     parser.add_argument("--steps", type=int, default=400)
+    results.add_variant(parser)
     args = parser.parse_args()
+    writer = results.start("sync_overhead", args.variant, seeds=[load_config(None, CONFIG).train.seed])  # config's
     run_dir = Path(tempfile.mkdtemp(prefix="p2p-spes-overhead-"))
     table = Table(title="sync overhead, 2 loopback peers: blocking rounds vs rounds overlapped with training")
     for col in (
@@ -122,19 +123,14 @@ def main() -> None:
             )
     console = Console(width=140)
     console.print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "command": "python benchmarks/sync_overhead.py " + " ".join(sys.argv[1:]),
-                "config": CONFIG,
-                "steps": args.steps,
-                "results": rows,
-            },
-            indent=1,
-        )
+    out = writer.write(
+        {
+            "config": CONFIG,
+            "steps": args.steps,
+            "results": rows,
+        }
     )
-    console.print(f"wrote {RESULTS}")
+    console.print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A swarm on a simulated wide-area network: N peers in network namespaces behind capped links, some on slow CPUs.
 
-    sudo .venv/bin/python benchmarks/wan.py --peers 3 --mbit 20 --steps 200
-    sudo .venv/bin/python benchmarks/wan.py --peers 2 --up 20 2 --down 50 4 --slow-cpu 0.33 --slow-peers 1
-    sudo .venv/bin/python benchmarks/wan.py --peers 2 --mbit 4 --set swarm.sync_steps=10 --set swarm.overlap=true
+    sudo .venv/bin/python -m benchmarks.wan --peers 4 --mbit 20 --steps 150 --variant 4x20
+    sudo .venv/bin/python -m benchmarks.wan --peers 2 --up 20 2 --down 50 4 --slow-cpu 0.33 --slow-peers 1 --variant asym
+    sudo .venv/bin/python -m benchmarks.wan --peers 2 --mbit 4 --set swarm.sync_steps=10 --overlap --variant 2x4-overlap
 
 Loopback hides the costs a real swarm pays: a joiner's catch-up download takes seconds while the
 others train on, rounds move megabytes over a few Mbit/s, and peers compute at different speeds.
@@ -12,16 +12,15 @@ optionally, a cgroup CPU cap (``benchmarks/lab/netlab.py``). After the run the s
 round: members, outcome, seconds, bytes, tokens contributed, schedule jumps; per peer: steps
 computed, skipped and jumped, tokens processed and averaged, the share of wall time spent computing,
 the final validation loss; and whether all peers ended bit-identical. Writes a self-describing JSON
-(config, links, seeds, results) to ``benchmarks/results/wan.json``. Needs root and iproute2; without
-them it says why and stops. Everything it creates is removed at the end, also on Ctrl-C.
+(config, links, seeds, results) to ``benchmarks/results/wan/<variant>.json`` (``--variant``, default
+``main``; the stored ones are named ``<peers>x<mbit>``). Needs root and iproute2; without them it says why
+and stops. Everything it creates is removed at the end, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,13 +30,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.lab import results
 from benchmarks.lab.netlab import Lab, LinkSpec
 from benchmarks.lab.wan_report import SwarmReport, read_swarm
 from p2p_spes.config import load_config
 from p2p_spes.errors import SwarmError
 from p2p_spes.local_swarm import LocalSwarm
+from p2p_spes.metrics_log import read_metrics
 
-RESULTS = Path(__file__).parent / "results" / "wan.json"
 # every step logged (the compute share needs each step's time); no mid-run checkpoints to time
 DEFAULTS = ["train.log_interval=1", "train.checkpoint_interval=100000"]
 
@@ -67,17 +67,6 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
     if args.overlap:
         out.append("swarm.overlap=true")
     return out + list(args.set)
-
-
-def code_version() -> dict[str, str | bool]:
-    """The commit the peers ran and whether the tree had changes (a result of uncommitted code says so)."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*cmd: str) -> str:
-        out = subprocess.run(["git", "-C", str(root), *cmd], check=False, capture_output=True, text=True, timeout=30)
-        return out.stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def _mb(n: int) -> str:
@@ -166,14 +155,13 @@ def cap_after_first_step(lab: Lab, run_dir: Path, peers: list[int], cpu: float, 
     pending = set(peers)
     while pending and time.monotonic() < deadline:
         for i in sorted(pending):
-            metrics = run_dir / f"peer{i}" / "metrics.jsonl"
-            if metrics.exists() and '"loss"' in metrics.read_text(errors="replace"):
+            if any("loss" in r for r in read_metrics(run_dir / f"peer{i}")):
                 lab.set_cpu(i, cpu)
                 pending.discard(i)
         time.sleep(0.2)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--peers", type=int, default=2)
     ap.add_argument("--mbit", type=float, default=20.0, help="upload and download cap of every peer, Mbit/s (0: none)")
@@ -195,14 +183,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stagger", type=float, default=5.0, help="seconds between the first peer and the others")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole run may take")
     ap.add_argument("--run-dir", type=Path, help="where peers write (default: a temporary directory)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    results.add_variant(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if not 1 <= args.slow_peers <= args.peers:
         ap.error("--slow-peers must be between 1 and --peers")
+    writer = results.start("wan", args.variant, seeds=[args.seed], argv=argv)
     ok, reason = Lab.available()
     if not ok:
-        print(f"wan.py: cannot build the network lab: {reason}", file=sys.stderr)
+        print(f"benchmarks.wan: cannot build the network lab: {reason}", file=sys.stderr)
         return 2
+    out, error = run(args)
+    Console(width=160).print(f"wrote {writer.write(out)}")
+    return 1 if error else 0
+
+
+def run(args: argparse.Namespace) -> tuple[dict, str | None]:
+    """One swarm on the lab's links as ``args`` (from :func:`parser`) say: the result to write, and the
+    swarm's error if it failed (the result then holds what the peers logged anyway)."""
     links, overrides = links_from(args), overrides_from(args)
     config = load_config(args.config, overrides)  # fail fast on a bad override; recorded in the JSON
     console = Console(width=160)
@@ -229,10 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         print_report(report, links, console)
         out = {
             "what": "a swarm on capped links in network namespaces (benchmarks/wan.py)",
-            "command": sys.argv,
             "started": started,
             "seconds": round(time.time() - started, 1),
-            "code": code_version(),
             "num_peers": args.peers,
             "seed": args.seed,
             "stagger": args.stagger,
@@ -242,15 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             "error": error,
             **report.to_dict(),
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    console.print(f"wrote {args.out}")
-    return 1 if error else 0
+    return out, error
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # the lab and the peers are gone by now (Lab and LocalSwarm.run clean up)
-        print("wan.py: interrupted; peers stopped and the lab removed", file=sys.stderr)
+        print("benchmarks.wan: interrupted; peers stopped and the lab removed", file=sys.stderr)
         sys.exit(130)

@@ -1,34 +1,36 @@
 """Each compression mode on the shaped-link lab: seconds per round and the share of wall time computing.
 
-    sudo .venv/bin/python benchmarks/wan_codecs.py                      # 4 peers x 20 Mbit/s, 6 codecs x 2, ~45 min
-    sudo .venv/bin/python benchmarks/wan_codecs.py --codecs none topk --arms blocking
+    sudo .venv/bin/python -m benchmarks.wan_codecs                      # 4 peers x 20 Mbit/s, 6 codecs x 2, ~45 min
+    sudo .venv/bin/python -m benchmarks.wan_codecs --codecs none topk --arms blocking --variant none-topk
+    sudo .venv/bin/python -m benchmarks.wan_codecs --only-table         # the table again from the per-run files
 
-Runs ``benchmarks/wan.py`` (network namespaces, ``tbf`` caps, the tiny config, same seed and data for
-every run) once per codec and arm (``blocking``: the round holds training up; ``overlap``:
+Runs ``benchmarks/wan.py``'s swarm (network namespaces, ``tbf`` caps, the tiny config, same seed and data
+for every run) once per codec and arm (``blocking``: the round holds training up; ``overlap``:
 ``swarm.overlap``, the round runs beside training), one after another, and tabulates per run: rounds
 in which every peer was a member, mean seconds per round (rounds after the last joiner started),
 bytes sent + received per peer per round (the peer's groups, as client), the share of wall time each
 peer spent computing (mean and range over peers), and whether all peers ended bit-identical.
-Per-run JSON goes to ``benchmarks/results/wan_codecs/``, the table to ``benchmarks/results/wan_codecs/main.json``.
+This script writes every file itself (``benchmarks/lab/results.py``, with its provenance): each run to
+``benchmarks/results/wan_codecs/<codec>-<arm>.json``, the table to ``benchmarks/results/wan_codecs/main.json``
+(with ``--variant NAME``: ``NAME-<codec>-<arm>.json`` and ``NAME.json``). ``--only-table`` reads only
+per-run files this script wrote and recorded.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks import wan
+from benchmarks.lab import results
+from benchmarks.lab.netlab import Lab
 from benchmarks.lab.wan_report import PeerReport, compare_final
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 # each codec's overrides; topk-dense is topk with the groups' averaged parts at up to 16 of 256 values
 CODECS = {name: [f"swarm.compression={name}"] for name in ("none", "fp16", "int8", "int4", "topk")}
 CODECS["topk-dense"] = [*CODECS["topk"], "swarm.topk_result_fraction=0.0625"]
@@ -96,53 +98,29 @@ def main() -> int:
     ap.add_argument(
         "--only-table",
         action="store_true",
-        help="run nothing: tabulate the per-run JSON already in results/wan-codecs (read again with "
-        "the current benchmarks/lab/wan_report.py)",
+        help="run nothing: tabulate the per-run JSON this script wrote (read again with the current "
+        "benchmarks/lab/wan_report.py)",
+    )
+    results.add_variant(
+        ap,
+        help="the table's variant (default main); each run's is <codec>-<arm> under main, "
+        "<variant>-<codec>-<arm> otherwise",
     )
     args = ap.parse_args()
-    out_dir = RESULTS / "wan-codecs"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    writer = results.start("wan_codecs", args.variant, seeds=[args.seed])
+    if not args.only_table and not (lab := Lab.available())[0]:
+        print(f"benchmarks.wan_codecs: cannot build the network lab: {lab[1]}", file=sys.stderr)
+        return 2
+    rows, merged = [], []
     for codec in args.codecs:
         for arm in args.arms:
-            out = out_dir / f"{codec}-{arm}.json"
+            variant = run_variant(args.variant, codec, arm)
             if args.only_table:
-                if out.exists():
-                    results.append(
-                        {"codec": codec, "arm": arm, **summarize(reread(json.loads(out.read_text()), codec, arm))}
-                    )
+                if writer.sibling(variant=variant).exists():
+                    merged.append(stored(variant))
+                    rows.append({"codec": codec, "arm": arm, **summarize(reread(merged[-1].payload, codec, arm))})
                 continue
-            cmd = [
-                sys.executable,
-                str(ROOT / "benchmarks" / "wan.py"),
-                "--peers",
-                str(args.peers),
-                "--mbit",
-                str(args.mbit),
-                "--steps",
-                str(args.steps),
-                "--seed",
-                str(args.seed),
-                *(a for o in CODECS[codec] for a in ("--set", o)),
-                "--out",
-                str(out),
-            ]
-            if arm == "overlap":
-                cmd.append("--overlap")
-            print(f"== {codec} / {arm}: {' '.join(cmd[1:])}", flush=True)
-            t0 = time.monotonic()
-            proc = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            if proc.returncode != 0 or not out.exists():
-                print(f"   failed (exit {proc.returncode}): {proc.stderr[-1500:]}", flush=True)
-                results.append({"codec": codec, "arm": arm, "error": proc.stderr[-1500:]})
-                continue
-            row = {"codec": codec, "arm": arm, **summarize(json.loads(out.read_text()))}
-            print(
-                f"   done in {time.monotonic() - t0:.0f} s: {row['seconds_per_round']:.1f} s/round, "
-                f"{100 * row['compute_share_mean']:.0f}% computing",
-                flush=True,
-            )
-            results.append(row)
+            rows.append(measure(args, codec, arm, writer, variant))
     table = Table(
         title=f"{args.peers} peers at {args.mbit:g} Mbit/s up and down each, tiny config, {args.steps} steps, "
         f"seed {args.seed}"
@@ -159,8 +137,8 @@ def main() -> int:
         "identical",
     ):
         table.add_column(col, justify="left" if col == "codec" else "right")
-    baseline = {r["arm"]: r["seconds_per_round"] for r in results if r["codec"] == "none" and "error" not in r}
-    for r in results:
+    baseline = {r["arm"]: r["seconds_per_round"] for r in rows if r["codec"] == "none" and "error" not in r}
+    for r in rows:
         if "error" in r:
             table.add_row(f"{r['codec']} / {r['arm']}", "failed", "", "", "", "", "", "", "")
             continue
@@ -180,20 +158,49 @@ def main() -> int:
             str(r["identical"]),
         )
     Console(width=160).print(table)
-    (RESULTS / "wan-codecs.json").write_text(
-        json.dumps(
-            {
-                "command": ["benchmarks/wan_codecs.py", *sys.argv[1:]],
-                "peers": args.peers,
-                "mbit": args.mbit,
-                "steps": args.steps,
-                "seed": args.seed,
-                "results": results,
-            },
-            indent=1,
-        )
+    out = writer.write(
+        {"peers": args.peers, "mbit": args.mbit, "steps": args.steps, "seed": args.seed, "results": rows},
+        merged=merged,
     )
-    return 0 if all("error" not in r for r in results) else 1
+    print(f"wrote {out}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def run_variant(variant: str, codec: str, arm: str) -> str:
+    """The variant of one run's file: ``<codec>-<arm>`` beside the main table, else prefixed by its variant."""
+    return f"{codec}-{arm}" if variant == results.MAIN else f"{variant}-{codec}-{arm}"
+
+
+def stored(variant: str) -> results.Result:
+    """A per-run file this script wrote (``results.own``: never one without provenance or another script's)."""
+    try:
+        return results.own("wan_codecs", variant)
+    except results.ResultError as exc:
+        raise SystemExit(f"--only-table: {exc}") from None
+
+
+def measure(args: argparse.Namespace, codec: str, arm: str, writer: results.Run, variant: str) -> dict:
+    """One run through ``benchmarks.wan``'s swarm in this process, written as ``variant``; its table row."""
+    argv = ["--peers", str(args.peers), "--mbit", str(args.mbit), "--steps", str(args.steps), "--seed", str(args.seed)]
+    argv += [a for o in CODECS[codec] for a in ("--set", o)] + (["--overlap"] if arm == "overlap" else [])
+    print(f"== {codec} / {arm}: benchmarks.wan {' '.join(argv)}", flush=True)
+    t0 = time.monotonic()
+    try:
+        run, error = wan.run(wan.parser().parse_args(argv))
+    except Exception as exc:  # one failed run is a row that says so, not the end of the others
+        run, error = None, f"{type(exc).__name__}: {exc}"
+    if run is not None:
+        print(f"   wrote {writer.write({'codec': codec, 'arm': arm, 'wan_args': argv, **run}, variant=variant)}")
+    if error:
+        print(f"   failed: {error[-1500:]}", flush=True)
+        return {"codec": codec, "arm": arm, "error": error[-1500:]}
+    row = {"codec": codec, "arm": arm, **summarize(run)}
+    print(
+        f"   done in {time.monotonic() - t0:.0f} s: {row['seconds_per_round']:.1f} s/round, "
+        f"{100 * row['compute_share_mean']:.0f}% computing",
+        flush=True,
+    )
+    return row
 
 
 if __name__ == "__main__":

@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.lab import results
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_benchmark_runs_every_arm_and_reports_a_missing_backend(tmp_path):
-    out = tmp_path / "gpu.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_throughput.py", "--cpu-smoke", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.gpu_throughput", "--cpu-smoke", "--variant", "smoke"],
         cwd=ROOT,
+        env=dict(os.environ, **{results.ROOT_ENV: str(tmp_path)}),  # not into benchmarks/results
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {(r["backend"], r["experts"]): r for r in json.loads(out.read_text())["rows"]}
+    written = results.read(tmp_path / "gpu_throughput" / "smoke.json")
+    assert written.provenance["argv"] == [
+        "python",
+        "-m",
+        "benchmarks.gpu_throughput",
+        "--cpu-smoke",
+        "--variant",
+        "smoke",
+    ]
+    assert not written.missing
+    rows = {(r["backend"], r["experts"]): r for r in written.payload["rows"]}
     assert len(rows) == 6
     for experts in ("all experts", "E/4 (SPES)"):
         loop = rows[("torch loop", experts)]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+
+import pytest
 import torch
 
 from benchmarks import local_steps
+from benchmarks.lab import results
 from p2p_spes.averaging.compression import BLOCK, Codec
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
@@ -222,3 +227,24 @@ def test_a_batch_multiple_runs_for_as_many_times_fewer_steps_and_set_still_wins_
     assert double.train.max_steps == 800
     plain = local_steps.probe_config(common, 400, local_steps.PROBES["h50"], seed=0)
     assert (plain.train.max_steps, plain.train.warmup_steps) == (400, 7)
+
+
+def test_add_merges_only_this_scripts_own_runs_of_the_same_setup(tmp_path):
+    args = argparse.Namespace(variant="main", steps=400, batch=8, extra=[])
+    assert local_steps.previous_finals(args, base=tmp_path) == ({}, {}, [])  # nothing stored: nothing merged
+    stored = {
+        "steps": 400,
+        "batch": 8,
+        "overrides": [],
+        "arms": {"h50": {"finals": {"0": 4.5}, "spread": {"0": [1, 2]}}},
+    }
+    results.write("local_steps", "main", stored, [0], argv=["--arms", "h50"], base=tmp_path)
+    finals, spreads, merged = local_steps.previous_finals(args, base=tmp_path)
+    assert finals == {"h50": {0: 4.5}} and spreads == {"h50": {0: [1, 2]}}
+    assert [m.provenance["argv"][-2:] for m in merged] == [["--arms", "h50"]]
+    with pytest.raises(SystemExit, match="400 steps of batch 8"):
+        local_steps.previous_finals(argparse.Namespace(variant="main", steps=400, batch=16, extra=[]), base=tmp_path)
+    # a file without provenance (merged from /tmp by hand, as the legacy main.json was) is refused
+    (tmp_path / "local_steps" / "old.json").write_text(json.dumps(stored))
+    with pytest.raises(SystemExit, match="no provenance"):
+        local_steps.previous_finals(argparse.Namespace(variant="old", steps=400, batch=8, extra=[]), base=tmp_path)

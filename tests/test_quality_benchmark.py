@@ -7,6 +7,7 @@ import json
 import pytest
 
 from benchmarks import quality
+from benchmarks.lab import results
 
 
 def swarm_run(seed: int, final: float, sent: int, received: int, rounds: int, memory: int) -> dict:
@@ -63,13 +64,22 @@ def test_gaps_are_paired_per_seed_and_bytes_and_memory_are_per_peer():
     assert summary["default"]["not_identical_steps"] == []
 
 
-def test_results_of_another_setup_are_not_merged(tmp_path):
+def test_only_this_scripts_results_of_the_same_setup_are_merged(tmp_path):
     setup = {"config": ["a=1"], "steps": 400, "batch": 8, "validation": {"windows": 1024}}
-    path = tmp_path / "quality.json"
-    path.write_text(json.dumps({**setup, "runs": {"default": []}}))
-    assert quality.load_previous(path, setup)["runs"] == {"default": []}
+    assert quality.load_previous("main", setup, base=tmp_path) is None  # nothing stored yet: nothing to merge
+    results.write("quality", "main", {**setup, "runs": {"default": []}}, [0], argv=[], base=tmp_path)
+    assert quality.load_previous("main", setup, base=tmp_path).payload["runs"] == {"default": []}
     with pytest.raises(SystemExit, match="another steps"):
-        quality.load_previous(path, {**setup, "steps": 300})
+        quality.load_previous("main", {**setup, "steps": 300}, base=tmp_path)
+    # a file without provenance (written before benchmarks/lab/results.py, or by hand) is not merged
+    (tmp_path / "quality" / "old.json").write_text(json.dumps({**setup, "runs": {"default": []}}))
+    with pytest.raises(SystemExit, match="no provenance"):
+        quality.load_previous("old", setup, base=tmp_path)
+    # nor one another script wrote
+    results.write("convergence", "main", {**setup, "runs": {}}, [0], argv=[], base=tmp_path)
+    (tmp_path / "convergence" / "main.json").replace(tmp_path / "quality" / "other.json")
+    with pytest.raises(SystemExit, match="written by 'convergence'"):
+        quality.load_previous("other", setup, base=tmp_path)
 
 
 def test_every_arm_is_scored_against_a_centralized_run_of_its_own_tokens():
