@@ -116,15 +116,19 @@ class DataConfig:
     train: str | None = setting(
         None,
         scope="local",
-        doc="Directory of training token shards (manifest.json and shards); null: the embedded corpus.",
+        doc="Directory of training token shards (manifest.json and shards); null: the embedded corpus (then "
+        "data.validation is null too).",
     )
     validation: str | None = setting(
-        None, scope="local", doc="Directory of validation token shards; null: the embedded corpus's."
+        None,
+        scope="local",
+        doc="Directory of held-out token shards for the validation loss, set together with data.train.",
     )
     tokenizer: str | None = setting(
         None,
         scope="local",
-        doc="Local tokenizer directory the shards were made with (checked on open); null: the embedded one.",
+        doc="Local tokenizer directory the shards were made with (checked against their manifest); null: the "
+        "embedded one with the embedded corpus, no check otherwise.",
     )
     seed: int = setting(0, doc="Seed of each epoch's order of the training sequences.")
     partition: Literal["disjoint", "shared"] = setting(
@@ -154,9 +158,9 @@ class TrainConfig:
     warmup_steps: int = setting(30, doc="Steps of linear warm-up to lr.")
     weight_decay: float = setting(0.1, doc="Decoupled weight decay of the matrices (norm weights and biases get none).")
     optimizer: Literal["adamw", "muon"] = setting(
-        "muon", doc="Muon on attention/expert matrices, AdamW on the rest (optim.py)"
+        "muon", doc="Muon on attention/expert matrices, AdamW on the rest (p2p_spes/optim.py)."
     )
-    muon_adamw_lr_scale: float = setting(4.0, doc="with muon: embeddings, head, router and norms (AdamW) at lr x this")
+    muon_adamw_lr_scale: float = setting(4.0, doc="With muon: embeddings, head, router and norms (AdamW) at lr x this")
     betas: tuple[float, float] = setting((0.9, 0.95), doc="AdamW's betas, each in [0, 1).")
     eps: float = setting(1e-8, doc="AdamW's epsilon.")
     grad_clip: float = setting(1.0, doc="Clip the gradient's global norm to this (0: no clipping).")
@@ -175,7 +179,7 @@ class TrainConfig:
     keep_checkpoints: int = setting(2, scope="local", doc="Newest checkpoints kept in the run directory.")
     run_dir: str = setting("runs/default", scope="local", doc="Where metrics, checkpoints and summary go (--run-dir).")
     threads: int = setting(0, scope="local", doc="torch threads (0: torch's default).")
-    tensorboard: bool = setting(False, scope="local", doc="metrics.jsonl as TensorBoard scalars too")
+    tensorboard: bool = setting(False, scope="local", doc="Write metrics.jsonl as TensorBoard scalars too.")
     tensorboard_dir: str = setting(
         "", scope="local", doc='Where the TensorBoard scalars go ("": the run directory\'s tensorboard/).'
     )

@@ -41,7 +41,7 @@ class SwarmConfig:
         False, scope="local", doc="Join the DHT as a client: it dials others and serves no DHT requests."
     )
     use_relay: bool = setting(True, scope="local", doc="libp2p circuit relay: reach peers behind NAT through others")
-    use_auto_relay: bool = setting(False, scope="local", doc="behind NAT yourself: become reachable through a relay")
+    use_auto_relay: bool = setting(False, scope="local", doc="Behind NAT yourself: become reachable through a relay")
     bootstrap_timeout: float = setting(
         15.0, scope="local", doc="Seconds to wait for the DHT to start and reach the initial peers."
     )
@@ -68,30 +68,33 @@ class SwarmConfig:
     )
     compression: Literal["none", "fp16", "int8", "int4", "topk"] = setting(
         "none",
-        doc="pseudo-gradient codec, with error feedback (compression.py); run-wide: peers set otherwise refuse to join",
+        doc="Pseudo-gradient codec, with error feedback (p2p_spes/averaging/compression.py); run-wide: peers set otherwise refuse to join",
     )
-    topk_fraction: float = setting(1 / 64, doc="share of each block of 256 values that topk sends")
+    topk_fraction: float = setting(1 / 64, doc="Share of each block of 256 values that topk sends")
     topk_result_fraction: float | None = setting(
         None, doc="topk: the share a group's averaged parts keep (null: the same)"
     )
     keep_local_progress: bool = setting(
-        False, doc="lossy codecs: weights keep what messages have not carried (outer.py)"
+        False, doc="Lossy codecs: weights keep what messages have not carried (p2p_spes/swarm/outer.py)"
     )
     overlap: bool = setting(
         False,
         scope="local",
-        doc="run each sync round in the background while training goes on (two extra weight copies; peer.py SwarmSync)",
+        doc="Run each sync round in the background while training goes on (two extra weight copies; "
+        "p2p_spes/peer.py SwarmSync)",
     )
     matchmaking_time: float = setting(5.0, doc="Seconds a round waits for the peers it expects.")
-    averaging_timeout: float = setting(30.0, doc="Seconds a group's transfers may take before the attempt fails.")
+    averaging_timeout: float = setting(
+        30.0, doc="Seconds a group's transfers may take (their deadline) before the attempt fails."
+    )
     quorum: float = setting(
         0.75,
-        doc="share of the live peers a round's shared group waits for past its join window (up to 3x "
+        doc="Share of the live peers a round's shared group waits for past its join window (up to 3x "
         "matchmaking_time; p2p_spes/averaging/matchmaking.py), so that it does not close before most arrive. 0: off",
     )
     group_retries: int = setting(
         2,
-        doc="a group whose transfers failed (a member died or froze mid-round) forms again among the members "
+        doc="A group whose transfers failed (a member died or froze mid-round) forms again among the members "
         "that come, up to this many more times per round (p2p_spes/averaging/allreduce.py); 0: the round is lost",
     )
     group_size: int = setting(
@@ -121,24 +124,24 @@ class SwarmConfig:
     merge_decay_steps: int = setting(300, doc="Warm-up merging: steps over which that weight decays linearly to 0.")
     aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = setting(
         "mean",
-        doc='how a group combines what its members send: "mean" (token-weighted) trusts every peer; '
+        doc='How a group combines what its members send: "mean" (token-weighted) trusts every peer; '
         '"trimmed_mean" and "centered_clip" bound what one bad peer can do (groups of 3 or more)',
     )
     trim_fraction: float = setting(0.2, doc="trimmed_mean: share of the group dropped at each end (at least 1 peer)")
     clip_tau: float = setting(1.0, doc="centered_clip: clip radius, in units of the contributions' median spread")
     max_update_ratio: float = setting(
         20.0,
-        doc="refuse a group result that moves our values more than this many times the recent median move "
+        doc="Refuse a group result that moves our values more than this many times the recent median move "
         "(0: off); a refused result is logged and counted, and the peer keeps its own values",
     )
     secret_file: str | None = setting(
         None,
         scope="local",
-        doc="a private run: a shared secret (file; or the P2P_SPES_SECRET environment variable); outsiders can "
+        doc="A private run: a shared secret (file; or the P2P_SPES_SECRET environment variable); outsiders can "
         "neither write its records nor use its RPCs (dht/auth.py)",
     )
     allowed_peers: list[str] = setting(  # noqa: RUF009 (a field specifier, as dataclasses.field)
         factory=list,
-        doc="a private run: an allow-list of peer ids; outsiders can neither write its records nor use its RPCs "
+        doc="A private run: an allow-list of peer ids; outsiders can neither write its records nor use its RPCs "
         "(dht/auth.py)",
     )
