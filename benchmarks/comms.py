@@ -81,9 +81,10 @@ PAYLOAD = [
 ]
 PROJECTED = ("spes-1b", "spes-7b")
 PROJECTED_PEERS = (4, 16)
-# what each round record field counts (``p2p_spes/swarm/report.py``), by direction
-SENT = {"client_sent": "bytes_sent", "reducer_out": "reducer_out_bytes", "served": "served_bytes"}
-RECEIVED = {"client_received": "bytes_received", "reducer_in": "reducer_in_bytes", "downloaded": "downloaded_bytes"}
+# each component's place in a round record's ``traffic`` (purpose, 0: sent / 1: received), as the peer's
+# wire meter counts it (``p2p_spes/averaging/wire_meter.py``)
+SENT = {"client_sent": ("averaging", 0), "reducer_out": ("reducing", 0), "served": ("serving", 0)}
+RECEIVED = {"client_received": ("averaging", 1), "reducer_in": ("reducing", 1), "downloaded": ("downloading", 1)}
 FIELDS = {**SENT, **RECEIVED}
 TARGETS = {"best_vs_spes_fp32": 50.0, "best_vs_allreduce_fp32": 140.0, "int8_vs_spes_fp32": 3.5, "flat_within": 0.10}
 
@@ -219,7 +220,7 @@ def read_records(run_dir: Path, peers: int) -> dict:
     out: dict = {"rounds": counted, "records": len(rows), "excluded": excluded}
     if not rows:
         return out
-    logged = {k: statistics.fmean(r[f] for r in rows) for k, f in FIELDS.items()}
+    logged = {k: statistics.fmean(r["traffic"][purpose][side] for r in rows) for k, (purpose, side) in FIELDS.items()}
     # what a peer served is counted by its server only while its own round runs, and others download
     # its experts' updates at the end of theirs, often after its round closed: those bytes fall between
     # its records. Every frozen expert of a counted round came from its holder in the swarm, so the

@@ -201,7 +201,8 @@ def summarize(run_dir: Path, peers: int, survivors: list[int], faults: list[Faul
         "rounds_everyone_running_applied": len(everyone_running),
         "seconds_per_round": statistics.median(r["sync_seconds"] for r in rows) if rows else None,
         "mb_per_peer_round": statistics.fmean(
-            (r["bytes_sent"] + r["bytes_received"] + r["downloaded_bytes"]) / 1e6 for r in rows
+            (r["bytes_sent"] + r["bytes_received"]) / 1e6
+            for r in rows  # every byte, downloads included
         )
         if rows
         else None,

@@ -1,14 +1,13 @@
-"""How much of a peer's wall time goes to syncing, at sync_steps 100 and 25, blocking or overlapped.
+"""How much of a peer's wall time goes to syncing, at sync_steps 100 and 25.
 
-    python -m benchmarks.sync_overhead                      # 100 and 25, each blocking and overlapped, ~10 min
+    python -m benchmarks.sync_overhead                      # 100 and 25, ~5 min
     python -m benchmarks.sync_overhead --intervals 40 10 --steps 200 --variant every40-10
 
-A 2-peer loopback swarm per (interval, mode); from each peer's metrics (every step logged with its
-wall clock and compute time, every round with its duration): the share of wall time not spent in
-training steps (rounds, and anything else outside a step), the wall time per step against the
-blocking run at the same interval, and the compute time of the steps a round ran beside (overlap)
-or right after (blocking) against the others. A blocking round stops training for its duration;
-``swarm.overlap=true`` runs it in the background (p2p_spes/peer.py). Writes
+A 2-peer loopback swarm per interval; from each peer's metrics (every step logged with its wall clock
+and compute time, every round with its duration): the share of wall time not spent in training steps
+(rounds, and anything else outside a step), the wall time per step against the first interval's, and
+the compute time of the step right after a round against the others. A round stops training for its
+duration (rounds overlapped with training were withdrawn: docs/limits.md). Writes
 ``benchmarks/results/sync_overhead/<variant>.json`` (``--variant``, default ``main``).
 """
 
@@ -44,11 +43,11 @@ CONFIG = [
 ]
 
 
-def measure(interval: int, overlap: bool, steps: int, run_dir: Path) -> dict[str, float]:
-    name = f"every{interval}-{'overlap' if overlap else 'blocking'}"
+def measure(interval: int, steps: int, run_dir: Path) -> dict[str, float]:
+    name = f"every{interval}"
     swarm = LocalSwarm(
         None,
-        CONFIG + [f"swarm.sync_steps={interval}", f"train.max_steps={steps}", f"swarm.overlap={str(overlap).lower()}"],
+        CONFIG + [f"swarm.sync_steps={interval}", f"train.max_steps={steps}"],
         peers=2,
         run_dir=run_dir / name,
         run_id=f"overhead-{name}",
@@ -67,12 +66,7 @@ def measure(interval: int, overlap: bool, steps: int, run_dir: Path) -> dict[str
         per_step.append(wall / (len(steps_) - 1))
         rounds += [r["sync_seconds"] for r in syncs]
         joined += sum(r["shared_ok"] for r in syncs)
-        # the steps a round ran beside (logged when it ended, overlapped_steps after it began) or,
-        # blocking, the one step right after it, against all others
-        if overlap:
-            busy = {s for r in syncs for s in range(r["step"] - r["overlapped_steps"] + 1, r["step"] + 1)}
-        else:
-            busy = {r["step"] + 1 for r in syncs}
+        busy = {r["step"] + 1 for r in syncs}  # the step right after each round, against all others
         for r in steps_:
             (during if r["step"] in busy else between).append(r["step_time_s"])
     return {
@@ -93,34 +87,32 @@ def main() -> None:
     args = parser.parse_args()
     writer = results.start("sync_overhead", args.variant, seeds=[load_config(None, CONFIG).train.seed])  # config's
     run_dir = Path(tempfile.mkdtemp(prefix="p2p-spes-overhead-"))
-    table = Table(title="sync overhead, 2 loopback peers: blocking rounds vs rounds overlapped with training")
+    table = Table(title="sync overhead, 2 loopback peers")
     for col in (
         "sync_steps",
         "rounds",
         "wall time not computing",
         "wall s / step",
-        "vs blocking",
+        "vs the first interval",
         "median round s",
-        "step during round s",
+        "step after a round s",
         "step otherwise s",
     ):
         table.add_column(col, justify="right")
     rows: dict[str, dict[str, float]] = {}
     for interval in args.intervals:
-        for overlap in (False, True):
-            got = measure(interval, overlap, args.steps, run_dir)
-            rows[f"{interval}-{'overlap' if overlap else 'blocking'}"] = got
-            base = rows[f"{interval}-blocking"]
-            table.add_row(
-                f"{interval} {'overlap' if overlap else 'blocking'}",
-                str(got["rounds_joined"]),
-                f"{got['overhead_fraction']:.1%}",
-                f"{got['wall_s_per_step']:.3f}",
-                f"{got['wall_s_per_step'] / base['wall_s_per_step']:.2f}x",
-                f"{got['round_seconds']:.2f}",
-                f"{got['step_during_round_s']:.3f}",
-                f"{got['step_between_s']:.3f}",
-            )
+        got = rows[str(interval)] = measure(interval, args.steps, run_dir)
+        base = rows[str(args.intervals[0])]
+        table.add_row(
+            str(interval),
+            str(got["rounds_joined"]),
+            f"{got['overhead_fraction']:.1%}",
+            f"{got['wall_s_per_step']:.3f}",
+            f"{got['wall_s_per_step'] / base['wall_s_per_step']:.2f}x",
+            f"{got['round_seconds']:.2f}",
+            f"{got['step_during_round_s']:.3f}",
+            f"{got['step_between_s']:.3f}",
+        )
     console = Console(width=140)
     console.print(table)
     out = writer.write(

@@ -2,7 +2,6 @@
 
     sudo .venv/bin/python -m benchmarks.wan --peers 4 --mbit 20 --steps 150 --variant 4x20
     sudo .venv/bin/python -m benchmarks.wan --peers 2 --up 20 2 --down 50 4 --slow-cpu 0.33 --slow-peers 1 --variant asym
-    sudo .venv/bin/python -m benchmarks.wan --peers 2 --mbit 4 --set swarm.sync_steps=10 --overlap --variant 2x4-overlap
 
 Loopback hides the costs a real swarm pays: a joiner's catch-up download takes seconds while the
 others train on, rounds move megabytes over a few Mbit/s, and peers compute at different speeds.
@@ -64,8 +63,6 @@ def links_from(args: argparse.Namespace) -> list[LinkSpec]:
 
 def overrides_from(args: argparse.Namespace) -> list[str]:
     out = [*DEFAULTS, f"train.max_steps={args.steps}", f"train.seed={args.seed}", f"data.seed={args.seed}"]
-    if args.overlap:
-        out.append("swarm.overlap=true")
     return out + list(args.set)
 
 
@@ -178,7 +175,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", help="config file or name (default: the built-in tiny config)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--steps", type=int, default=200, help="train.max_steps")
-    ap.add_argument("--overlap", action="store_true", help="swarm.overlap=true (rounds in the background)")
     ap.add_argument("--seed", type=int, default=0, help="train.seed and data.seed")
     ap.add_argument("--stagger", type=float, default=5.0, help="seconds between the first peer and the others")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole run may take")

@@ -5,8 +5,9 @@
     sudo .venv/bin/python -m benchmarks.wan_codecs --only-table         # the table again from the per-run files
 
 Runs ``benchmarks/wan.py``'s swarm (network namespaces, ``tbf`` caps, the tiny config, same seed and data
-for every run) once per codec and arm (``blocking``: the round holds training up; ``overlap``:
-``swarm.overlap``, the round runs beside training), one after another, and tabulates per run: rounds
+for every run) once per codec (arm ``blocking``: the round holds training up; the ``overlap`` arm of the
+stored legacy files measured rounds run beside training, withdrawn since), one after another, and
+tabulates per run: rounds
 in which every peer was a member, mean seconds per round (rounds after the last joiner started),
 bytes sent + received per peer per round (the peer's groups, as client), the share of wall time each
 peer spent computing (mean and range over peers), and whether all peers ended bit-identical.
@@ -79,10 +80,7 @@ def summarize(run: dict) -> dict:
 
 def reread(run: dict, codec: str, arm: str) -> dict:
     """A stored run with its peers compared again by the current ``compare_final``."""
-    peers = [
-        PeerReport.from_dict(p, compression=codec.removesuffix("-dense"), overlap=arm == "overlap")
-        for p in run["peers"]
-    ]
+    peers = [PeerReport.from_dict(p, compression=codec.removesuffix("-dense")) for p in run["peers"]]
     last, differences = compare_final(peers)
     return {**run, "last_common_round": last, "identical": not differences, "differences": differences}
 
@@ -90,7 +88,7 @@ def reread(run: dict, codec: str, arm: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
-    ap.add_argument("--arms", nargs="+", default=["blocking", "overlap"], choices=["blocking", "overlap"])
+    ap.add_argument("--arms", nargs="+", default=["blocking"], choices=["blocking"])
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--mbit", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=150)
@@ -182,7 +180,7 @@ def stored(variant: str) -> results.Result:
 def measure(args: argparse.Namespace, codec: str, arm: str, writer: results.Run, variant: str) -> dict:
     """One run through ``benchmarks.wan``'s swarm in this process, written as ``variant``; its table row."""
     argv = ["--peers", str(args.peers), "--mbit", str(args.mbit), "--steps", str(args.steps), "--seed", str(args.seed)]
-    argv += [a for o in CODECS[codec] for a in ("--set", o)] + (["--overlap"] if arm == "overlap" else [])
+    argv += [a for o in CODECS[codec] for a in ("--set", o)]
     print(f"== {codec} / {arm}: benchmarks.wan {' '.join(argv)}", flush=True)
     t0 = time.monotonic()
     try:

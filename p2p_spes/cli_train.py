@@ -56,10 +56,6 @@ def _train(args: argparse.Namespace, node) -> int:
     sw = cfg.swarm
     swarm = bool(args.swarm or sw.initial_peers)
     if node is not None:
-        if sw.overlap and swarm:
-            raise ConfigError(
-                "swarm.overlap is not supported with several processes per peer (torchrun); leave it false"
-            )
         node.send_json({"config": cfg.to_dict(), "swarm": swarm, "resume": args.resume})
     if swarm:
         summary = run_peer(cfg, cfg.train.run_dir, progress=not args.no_progress, resume=args.resume, node=node)

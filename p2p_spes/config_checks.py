@@ -65,6 +65,11 @@ def validate(config: Config) -> None:
     if not all(0 <= b < 1 for b in tr.betas):
         raise ConfigError(f"train.betas must be in [0, 1), got {list(tr.betas)}")
     sw = config.swarm
+    if sw.overlap:
+        raise ConfigError(
+            "swarm.overlap=true is withdrawn: rounds run in the background ended with different models on "
+            "different peers and a worse loss than blocking rounds (docs/limits.md); set swarm.overlap=false"
+        )
     if sw.group_retries < 0 or sw.group_size < 0 or sw.group_size == 1:
         raise ConfigError(
             f"swarm.group_retries must be 0 or more (got {sw.group_retries}) and swarm.group_size "

@@ -80,8 +80,8 @@ class SwarmConfig:
     overlap: bool = setting(
         False,
         scope="local",
-        doc="Run each sync round in the background while training goes on (two extra weight copies; "
-        "p2p_spes/peer.py SwarmSync)",
+        doc="Withdrawn: must stay false. Rounds run in the background ended with different models on "
+        "different peers and a worse loss (docs/limits.md); every round holds training until it ends.",
     )
     matchmaking_time: float = setting(5.0, doc="Seconds a round waits for the peers it expects.")
     averaging_timeout: float = setting(

@@ -261,10 +261,10 @@ class LocalSwarm:
             "peer",
             "exit",
             "experts",
-            "steps",
+            "steps computed / skipped / jumped",
             "train loss",
             "val loss",
-            "rounds averaged / alone / failed",
+            "rounds averaged / adopted / alone / failed",
             "tokens averaged",
             "sent MB",
             "recv MB",
@@ -276,15 +276,29 @@ class LocalSwarm:
                 str(i),
                 str(proc.poll()),
                 str(s.get("local_experts", "-")),
-                str(s.get("step", "-")),
+                _steps(s),
                 _fmt(s.get("final_train_loss")),
                 _fmt(s.get("final_val_loss")),
-                f"{s.get('rounds_joined', '-')} / {s.get('rounds_alone', 0)} / {s.get('rounds_failed', 0)}",
+                _rounds(s),
                 "-" if averaged is None or not s.get("tokens") else f"{averaged / s['tokens']:.0%}",
                 _fmt(s.get("bytes_sent", 0) / 1e6 if s else None),
                 _fmt(s.get("bytes_received", 0) / 1e6 if s else None),
             )
         (console or Console(width=150)).print(table)
+
+
+def _steps(summary: dict[str, Any]) -> str:
+    steps = summary.get("steps")
+    if not steps:  # not a swarm peer, or no summary yet
+        return str(summary.get("steps_computed", summary.get("step", "-")))
+    return f"{steps['computed']} / {steps['skipped']} / {steps['jumped']}"
+
+
+def _rounds(summary: dict[str, Any]) -> str:
+    rounds = summary.get("rounds")
+    if not rounds:
+        return "-"
+    return f"{rounds['averaged']} / {rounds['adopted']} / {rounds['alone']} / {rounds['failed']}"
 
 
 def spawn_bootstrap(

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state
 from p2p_spes.config import Config
-from p2p_spes.distributed import Node, NodeSync, model_tensors
+from p2p_spes.distributed import Node, NodeSync
 from p2p_spes.errors import CheckpointError
 from p2p_spes.healing import take_on_experts
 from p2p_spes.hooks import TrainerHook
@@ -22,31 +18,6 @@ from p2p_spes.swarm import RoundReport, Swarm
 from p2p_spes.train import Trainer
 
 log = logging.getLogger(__name__)
-
-
-class _Background:
-    """One sync round running on a daemon thread (a stuck round must not keep the process alive)."""
-
-    def __init__(self, fn) -> None:
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="p2p-spes-sync")
-        self.thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self.result = fn()
-        except BaseException as exc:  # re-raised in the training thread by wait()
-            self.error = exc
-
-    def done(self) -> bool:
-        return not self.thread.is_alive()
-
-    def wait(self) -> Any:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 class SwarmSync(TrainerHook):
@@ -58,14 +29,6 @@ class SwarmSync(TrainerHook):
     is token-weighted), and after the round takes the round's place in the schedule (step ``r *
     sync_steps``), so a slower peer or one back from a long download meets the same rounds as the
     others and no step it computed is thrown away.
-
-    With ``overlap`` the round runs in the background on a copy of the weights taken at the
-    boundary (step t) while training goes on; when it ends, the round's change is added to the live
-    weights: theta = theta_live + (theta_round - theta_t), i.e. the averaged result plus the local
-    progress made meanwhile (the delayed outer update of Streaming DiLoCo). It costs two extra copies
-    of the weights (not of the optimizer state). A round still running at the next boundary, or at
-    the last step, is waited for. Training resumes only once the shared group's membership is
-    decided: the matchmaking window is where a peer ahead waits for the others.
     """
 
     def __init__(
@@ -73,13 +36,11 @@ class SwarmSync(TrainerHook):
         swarm: Swarm,
         sync_steps: int,
         tokens: int = 0,
-        overlap: bool = False,
         next_round: int = 1,
         partition: int | None = None,
     ) -> None:
-        self.swarm, self.sync_steps, self.overlap, self.partition = swarm, sync_steps, overlap, partition
+        self.swarm, self.sync_steps, self.partition = swarm, sync_steps, partition
         self.tokens_at_last_sync = tokens  # a resumed peer weighs only what it trained since
-        self._pending: tuple[_Background, torch.nn.Module, list[torch.Tensor], int] | None = None
         self.rounds_applied = 0  # rounds whose result reached the live weights (NodeSync watches it)
         self.next_round = next_round
         self.tokens_averaged = 0  # tokens of ours that went into rounds averaged with other peers
@@ -92,8 +53,7 @@ class SwarmSync(TrainerHook):
         return trainer.step >= self.next_round * self.sync_steps or self.swarm.round_opened(self.next_round)
 
     def post_train(self, trainer: Trainer) -> None:
-        """Apply a round still running in the background, then serve the others a while before leaving."""
-        self.finish(trainer)
+        """Serve the others a while before leaving (they may still be refreshing from our last round)."""
         self.swarm.linger()
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:
@@ -103,10 +63,18 @@ class SwarmSync(TrainerHook):
         return {
             "peer_id": swarm.peer_id,
             **swarm.stats.as_dict(),
+            "traffic": swarm.stats.traffic(),
+            "rounds": swarm.stats.rounds(),
+            # the steps a peer reached: those it computed, those a catch-up replaced (skipped) and those the
+            # schedule moved past to the swarm's round (jumped); only computed ones trained anything
+            "steps": {
+                "computed": trainer.steps_computed,
+                "skipped": swarm.stats.steps_skipped,
+                "jumped": swarm.stats.schedule_steps_advanced,
+            },
             "tokens_averaged": self.tokens_averaged,
             "residency": sw.residency,
             "compression": sw.compression,
-            "overlap": sw.overlap,
             "sync_memory": swarm.sync_memory().to_dict(),
             "data_partition": self.partition,
             "last_round": swarm.rounds[-1].metrics(trainer.step) if swarm.rounds else None,
@@ -120,9 +88,6 @@ class SwarmSync(TrainerHook):
             tokens=trainer.tokens,
             tokens_per_s=round(m.get("tokens_per_s", 0.0), 1),
         )
-        last = trainer.step >= trainer.cfg.train.max_steps
-        if self._pending is not None and (self._due(trainer) or last or self._pending[0].done()):
-            self.finish(trainer)
         if not self._due(trainer):
             return
         self.swarm.reach_others()  # nobody answers at a boundary: reconnect before running a round alone
@@ -130,44 +95,9 @@ class SwarmSync(TrainerHook):
             return
         round_no, weight = self.next_round, trainer.tokens - self.tokens_at_last_sync
         self.tokens_at_last_sync = trainer.tokens
-        if self.overlap and not last:
-            self._start(trainer, round_no, weight)
-        else:
-            # every member runs the round at its agreed step (the merge schedule and the served
-            # snapshots follow it), wherever its own step count stands
-            self._after(trainer, self.swarm.sync(round_no, round_no * self.sync_steps, weight), trainer.step)
-
-    def _start(self, trainer: Trainer, round_no: int, weight: int) -> None:
-        shadow = copy.deepcopy(trainer.model)
-        base = [t.detach().clone() for t in model_tensors(shadow)]
-        self.swarm.use_model(shadow)  # the round reads, averages, serves and writes the copy
-        step = trainer.step
-        joined = threading.Event()
-        job = _Background(lambda: self.swarm.sync(round_no, round_no * self.sync_steps, weight, on_joined=joined.set))
-        self._pending = (job, shadow, base, step)
-        self.next_round = round_no + 1  # the round is under way: the next one is the one to watch for
-        while not joined.wait(0.05) and not job.done():
-            pass
-
-    def finish(self, trainer: Trainer) -> None:
-        """Wait for a background round, if any, and add its change to the live weights."""
-        if self._pending is None:
-            return
-        job, shadow, base, started = self._pending
-        self._pending = None
-        try:
-            report = job.wait()
-        finally:
-            self.swarm.use_model(trainer.model)
-        with torch.no_grad():
-            for live, after, before in zip(model_tensors(trainer.model), model_tensors(shadow), base):
-                if live.is_floating_point():
-                    after, before = after.to(live.device), before.to(live.device)
-                    # values training did not touch meanwhile (frozen copies) take the round's bits
-                    # exactly: before + (after - before) may differ from after in the last bit, and a
-                    # copy one bit off its group's anchor can no longer follow it by encoded deltas
-                    live.copy_(torch.where(live == before, after, live + (after - before)))
-        self._after(trainer, report, started)
+        # every member runs the round at its agreed step (the merge schedule and the served snapshots
+        # follow it), wherever its own step count stands
+        self._after(trainer, self.swarm.sync(round_no, round_no * self.sync_steps, weight), trainer.step)
 
     def _after(self, trainer: Trainer, report: RoundReport, started: int) -> None:
         """Log the round, take its place in the schedule, rejoin if we fell behind, heal coverage."""
@@ -222,7 +152,7 @@ class SwarmSync(TrainerHook):
                 "step": trainer.step,
                 "took_over": mine,
                 "local_experts": trainer.model.local_experts,
-                "bytes_received_total": int(self.swarm.stats.bytes_received),
+                "bytes_received_total": self.swarm.stats.wire.received,
             }
         )
 
@@ -352,7 +282,6 @@ def run_peer(
             swarm,
             cfg.swarm.sync_steps,
             trainer.tokens,
-            overlap=cfg.swarm.overlap,
             next_round=next_round,
             partition=partition,
         )

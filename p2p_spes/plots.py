@@ -32,7 +32,7 @@ class Curves:
         tokens = 0
         for r in read_metrics(run_dir):
             if "sync_round" in r:
-                moved = sum(int(r.get(k) or 0) for k in ("bytes_sent", "bytes_received", "downloaded_bytes"))
+                moved = sum(int(r.get(k) or 0) for k in ("bytes_sent", "bytes_received"))  # every byte of the round
                 curves.rounds.append((int(r["sync_round"]), float(r.get("sync_seconds") or 0.0), moved / 1e6))
                 continue
             if isinstance(r.get("tokens"), int):

@@ -135,7 +135,7 @@ class ProgressView:
         p.round, p.round_seconds = r["sync_round"], float(r.get("sync_seconds") or 0.0)
         p.round_outcome, p.members = r.get("outcome"), r.get("shared_members")
         p.sent_mb += (r.get("bytes_sent") or 0) / 1e6
-        p.received_mb += ((r.get("bytes_received") or 0) + (r.get("downloaded_bytes") or 0)) / 1e6
+        p.received_mb += (r.get("bytes_received") or 0) / 1e6  # every byte, downloads included
         if p.round_outcome == "averaged" and not p.joined:
             p.joined = True
             self.event(f"{p.name} joined the run: averaged round {p.round} with {p.members} peer(s)")

@@ -48,6 +48,7 @@ def trainer_summary(trainer: Trainer) -> dict[str, Any]:
     """The summary of ``trainer``'s run: its own numbers, then what each of its hooks adds."""
     summary = {
         "step": trainer.step,
+        "steps_computed": trainer.steps_computed,
         "tokens": trainer.tokens,
         "first_train_loss": trainer.first_loss,
         "final_train_loss": trainer.last_metrics.get("loss"),
@@ -70,6 +71,7 @@ def trainer_summary(trainer: Trainer) -> dict[str, Any]:
             "rank": trainer.node.rank,
             "world": trainer.node.world,
             "step": trainer.step,
+            "steps_computed": trainer.steps_computed,
             "local_experts": trainer.model.local_experts,
             "digest": trainer.node.digest(trainer.model),
         }

@@ -128,6 +128,7 @@ class Trainer:
         self.val_batches = validation_batches(self.val_data, cfg.model.max_seq_len, tr.batch_size, tr.eval_batches)
 
         self.step = 0
+        self.steps_computed = 0  # by this process: a step the schedule jumped over or a catch-up replaced is not one
         self.tokens = 0
         self.last_metrics: dict[str, Any] = {}
         self.val_loss: float | None = None
@@ -251,6 +252,7 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         step_tokens = tr.batch_size * tr.grad_accum * self.cfg.model.max_seq_len * self.world  # the whole peer's
         self.step += 1
+        self.steps_computed += 1
         self.tokens += step_tokens
         self.last_metrics = {
             "step": self.step,

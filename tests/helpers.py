@@ -24,6 +24,7 @@ from dht.node import start_dht
 from p2p_spes.averaging.allreduce import GroupAllReduce
 from p2p_spes.averaging.reducer import PartServer
 from p2p_spes.local_swarm import spawn_bootstrap
+from p2p_spes.metrics_log import round_records
 
 __all__ = [
     "P2P",
@@ -190,12 +191,7 @@ def join_once(run_dir: Path, maddrs: list[str], overrides: list[str]) -> subproc
 # A peer's metrics ----------------------------------------------------------------------------------
 def rounds(run_dir: Path) -> dict[int, dict]:
     """The ``sync_round`` records of a peer's ``metrics.jsonl``, by round number."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "sync_round" in record:
-            out[record["sync_round"]] = record
-    return out
+    return {record["sync_round"]: record for record in round_records(run_dir)}
 
 
 def last_step(run_dir: Path) -> int:

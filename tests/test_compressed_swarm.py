@@ -101,8 +101,9 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
         # a lone holder's update is a group of one's result: 4 of 256 values a block under topk (0.007 of
         # fp32, and the framing), 16 with topk_result_fraction 4/64 (0.022)
         limit = {"topk": 0.03 if dense else 0.012, "int8": 0.3}[compression] * 3 * expert_bytes()
-        assert all(r["downloaded_bytes"] < limit for r in later), (
-            f"refreshes downloaded {[r['downloaded_bytes'] for r in later]} bytes, 3 whole experts are {3 * expert_bytes()}"
+        downloaded = [r["traffic"]["downloading"][1] for r in later]
+        assert all(d < limit for d in downloaded), (
+            f"refreshes downloaded {downloaded} bytes, 3 whole experts are {3 * expert_bytes()}"
         )
 
 

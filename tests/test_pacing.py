@@ -158,7 +158,7 @@ class _Swarm:
         self.caught_up = [*self.caught_up, self.others_round]
         return {"round": self.others_round, "step": self.others_round * 10}
 
-    def sync(self, round_no, step, weight, on_joined=None) -> RoundReport:
+    def sync(self, round_no, step, weight) -> RoundReport:
         self.calls.append((round_no, step, weight))
         if self.others_after_sync is not None:
             self.others_round = self.others_after_sync

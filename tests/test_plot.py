@@ -26,8 +26,7 @@ def write_peer(d: Path, loss0: float) -> None:
                     "step": step,
                     "sync_seconds": 1.0 + step / 10,
                     "bytes_sent": 1_000_000,
-                    "bytes_received": 2_000_000,
-                    "downloaded_bytes": 500_000,
+                    "bytes_received": 2_500_000,  # every byte, downloads included
                     "outcome": "averaged",
                     "shared_ok": True,
                     "shared_digest": "ab" * 32,
@@ -45,7 +44,7 @@ def test_curves_are_read_from_metrics_and_a_parent_directory_stands_for_its_peer
     c = Curves.read(tmp_path / "alone", "alone")
     assert len(c.train) == 30 and c.train[-1] == (30 * 256, pytest.approx(8.5 - 1.5))
     assert [x for x, _ in c.val] == [2560, 5120, 7680]
-    assert c.rounds[0] == (1, 2.0, 3.5)  # seconds, MB sent + received + downloaded
+    assert c.rounds[0] == (1, 2.0, 3.5)  # seconds, MB sent + received
     with pytest.raises(DataError, match="no metrics.jsonl"):
         run_dirs([tmp_path / "nothing-here"])
 

@@ -30,8 +30,8 @@ def round_record(n, step, outcome="averaged", members=2, **extra):
         "outcome": outcome,
         "shared_members": members,
         "bytes_sent": 2_000_000,
-        "bytes_received": 3_000_000,
-        "downloaded_bytes": 1_000_000,
+        "bytes_received": 4_000_000,  # every byte, downloads included
+        "traffic": {"averaging": [2_000_000, 3_000_000], "downloading": [0, 1_000_000]},
         "groups_failed": [],
         **extra,
     }
@@ -78,7 +78,7 @@ def test_events_name_what_happened_and_each_is_printed_once():
     assert text.count("peer1 died") == 1 and "\x1b[" not in text  # plain lines, no redraw codes
     p0 = view.peers["peer0"]
     assert (p0.round, p0.round_outcome, p0.step) == (3, "averaged", 70)
-    assert p0.sent_mb == 6.0 and p0.received_mb == 12.0  # three rounds of 2 MB out, 3 + 1 MB in
+    assert p0.sent_mb == 6.0 and p0.received_mb == 12.0  # three rounds of 2 MB out, 4 MB in
 
 
 def test_plain_output_prints_every_peer_status_line_and_eta_follows_the_pace():

@@ -20,7 +20,7 @@ def round_line(n: int, outcome: str, start: float, seconds: float, digest: str) 
         "shared_digest": digest,
         "bytes_sent": 1_000_000,
         "bytes_received": 1_000_000,
-        "downloaded_bytes": 0,
+        "traffic": {"downloading": [0, 0]},
         "groups": {"shared": {"attempts": 1, "lost": []}},
     }
 

@@ -30,6 +30,7 @@ caps). Used by ``benchmarks/wan.py`` and ``tests/test_wan.py``.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import secrets
 import shutil
@@ -156,6 +157,24 @@ def _remove_cgroup(group: Path, timeout: float = 5.0) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class InterfaceCounts:
+    """Bytes and packets through an interface (Ethernet frames: their IP and TCP headers included)."""
+
+    tx_bytes: int
+    rx_bytes: int
+    tx_packets: int
+    rx_packets: int
+
+    def __sub__(self, other: InterfaceCounts) -> InterfaceCounts:
+        return InterfaceCounts(
+            self.tx_bytes - other.tx_bytes,
+            self.rx_bytes - other.rx_bytes,
+            self.tx_packets - other.tx_packets,
+            self.rx_packets - other.rx_packets,
+        )
+
+
 class Lab:
     """N peers in network namespaces on one bridge, shaped per :class:`LinkSpec`; a context manager."""
 
@@ -242,6 +261,14 @@ class Lab:
             self._cgroups.append(group)
             (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(str(cpu_quota_us(link.cpu)))
+
+    def interface_counts(self, index: int) -> InterfaceCounts:
+        """What went through peer ``index``'s network interface so far, as its kernel counted it."""
+        out = json.loads(_run(["ip", "-n", self.namespaces[index], "-s", "-j", "link", "show", "dev", "lab0"]))
+        stats = out[0]["stats64"]
+        return InterfaceCounts(
+            stats["tx"]["bytes"], stats["rx"]["bytes"], stats["tx"]["packets"], stats["rx"]["packets"]
+        )
 
     def set_cpu(self, index: int, cpu: float | None) -> None:
         """Change peer ``index``'s CPU cap while it runs (``None``: no cap); e.g. once it has started, so

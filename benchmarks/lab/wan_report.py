@@ -66,7 +66,6 @@ class PeerReport:
     bytes_sent: int
     bytes_received: int
     compression: str = "none"  # the run's codec (summary)
-    overlap: bool = False  # rounds ran beside training (summary)
 
     @property
     def averaged_share(self) -> float | None:
@@ -86,15 +85,12 @@ class PeerReport:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], compression: str | None = None, overlap: bool | None = None) -> PeerReport:
-        """A report written by :meth:`to_dict` (``compression`` and ``overlap`` for files written before
-        they were kept)."""
+    def from_dict(cls, d: dict[str, Any], compression: str | None = None) -> PeerReport:
+        """A report written by :meth:`to_dict` (``compression`` for files written before it was kept)."""
         names = {f.name for f in fields(cls)} - {"rounds"}
         values = {k: v for k, v in d.items() if k in names}
         if compression is not None and "compression" not in d:
             values["compression"] = compression
-        if overlap is not None and "overlap" not in d:
-            values["overlap"] = overlap
         return cls(rounds=[RoundRow(**r) for r in d["rounds"]], **values)
 
 
@@ -146,7 +142,7 @@ def round_row(peer: int, record: dict[str, Any]) -> RoundRow:
         seconds=float(record.get("sync_seconds", 0.0)),
         bytes_sent=int(record.get("bytes_sent", 0)),
         bytes_received=int(record.get("bytes_received", 0)),
-        downloaded_bytes=int(record.get("downloaded_bytes", 0)),
+        downloaded_bytes=int(record.get("traffic", {}).get("downloading", [0, 0])[1]),
         tokens_contributed=record.get("tokens_contributed"),
         schedule_jump=record.get("schedule_jump"),
         shared_digest=str(record.get("shared_digest", "")),
@@ -185,19 +181,16 @@ def read_peer(run_dir: Path, peer: int) -> PeerReport:
         bytes_sent=int(summary.get("bytes_sent", 0)),
         bytes_received=int(summary.get("bytes_received", 0)),
         compression=str(summary.get("compression") or "none"),
-        overlap=bool(summary.get("overlap")),
     )
 
 
 def compare_final(peers: list[PeerReport]) -> tuple[int | None, list[str]]:
     """The last round every peer logged, and how the peers' weights differ after it (empty: identical).
 
-    Identical means equal shared digests and expert digests in that round and, without compression
-    and overlap, equal final validation losses (the loss is computed on the weights at the end, so it
-    also covers steps after the round). Under a lossy codec the digests are of the published values: a
-    lone holder trains on its own weights, which run ahead of what it publishes; with overlap a peer
-    that joined the last round before its last step adds the steps it trained meanwhile. Both make the
-    final losses differ by design.
+    Identical means equal shared digests and expert digests in that round and, without compression,
+    equal final validation losses (the loss is computed on the weights at the end, so it also covers
+    steps after the round). Under a lossy codec the digests are of the published values: a lone holder
+    trains on its own weights, which run ahead of what it publishes, so the final losses differ by design.
     """
     if not peers or any(not p.rounds for p in peers):
         return None, ["a peer logged no round"]
@@ -212,7 +205,7 @@ def compare_final(peers: list[PeerReport]) -> tuple[int | None, list[str]]:
     if len({json.dumps(r.expert_digests, sort_keys=True) for r in rows}) > 1:
         differences.append(f"round {last}: expert digests differ")
     losses = {p.final_val_loss for p in peers}
-    exact = all(p.compression == "none" and not p.overlap for p in peers)
+    exact = all(p.compression == "none" for p in peers)
     if exact and (len(losses) > 1 or None in losses):
         differences.append(f"final validation losses differ or are missing: {[p.final_val_loss for p in peers]}")
     return last, differences

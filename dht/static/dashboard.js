@@ -90,10 +90,10 @@ function renderPeers(snap) {
   }
   const headers = [{ name: "peer", left: true, mono: true }, { name: "experts", left: true }, { name: "step" },
     { name: "round" }, { name: "loss" }, { name: "tokens/s" }, { name: "sent MB" }, { name: "recv MB" },
-    { name: "rounds joined / failed" }, { name: "last seen s" }, { name: "version", left: true }, { name: "device", left: true }];
+    { name: "rounds averaged / adopted / alone / failed" }, { name: "last seen s" }, { name: "version", left: true }, { name: "device", left: true }];
   const rows = snap.peers.map((p) => [short(p.peer_id), JSON.stringify(p.experts) + (p.residency === "partial" ? " partial" : ""),
     p.step, p.round, num(p.loss), Math.round(p.tokens_per_s || 0), mb(p.bytes_sent), mb(p.bytes_received),
-    `${p.rounds_joined} / ${p.rounds_failed}`, p.last_seen_s === null ? "-" : p.last_seen_s, p.version || "-", p.device || "-"]);
+    `${p.rounds_joined} / ${p.rounds_adopted || 0} / ${p.rounds_alone || 0} / ${p.rounds_failed}`, p.last_seen_s === null ? "-" : p.last_seen_s, p.version || "-", p.device || "-"]);
   replace("peers", table(headers, rows));
 }
 

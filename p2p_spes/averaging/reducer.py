@@ -72,7 +72,6 @@ class PartServer:
         self._awaited: dict[bytes, asyncio.Event] = {}  # keys (parts, columns) a caller waits to see
         self.decided: dict[tuple[int, str], str] = {}  # (round, group key) -> our group id, once known
         # what we moved for others (contributions in, averaged parts out), for accounting
-        self.served_in = self.served_out = 0
         # what our encodings of averaged parts dropped, by group name: (start, values), added the next
         # time we reduce an overlapping range (CPU, fp32, about 1/members of each group's tensor)
         self.residual: dict[str, tuple[int, torch.Tensor]] = {}
@@ -145,7 +144,6 @@ class PartServer:
             return
         for message in messages:
             for chunk in serialize_parts(message):
-                self.served_out += chunk.ByteSize()
                 yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
 
     async def contribute(self, stream, context) -> averaging_pb2.AveragingData:
@@ -171,7 +169,6 @@ class PartServer:
                 return averaging_pb2.AveragingData(code=BAD)
             message = parse_tensor(tensors[0] if tensors else [])
             tensor = self.codec.decode(message, part.shape[0])
-            self.served_in += sum(m.tensor_part.ByteSize() for m in messages)
         except TruncatedStream as exc:
             log.info("a contribution from %s came truncated (%s); asking for it again", sender, exc)
             return averaging_pb2.AveragingData(code=AGAIN)
@@ -198,7 +195,6 @@ class PartServer:
             yield averaging_pb2.AveragingData(code=MISSING)
             return
         for chunk in part.result_parts:
-            self.served_out += chunk.ByteSize()
             yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
 
     def add(self, part: Part, peer: str, weight: float, tensor: torch.Tensor) -> None:

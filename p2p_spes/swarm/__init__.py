@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -50,8 +50,8 @@ class Swarm:
         self.cfg = cfg
         sw = cfg.swarm
         self.auth = load_auth(sw.secret_file, sw.allowed_peers)
-        self.stats = SwarmCounters()
         self.runtime = Runtime(sw, self.auth)
+        self.stats = SwarmCounters(wire=self.runtime.meter)
         self.peer_id, self.maddrs = self.runtime.peer_id, self.runtime.maddrs
         self._model: MoETransformer | None = None
         self.rounds: list[RoundReport] = []
@@ -105,7 +105,7 @@ class Swarm:
         return self._model
 
     def use_model(self, model: MoETransformer | None) -> None:
-        """Point every part at ``model`` (an overlapped round works on a copy of the live weights)."""
+        """Point every part at ``model`` (the one the trainer trains)."""
         self._model = model
         self.server.model = model
 
@@ -238,14 +238,9 @@ class Swarm:
         return True
 
     # Sync ----------------------------------------------------------------------------------------
-    def sync(self, round_no: int, step: int, weight: float, on_joined: Callable[[], None] | None = None) -> RoundReport:
-        """One round (``sync_round.py``). ``on_joined`` is called once the shared group's membership is decided
-        (an overlapped round lets training go on only from then: see ``SwarmSync``), also on failure."""
-        try:
-            report = self.runner.run(self._model, round_no, step, weight, on_joined)
-        finally:
-            if on_joined is not None:
-                on_joined()
+    def sync(self, round_no: int, step: int, weight: float) -> RoundReport:
+        """One round (``sync_round.py``), recorded and published in our status."""
+        report = self.runner.run(self._model, round_no, step, weight)
         self.rounds.append(report)
         self.update_status(
             round=round_no,

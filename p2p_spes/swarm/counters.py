@@ -3,7 +3,9 @@ in the peer's DHT record (the inspector and dashboard read it) and written whole
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+
+from p2p_spes.averaging.wire_meter import WireMeter
 
 
 @dataclass
@@ -18,10 +20,6 @@ class SwarmCounters:
     catch_up_skipped: int = 0  # times it took the swarm's state instead of running a round it was behind for
     steps_skipped: int = 0  # training steps never computed: replaced by a later state taken from the swarm
     schedule_steps_advanced: int = 0  # steps jumped: the schedule moved on to the swarm's round (slower peers)
-    # bytes on the swarm's streams
-    bytes_sent: int = 0  # as a member of the round's groups (contributions out, parts fetched)
-    bytes_received: int = 0  # as a member of the round's groups, and every download (state, experts, anchors)
-    bytes_served: int = 0  # state and expert updates served to other peers
     # refreshes, repairs and refusals
     refresh_missed: int = 0  # frozen experts that could not be brought to the agreed version in a round
     delta_refreshes: int = 0  # frozen experts refreshed from their group's encoded update (not downloaded whole)
@@ -32,8 +30,30 @@ class SwarmCounters:
     dht_redials: int = 0  # its DHT had lost every neighbour and dialled the bootstrap again
     reconnects: int = 0  # it read nobody at a boundary, then found the run again
 
+    wire: WireMeter = field(default_factory=WireMeter, repr=False)  # every byte on our streams, by purpose
+
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """The counters, with the wire's totals: ``bytes_sent`` and ``bytes_received`` are every byte our
+        streams carried (as a member, as a reducer, serving and downloading), ``bytes_served`` what
+        others downloaded from us."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "wire"}
+        out["bytes_sent"], out["bytes_received"] = self.wire.sent, self.wire.received
+        out["bytes_served"] = self.wire.by_purpose["serving"].sent
+        return out
+
+    def rounds(self) -> dict[str, int]:
+        """This peer's rounds by outcome, and those it never ran (the swarm finished them while it was behind)."""
+        return {
+            "averaged": self.rounds_joined,
+            "adopted": self.rounds_adopted,
+            "alone": self.rounds_alone,
+            "failed": self.rounds_failed,
+            "skipped": self.rounds_skipped,
+        }
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """Bytes sent and received by purpose (``averaging/wire_meter.py``), for ``summary.json``."""
+        return {p: {"sent": t.sent, "received": t.received} for p, t in self.wire.by_purpose.items()}
 
     def count_round(self, outcome: str) -> None:
         """Count a round by its outcome: ``averaged``, ``adopted``, ``alone`` or ``failed``."""

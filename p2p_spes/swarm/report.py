@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from p2p_spes.averaging.wire_meter import Traffic
+
 
 @dataclass
 class GroupReport:
@@ -36,12 +38,9 @@ class RoundReport:
     step: int
     groups: dict[str, GroupReport] = field(default_factory=dict)  # "shared", "expert3", ...
     seconds: float = 0.0
-    bytes_sent: int = 0  # in the groups (all-reduce)
-    bytes_received: int = 0
-    downloaded_bytes: int = 0  # everything this round moved, expert refresh included
-    served_bytes: int = 0  # what others downloaded from us during the round
-    reducer_in_bytes: int = 0  # as a reducer: contributions received
-    reducer_out_bytes: int = 0  # as a reducer: averaged parts served
+    bytes_sent: int = 0  # every byte our streams sent during the round, whatever for (``traffic``)
+    bytes_received: int = 0  # every byte they received
+    traffic: dict[str, Traffic] = field(default_factory=dict)  # by purpose: averaging, reducing, serving, ...
     refreshed: int = 0  # frozen experts brought to the agreed version
     refreshed_by_delta: int = 0  # of which rebuilt from their group's encoded average
     refresh_missed: int = 0
@@ -91,7 +90,6 @@ class RoundReport:
             "sync_round": self.round,
             "step": step,
             "sync_seconds": round(self.seconds, 3),
-            "overlapped_steps": step - self.step,
             "outcome": self.outcome,
             "shared_ok": self.shared.ok,
             "shared_members": self.shared.members,
@@ -102,10 +100,7 @@ class RoundReport:
             "groups_failed": self.failed_groups,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
-            "downloaded_bytes": self.downloaded_bytes,
-            "served_bytes": self.served_bytes,
-            "reducer_in_bytes": self.reducer_in_bytes,
-            "reducer_out_bytes": self.reducer_out_bytes,
+            "traffic": {p: [t.sent, t.received] for p, t in self.traffic.items()},  # [sent, received] bytes
             "refreshed": self.refreshed,
             "refreshed_by_delta": self.refreshed_by_delta,
             "refresh_missed": self.refresh_missed,

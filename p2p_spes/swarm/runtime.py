@@ -25,6 +25,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from dht.auth import RunAuth
 from dht.node import Redial, peer_id_of, start_dht
 from dht.records import signed_values
+from p2p_spes.averaging.wire_meter import MeteredP2P, WireMeter
 from p2p_spes.config import SwarmConfig
 from p2p_spes.errors import SwarmError
 
@@ -109,7 +110,8 @@ class Runtime:
         self.peer_id: str = self.identity.peer_id
         self.initial_peer_ids = [p for p in map(peer_id_of, sw.initial_peers) if p and p != self.peer_id]
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
-        self.p2p = self.call(self.dht.replicate_p2p())
+        self.meter = WireMeter()  # every byte on our streams, by purpose (averaging/wire_meter.py)
+        self.p2p = MeteredP2P(self.call(self.dht.replicate_p2p()), self.meter)
 
     def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
         """Run ``coro`` on the loop and wait for its result (from any thread but the loop's)."""

@@ -152,7 +152,6 @@ class StateServer:
         first = True
         for tensor in tensors:
             for chunk in serialize_parts(tensor):
-                self.stats.bytes_served += chunk.ByteSize()
                 yield averaging_pb2.DownloadData(tensor_part=chunk, metadata=pack(meta) if first else b"")
                 first = False
 
@@ -194,12 +193,10 @@ class Downloader:
             messages = [parse_tensor(p) for p in parts]
             if any(m.dtype != torch.uint8 or m.dim() != 1 for m in messages):
                 raise TransportError(f"{peer} served an update for {uid} that is not encoded messages")
-            self.stats.bytes_received += sum(c.ByteSize() for p in parts for c in p)
             return meta, messages
         if len(parts) != len(like):
             raise TransportError(f"{peer} sent {len(parts)} tensors for {uid}, expected {len(like)}")
         tensors = [parse_tensor(p, tuple(t.shape), t.dtype) for p, t in zip(parts, like)]
-        self.stats.bytes_received += sum(c.ByteSize() for p in parts for c in p)
         wanted = uid.partition("@")[2] or meta["digest"]
         if tensor_digest(tensors) != meta["digest"] or meta["digest"] != wanted:
             raise TransportError(f"{uid} from {peer} does not match the digest it announced")

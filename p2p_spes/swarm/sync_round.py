@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -122,19 +122,17 @@ class RoundRunner:
         round_no: int,
         step: int,
         weight: float,
-        on_joined: Callable[[], None] | None = None,
     ) -> RoundReport:
-        """One round on ``model`` (see the module docstring); ``on_joined`` is called once the shared
-        group's membership is decided."""
+        """One round on ``model`` (see the module docstring)."""
         t0 = time.monotonic()
-        marks = self._byte_marks()
+        marks = self.stats.wire.snapshot()  # what our streams carried before the round
         peers = self.membership.live_peers(FRESH)  # the boundary's checks read them a moment ago
         peers[self.peer_id] = PeerRecord.from_value(self.peer_id, self.membership.record())
         report = RoundReport(round=round_no, step=step, tokens=int(weight))
         weight = max(float(weight), 1e-6)
         window = self.deadlines.join_window()
         sending: dict[str, torch.Tensor] = {}  # uid -> the pseudo-gradient (with residual) we send
-        shared = self._shared_group(model, round_no, peers, weight, window, sending, on_joined, report)
+        shared = self._shared_group(model, round_no, peers, weight, window, sending, report)
         self._expert_groups(model, round_no, shared, weight, window, sending, report)
         self.server.take_snapshot(round_no, step, self.outer.momentum)
         self._agree(model, round_no, shared, report)
@@ -151,7 +149,6 @@ class RoundRunner:
         weight: float,
         window: float,
         sending: dict[str, torch.Tensor],
-        on_joined: Callable[[], None] | None,
         report: RoundReport,
     ) -> SharedOutcome:
         """Phase 1: the shared parameters' group across every live peer, applied; what it decided."""
@@ -164,7 +161,6 @@ class RoundRunner:
                 self.applier.contribution("shared", flat, sending),
                 weight,
                 set(peers),
-                on_members=on_joined,
                 window=window,
                 timeout=self._group_timeout(flat, len(peers)),
                 base=self.outer.base("shared"),
@@ -298,28 +294,18 @@ class RoundRunner:
                 self.server.take_snapshot(round_no, step, self.outer.momentum)
                 report.merge_alpha = alpha
 
-    def _byte_marks(self) -> tuple[int, int, int, int]:
-        """The byte counters at the round's start (downloads, served state, reducer in and out)."""
-        served = self.reducer.server
-        return self.stats.bytes_received, self.stats.bytes_served, served.served_in, served.served_out
-
-    def _finish(self, model: MoETransformer, report: RoundReport, marks: tuple[int, int, int, int]) -> None:
-        """Phase 5: the round's bytes, digests and outcome into ``report`` and the counters."""
-        downloaded0, served0, reduced_in0, reduced_out0 = marks
-        report.bytes_sent = sum(g.bytes_sent for g in report.groups.values())
-        report.bytes_received = sum(g.bytes_received for g in report.groups.values())
+    def _finish(self, model: MoETransformer, report: RoundReport, marks: dict[str, tuple[int, int]]) -> None:
+        """Phase 5: the round's bytes (every byte our streams carried since ``marks``), digests and
+        outcome into ``report`` and the counters."""
+        report.traffic = self.stats.wire.since(marks)
+        report.bytes_sent = sum(t.sent for t in report.traffic.values())
+        report.bytes_received = sum(t.received for t in report.traffic.values())
         public = self.outer.public_values(model)  # what we serve where our weights run ahead of it
         report.shared_digest = tensor_digest(public.get("shared", [p.detach() for _, p in model.shared_parameters()]))
         report.expert_digests = {
             str(e): tensor_digest(public.get(f"expert:{e}", model.expert_tensors(e))) for e in model.held_experts()
         }
         self.stats.count_round(report.outcome)
-        report.downloaded_bytes = self.stats.bytes_received - downloaded0
-        report.served_bytes = self.stats.bytes_served - served0
-        report.reducer_in_bytes = self.reducer.server.served_in - reduced_in0
-        report.reducer_out_bytes = self.reducer.server.served_out - reduced_out0
-        self.stats.bytes_sent += report.bytes_sent
-        self.stats.bytes_received += report.bytes_received
 
     def _group_timeout(self, flat: torch.Tensor, members: int) -> float | None:
         """The transfer deadline we propose for an all-reduce of ``flat`` among ``members`` (None: not
