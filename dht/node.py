@@ -84,9 +84,8 @@ class Redial:
     ``initial_peers`` at start-up fill it. A peer whose own requests all timed out (it was stopped, or
     its link dropped for a while) and whom the others dropped in turn never hears of anyone again: it
     reads no records, sees itself alone and trains apart from the run for good; two such peers that
-    find each other form a run of their own (a 24-peer churn run ended with such a pair). Pinging peers
-    it knew (their addresses stay in libp2p's peer store) puts them back, and a lookup of our own id
-    finds their neighbours.
+    find each other form a run of their own. Pinging peers it knew (their addresses stay in libp2p's
+    peer store) puts them back, and a lookup of our own id finds their neighbours.
 
     With an empty table (or ``force``: a peer that reads nobody although it read others) every peer in
     ``peer_ids`` is pinged; otherwise up to ``probe`` of those the table lacks, so that a group cut off

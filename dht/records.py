@@ -10,8 +10,8 @@ a reader still checks each field's type before use (:meth:`PeerRecord.from_value
 (``version_key``) names a new DHT key every round, which a static schema cannot cover: its schema
 (:class:`VersionValue`) is checked by the reader, :meth:`VersionRecord.from_value`.
 
-Of ``dht`` this module uses only ``dht/identity.py`` (the peer id behind an owner subkey); it still
-re-exports the key names of ``dht/keys.py``, their old home, for importers not yet moved over.
+Of ``dht`` this module uses only ``dht/identity.py`` (the peer id behind an owner subkey); it also
+re-exports the key names of ``dht/keys.py`` for importers that take them from here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hivemind.dht.schema import BytesWithPublicKey
 
 from dht.identity import peer_id_of_owner
 
-# The key names used to live here; importers should use dht.keys (kept while other modules move over).
+# Re-exported so that importing the key names from here works; new code imports them from dht.keys.
 from dht.keys import config_key, group_key, peers_key, run_config_key, version_key  # noqa: F401
 
 PEER_FIELDS: dict[str, type | tuple[type, ...]] = {

@@ -1,7 +1,7 @@
 """Deadline-bounded group all-reduce over hivemind's DHT and libp2p streams.
 
 Why not hivemind's ``DecentralizedAverager``: each one is a forked process (one per expert group
-starved 2 cores here), its butterfly applies *deltas* so peers end a round a few ulps apart (not
+starves a machine of few cores), its butterfly applies *deltas* so peers end a round a few ulps apart (not
 bit-identical), and a peer lost mid-round can leave partially averaged tensors behind. This module
 keeps hivemind's DHT, transport and compression and runs the protocol in the trainer's own event
 loop:
@@ -143,8 +143,8 @@ class GroupAllReduce:
     @property
     def records_ttl(self) -> float:
         """How long a group's records (arrivals, decision, "done") stay in the DHT: through its round and
-        the next, so a peer one round behind (restarted) finds them and adopts the group's result (gone
-        with the round, they sent such a peer, 80 s late at 24 peers, to a group of its own)."""
+        the next, so a peer one round behind (restarted) finds them and adopts the group's result instead
+        of forming a group of its own."""
         return 2 * (self.matchmaking_time + self.timeout) + 30
 
     def solo(self, tensor: torch.Tensor, result: GroupResult | None = None) -> GroupResult:
@@ -279,9 +279,9 @@ class GroupAllReduce:
             timeout = joined.deadline(self.timeout)  # the longest a member proposed (matchmaking.py)
             # when the attempt's transfers have ended for every member (each counts its deadline from when
             # it read the decision: up to DECISION_LAG past the window, by the DHT clock); the next attempt
-            # forms after it. Counted from our own decision instead, the late peers (who know only the DHT
-            # clock) and the members that failed at once formed the retry before the members that waited
-            # their deadline out came (12 of 17 peers of a 24-peer churn run's round arrived 3.5 s too late)
+            # forms after it. Counted from our own decision, a late peer (which knows only the DHT clock)
+            # and the members that failed at once would form the retry before the members that waited
+            # their deadline out arrive
             ended = time.monotonic() + joined.first + joined.window + DECISION_LAG + timeout - get_dht_time()
         except asyncio.TimeoutError:
             result = GroupResult(None, [])

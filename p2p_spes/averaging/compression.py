@@ -118,9 +118,8 @@ class Codec:
     def result(self) -> Codec:
         """The codec that decodes a group's averaged parts: what every member applies and what frozen
         copies follow. Under ``topk`` the mean of P members' messages holds up to P x k values per block;
-        re-encoded at k, the rest waits in the reducer's residual for later rounds
-        (``benchmarks/local_steps.py`` measured that wait as half of topk's loss at 40 rounds), so
-        ``result_fraction`` may keep more; a group's parts keep between k and that (:meth:`result_for`)."""
+        re-encoded at k, the rest waits in the reducer's residual for later rounds, a delay that costs
+        loss, so ``result_fraction`` may keep more; a group's parts keep between k and that (:meth:`result_for`)."""
         if self.name != "topk" or self.result_fraction is None:
             return self
         return Codec(self.name, self.result_fraction, floor_fraction=min(self.topk_fraction, self.result_fraction))
@@ -130,7 +129,7 @@ class Codec:
         ``result_fraction``, k per contribution up to the result's k. The mean holds no more than that
         many values per block, so a larger k would only spend bytes on zeros (sent as +-1/3 of the
         scale). A lone holder's update is its own dense pseudo-gradient, not such a mean: it goes at
-        :attr:`result` (at the members' k, its frozen copies trailed it and cost 2 points of loss)."""
+        :attr:`result` (at the members' k, its frozen copies would trail it, which costs loss)."""
         result = self.result
         if result is self:
             return self

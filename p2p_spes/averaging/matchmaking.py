@@ -12,8 +12,8 @@ publishes what it computed for the others to adopt.
 many arrivals it waits for (``q``: a share of the live peers it saw, ``swarm.quorum``); a group that has
 fewer when its window ends stays open until the arrival that makes them, at most ``STRETCH`` x
 ``matchmaking_time`` after the first. Without it, a round opened by a peer that left the last one early
-(it ran it alone, or caught up) closed before the others had finished their step: on a 24-peer churn run
-groups of 2-5 decided and the other 12-19 peers adopted their result, their own progress replaced.
+(it ran it alone, or caught up) closes before the others finish their step: a small early group decides
+and the rest adopt its result, their own progress replaced.
 
 **A retry forms at once when its attempt cannot have succeeded** (``ABORT_HOLD``). Normally a retry waits out
 the failed attempt's deadline, so that a member that finished it can say so first (:func:`announce_done`).
@@ -22,8 +22,9 @@ refuses every dial) knows nobody can have finished; its arrival record says when
 and everyone reading it forms the retry ``ABORT_HOLD`` later instead.
 
 The transfer deadline is the longest any member proposed: each member measures its own from the
-rates it saw, and a member that gave up at its own 5 s while another still sent for its 23 s would
-fail an attempt the slower one could finish, then retry it while that one is still inside it.
+rates it saw, and a member that gives up at its own short deadline while another still sends within
+its longer one would fail an attempt the slower one could finish, then retry it while that one is still
+inside it.
 """
 
 from __future__ import annotations
@@ -181,9 +182,8 @@ async def join_group(
     if abort and held_to is not None:
         held_to = min(held_to, now + ABORT_HOLD)
     # a retry forms when the hold ends: a member that saw the failure at once (a refused dial) counts as
-    # arriving one window before it, so that the window closes when the hold ends, not before those that
-    # waited the deadline out came (counted from when the first noticed, 17 of 21 survivors arrived "late"
-    # at 24 peers) nor a window after it
+    # arriving one window before it, so that the window closes when the hold ends: neither before those
+    # that waited the deadline out come (as it would counted from when the first noticed) nor a window after
     arrival = now if held_to is None else max(now, held_to - window)
     give_up = time.monotonic() + (longest_wait(matchmaking_time) if quorum > 1 else matchmaking_time) + 10
     mine = {"peer_id": peer_id, "w": float(weight), "t": arrival, "m": float(window)}

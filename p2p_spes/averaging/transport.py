@@ -31,7 +31,7 @@ class TransportError(P2PSpesError, ValueError):
 
 class TruncatedStream(TransportError):
     """A tensor stream ended before all of its bytes came. hivemind ends a stream silently when its
-    connection closes (seen under load on loopback): unlike a malformed tensor, worth asking again."""
+    connection closes (as under load): unlike a malformed tensor, worth asking again."""
 
 
 def pack(obj) -> bytes:
@@ -124,7 +124,7 @@ async def gather_or_cancel(coros: Iterable[Awaitable[T]], timeout: float) -> lis
 
     ``asyncio.gather`` leaves the others running when one fails. Nothing then holds those tasks but
     the streams they wait on, so the garbage collector takes them mid-transfer and asyncio logs
-    "aclose(): asynchronous generator is already running" (a chaos run's thawed peer, every time).
+    "aclose(): asynchronous generator is already running".
     """
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
