@@ -4,7 +4,7 @@ At sync rounds that are multiples of ``merge_interval``, for every MoE layer and
 ``theta_i <- (1 - alpha) * theta_i + alpha * mean_{j in top4(i)} theta_j`` where ``top4(i)`` are the
 other experts whose ``w1`` is most cosine-similar to expert i's, applied to w1, v1 and w2 each with
 its own kind and computed from the pre-merge values. ``alpha`` decays linearly to zero over
-``decay_steps``. The reference concatenated the matrices in hash order; here each kind is explicit.
+``decay_steps``. The reference concatenates the matrices in hash order; here each kind is explicit.
 
 Every peer holds every expert at the round's version, so every peer computes the same merge and
 nothing travels.

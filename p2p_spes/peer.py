@@ -121,9 +121,9 @@ class SwarmSync(TrainerHook):
         """Whether the swarm has finished our due round and the one after it (we were frozen, cut off or
         restarted from an older checkpoint), and we took its state instead of running the round.
 
-        Running it would find nobody, spend a join window and the adopt wait alone (20 s and more on
-        the 24-peer churn run) and then catch up anyway. One round behind is left to the round itself:
-        its late member adopts the result the group agreed on, which costs less than the whole state.
+        Running it would find nobody, spend a join window and the adopt wait alone, and then catch up
+        anyway. One round behind is left to the round itself: its late member adopts the result the
+        group agreed on, which costs less than the whole state.
         """
         ahead = self.swarm.swarm_round()
         if ahead is None or ahead <= self.next_round or not self._rejoin(trainer):

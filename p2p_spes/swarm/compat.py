@@ -11,7 +11,7 @@ from typing import Any
 from p2p_spes.errors import SwarmError
 
 log = logging.getLogger(__name__)
-SYNC_PROTOCOL = 2  # 1: groups averaged weights; 2: pseudo-gradients through a codec (compression.py)
+SYNC_PROTOCOL = 2  # 1: groups average weights; 2: pseudo-gradients through a codec (compression.py)
 
 
 def describe_difference(ours: dict, theirs: dict) -> str:

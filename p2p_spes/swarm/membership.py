@@ -94,8 +94,8 @@ class Membership:
         read again for up to ``within`` seconds before believing we are alone.
 
         A peer thawed after a long stop reads nothing until its DHT finds its neighbours again: believing
-        it alone, it took over 17 experts and ran its last 4 rounds alone in 3 s on a 24-peer churn run.
-        If nobody answers in time they are forgotten, so a peer whose swarm really left waits once."""
+        itself alone, it would take over every expert and run its rounds alone. If nobody answers in
+        time they are forgotten, so a peer whose swarm really left waits once."""
         if not self.seen or self.others():
             return bool(self.seen)
         log.warning(

@@ -54,9 +54,8 @@ def with_current_records(peers: dict[str, PeerRecord], membership: Membership, m
     """``peers`` (read at our boundary) updated with the records as they are once the shared group is
     decided. A peer that ended the last round after we began this one, and took over an expert then,
     announced it before it joined the shared group; read at our boundary, it is not yet a holder, and
-    each of us would average that expert alone (a chaos run: two holders of experts 1 and 6 kept
-    different versions for a round). Our own record stays ours; if the DHT does not answer, the
-    boundary's view stands."""
+    each of us would average that expert alone, leaving its holders with different versions for a
+    round. Our own record stays ours; if the DHT does not answer, the boundary's view stands."""
     try:
         current = membership.live_peers()
     except Exception as exc:
@@ -246,9 +245,8 @@ class RoundRunner:
         # adopting, with the group's membership known: its members that applied an attempt hold the same
         # bits, so the first result one of them publishes is the result; we end the round when they do
         # (once each has published, as they wait for each other), at most a version window after the
-        # first. Ending later made the adopter late for the next round, to adopt again (rounds 10-15 of
-        # a 24-peer churn run: 12-15 adopters behind groups of 2-5); ending at the first result made it
-        # open the next round before the members came, to a group of adopters
+        # first. Ending later would make the adopter late for the next round, to adopt again; ending at
+        # the first result would make it open the next round before the members come, to a group of adopters
         candidates = set(shared.members) if shared.decided else None
         versions = wait_versions(
             self.runtime,
