@@ -1,0 +1,442 @@
+"""The figures of README.md's Numbers and of benchmarks/README.md's table, rendered from the result files.
+
+    python -m benchmarks.render            # rewrite the rendered regions
+    python -m benchmarks.render --check    # exit 1 and print a diff when a file is not what it renders to
+
+A rendered region is the text between a line ``<!-- rendered: NAME -->`` and the next line
+``<!-- end rendered -->``; everything outside the regions stays as written. Every number inside one is
+computed here from a result file read through :func:`benchmarks.lab.results.read` (the words around them
+are templates), so a figure cannot drift from its JSON: a hand edit, or a result run again without
+rendering, makes ``--check`` and ``tests/test_rendered.py`` fail. A result without provenance is cited as
+legacy; a figure that rests on one seed says "one seed", one on several gives their count and spread, and
+one from a run that recorded no seed says "one run". Byte figures measured before the wire meter
+(``p2p_spes/averaging/wire_meter.py``) name the counters they come from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import statistics
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from benchmarks.lab import results
+from benchmarks.lab.results import Result
+
+START = re.compile(r"<!-- rendered: ([a-z0-9_-]+) -->")
+END = "<!-- end rendered -->"
+FP32 = 4  # bytes per value: the memory benchmark counts fp32 weights
+TARGET = 0.01  # the gap to uncompressed averaging that topk-dense aims to stay within
+OLD_COUNTERS = "old counters: a peer's side of its groups and its downloads"
+FAULTS = {"kill": "kills", "kill-in-sync": "kills inside a round", "freeze": "freezes", "restart": "restarts"}
+FAULTS |= {"bootstrap-kill": "bootstrap kills", "disk-full": "full disks"}
+DEFAULTS = ("muon-4x", "muon-4x-2")  # the quality benchmark's arms with today's defaults, 4 and 2 peers
+
+
+class RenderError(ValueError):
+    """A file whose markers cannot be rendered, or a result without what a figure needs."""
+
+
+def load(script: str, variant: str = "main") -> Result:
+    return results.read(results.path(script, variant))
+
+
+def _note(r: Result) -> str:
+    if r.legacy:
+        return "legacy: no provenance"
+    p = r.provenance
+    return f"commit {str(p.get('commit'))[:7]}" + (", uncommitted changes" if p.get("dirty") else "")
+
+
+def cite(rs: Sequence[Result], readme: bool) -> str:
+    """Links to result files, each with its provenance (said once when all agree)."""
+    names = [f"{r.path.parent.name}/{r.path.name}" for r in rs]
+    links = [
+        f"[`benchmarks/results/{n}`](benchmarks/results/{n})" if readme else f"[{r.path.stem}](results/{n})"
+        for r, n in zip(rs, names)
+    ]
+    notes = [_note(r) for r in rs]
+    if len(set(notes)) == 1:
+        return ", ".join(links) + f" ({notes[0]})"
+    return ", ".join(f"{link} ({note})" for link, note in zip(links, notes))
+
+
+def seeds(r: Result, measured: Sequence | None = None) -> str:
+    """'one seed', 'N seeds', or 'one run' when neither the payload nor the provenance names a seed."""
+    got = measured if measured is not None else (r.provenance or {}).get("seeds")
+    if not got:
+        return "one run"
+    return "one seed" if len(got) == 1 else f"{len(got)} seeds"
+
+
+def span(values: Sequence[float], fmt: str, each: str = "seed") -> str:
+    """'a to b', or 'a on every <each>' when they print alike."""
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    return f"{lo} on every {each}" if lo == hi else f"{lo} to {hi}"
+
+
+def paired(finals: dict, base: dict) -> list[float]:
+    """Per-seed gaps of ``finals`` to ``base`` (both {seed: loss}) over the seeds both have."""
+    common = [s for s in finals if s in base]
+    if not common:
+        raise RenderError("an arm and its baseline have no seed in common")
+    return [finals[s] / base[s] - 1 for s in common]
+
+
+def wrap(text: str) -> str:
+    return textwrap.fill(
+        text, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False, break_long_words=False
+    )
+
+
+# -- the five results README.md's Numbers shows: each gives its bullet and its line's headline --------
+
+
+def memory() -> tuple[str, str]:
+    r = load("memory")
+    row = {(x["config"], x["optimizer"], x["setup"].replace(",", " ").split()[0]): x for x in r.payload["rows"]}
+    peer, central = row["spes-1b", "muon", "spes"], row["spes-1b", "muon", "centralized"]
+    held, total = re.search(r"(\d+)/(\d+)", peer["setup"]).groups()
+    gib, ratio = f"{peer['total_bytes'] / 2**30:.2f} GiB", f"{peer['ratio_to_centralized']:.2f}x"
+    bullet = (
+        f"**Memory.** A SPES peer of the spes-1b config ({peer['weights_bytes'] / FP32 / 1e9:.2f}B parameters, "
+        f"{held} of {total} experts, Muon) needs {gib} for weights, gradients and optimizer state, {ratio} of "
+        f"centralized training ({central['total_bytes'] / 2**30:.2f} GiB), before activations. Computed from the "
+        f"shapes: {cite([r], True)}."
+    )
+    return bullet, f"a SPES peer of spes-1b with Muon needs {gib}, {ratio} of centralized (computed)"
+
+
+def comms() -> tuple[str, str]:
+    r = load("comms")
+    p = r.payload
+    projected = p["projections"]["spes-1b"]["peers"]
+    n = min(projected, key=int)
+    at = projected[n]["codecs"]["int8"]
+    less, ceiling = p["loopback_times_less_than"]["int8"]["spes_reference_fp32"], at["ceiling_vs_spes_reference_fp32"]
+    counted = "counted per component (client, reducer, served, downloaded) before the wire meter"
+    bullet = (
+        f"**Bytes.** With int8 ({p['bits_per_value']['int8']:.2f} bits per value), a peer sends plus receives "
+        f"{p['measured']['int8']['bytes']['total'] / 1e6:.2f} MB per round on a {p['peers']}-peer loopback swarm, "
+        f"{less:.2f}x less than the SPES reference at fp32 "
+        f"({p['loopback_baselines']['spes_reference_fp32']['total'] / 1e6:.1f} MB, computed). Projected to the "
+        f"spes-1b config with {n} peers, int8 moves {at['times_less_than_spes_reference_fp32']:.2f}x less; the "
+        f"most any round without a server can save at its bits per value is {ceiling:.2f}x. "
+        f"{seeds(r).capitalize()}, {counted}: {cite([r], True)}."
+    )
+    return bullet, (
+        f"int8 {less:.2f}x less than the SPES reference at fp32; at spes-1b, "
+        f"{at['times_less_than_spes_reference_fp32']:.2f}x, where a serverless round can save at most "
+        f"{ceiling:.2f}x ({seeds(r)}; counted per component before the wire meter)"
+    )
+
+
+def topk() -> tuple[str, str]:
+    dense, base = load("convergence", "topk-dense-sync10"), load("convergence", "topk-sync10")
+    d, b = dense.payload, base.payload
+    gaps = paired(d["summary"]["spes-topk-dense"]["finals"], b["summary"]["spes"]["finals"])
+    peers = {
+        arm: [x for run in p["runs"][arm] for x in run["swarm"]["peers"]]
+        for p, arm in ((d, "spes-topk-dense"), (b, "spes"))
+    }
+    mb = {
+        arm: statistics.fmean((x["bytes_sent"] + x["bytes_received"]) / x["rounds_joined"] / 1e6 for x in xs)
+        for arm, xs in peers.items()
+    }  # a peer's sent plus received per round it averaged
+    fraction = next(o.split("=")[1] for o in d["arms"]["spes-topk-dense"] if o.startswith("swarm.topk_result"))
+    within = f", within {TARGET:.0%} at every seed" if max(map(abs, gaps)) < TARGET else ""
+    gap, rounds = f"{statistics.fmean(gaps):+.2%}", d["steps"] // d["sync_steps"]
+    bullet = (
+        f"**Top-k.** Top-k with denser averaged parts (`swarm.topk_result_fraction: {fraction}`) ends {gap} "
+        f"in validation loss against uncompressed averaging after {rounds} rounds ({seeds(dense, d['seeds'])}, "
+        f"{span(gaps, '+.2%')}{within}), for {mb['spes-topk-dense']:.3f} MB per peer per round against "
+        f"{mb['spes']:.2f} MB ({OLD_COUNTERS}): {cite([dense, base], True)}."
+    )
+    return bullet, f"topk-dense {gap} vs uncompressed at {rounds} rounds ({span(gaps, '+.2%')})"
+
+
+def quality() -> tuple[str, str]:
+    r = load("quality")
+    s, arms = r.payload["summary"], r.payload["arms"]
+    (n4, g4, s4), (n2, g2, s2) = ((arms[a]["peers"], s[a]["gap"], seeds(r, s[a]["seeds"])) for a in DEFAULTS)
+    bullet = (
+        f"**Quality.** At equal tokens on a small model, the default {n4}-peer swarm ends {g4['mean']:.1%} above "
+        f"centralized training with the same optimizer ({s4}, {span([g4['min'], g4['max']], '.1%')}), {n2} peers "
+        f"{g2['mean']:.1%} ({s2}, {span([g2['min'], g2['max']], '.1%')}): {cite([r], True)}, explained in "
+        "[docs/quality.md](docs/quality.md)."
+    )
+    return bullet, (
+        f"today's defaults {g4['mean']:+.1%} vs centralized with the same optimizer ({n4} peers, {s4}, "
+        f"{span([g4['min'], g4['max']], '+.1%')}), {g2['mean']:+.1%} ({n2} peers, {s2}, "
+        f"{span([g2['min'], g2['max']], '+.1%')})"
+    )
+
+
+def chaos() -> tuple[str, str]:
+    r = load("chaos")
+    p = r.payload
+    faults, passed = sum(p["faults"].values()), p["consistency_checks"] - len(p["consistency_failures"])
+    kinds = ", ".join(f"{n} {FAULTS.get(k, k)}" for k, n in p["faults"].items())
+    bullet = (
+        f"**Faults.** A {p['minutes']:.0f}-minute run of {p['peers']} peers under {faults} faults ({kinds}) "
+        f"passed {passed} of {p['consistency_checks']} consistency checks, {seeds(r, [p['seed']])}: "
+        f"{cite([r], True)}."
+    )
+    return bullet, (
+        f"{faults} faults, {passed}/{p['consistency_checks']} consistency checks passed ({seeds(r, [p['seed']])})"
+    )
+
+
+def numbers() -> str:
+    return "\n".join(wrap(bullet()[0]) for bullet in (memory, comms, topk, quality, chaos))
+
+
+# -- the other lines of benchmarks/README.md's table --------------------------------------------------
+
+
+def head_wan() -> str:
+    r = load("wan", "4x20")
+    p = r.payload
+    peers, n = p["peers"], p["num_peers"]
+    rounds = sorted({x["round"] for q in peers for x in q["rounds"]})
+    held = [{(x["round"], x["members"], x["outcome"]) for x in q["rounds"]} for q in peers]
+    every = [k for k in rounds if all((k, n, "averaged") in h for h in held)]
+    computed, share = [q["steps_computed"] for q in peers], [q["compute_share"] for q in peers]
+    codec = p["config"]["swarm"]["compression"]
+    return (
+        f"{n} peers at {p['network']['peers'][0]['up_mbit']:.0f} Mbit/s, "
+        f"{'uncompressed' if codec == 'none' else codec} rounds: {len(every)} of {len(rounds)} averaged with every "
+        f"peer; {min(computed)}-{max(computed)} of {p['config']['train']['max_steps']} steps computed, "
+        f"{sum(q['steps_skipped'] for q in peers)} skipped, the rest jumped; {min(share):.0%}-{max(share):.0%} of "
+        f"wall time computing ({seeds(r, [p['seed']])}, commit {p['code']['commit'][:7]})"
+    )
+
+
+def head_wan_codecs() -> str:
+    r = load("wan_codecs")
+    row = {(x["codec"], x["arm"]): x for x in r.payload["results"]}
+    shorter = {c: row[c, "blocking"]["seconds_per_round_times_less_than_none"] for c in ("int8", "topk")}
+    blocking, overlap = row["none", "blocking"]["final_val_loss"], row["none", "overlap"]["final_val_loss"]
+    return (
+        f"int8 rounds {shorter['int8']:.1f}x shorter than uncompressed, topk {shorter['topk']:.0f}x "
+        f"({seeds(r, [r.payload['seed']])}); uncompressed, the withdrawn overlapped rounds ended at "
+        f"{span(overlap, '.3f', 'peer')} in validation loss, blocking ones at {span(blocking, '.3f', 'peer')}"
+    )
+
+
+def head_sync_overhead() -> str:
+    r = load("sync_overhead")
+    res = r.payload["results"]
+    every = sorted({int(k.split("-")[0]) for k in res}, reverse=True)
+    blocking = " / ".join(f"{res[f'{i}-blocking']['overhead_fraction']:.1%}" for i in every)
+    text = f"{blocking} of wall time not computing at every {' / '.join(map(str, every))} steps ({seeds(r)})"
+    if all(f"{i}-overlap" in res for i in every):
+        pairs = [(res[f"{i}-overlap"], res[f"{i}-blocking"]) for i in every]
+        shares = " / ".join(f"{o['overhead_fraction']:.1%}" for o, _ in pairs)
+        ratios = " / ".join(f"{o['wall_s_per_step'] / b['wall_s_per_step']:.2f}x" for o, b in pairs)
+        text += f"; the withdrawn overlapped rounds: {shares}, {ratios} the wall time per step"
+    return text
+
+
+def head_residency() -> str:
+    r = load("residency")
+    p = r.payload
+    mem = {(m["config"], m["residency"]): m["total_bytes"] for m in p["memory"]}
+    loss = {
+        k: statistics.fmean(s["assembled_val_loss"] for s in p["swarm"] if s["residency"] == k)
+        for k in ("full", "partial")
+    }
+    return (
+        f"partial: {mem['spes-1b', 'partial'] / mem['spes-1b', 'full']:.2f}x memory at spes-1b, "
+        f"{loss['partial'] / loss['full'] - 1:+.1%} validation loss with {p['args']['run_peers']} peers ({seeds(r)})"
+    )
+
+
+def head_convergence() -> str:
+    main, lone = load("convergence"), load("convergence", "lone-holder")
+    m, o = main.payload["summary"], lone.payload["summary"]
+    spes = paired(m["spes"]["finals"], m["centralized"]["finals"])
+    int8 = paired(o["spes-int8"]["finals"], o["spes"]["finals"])
+    return (
+        f"spes {statistics.fmean(spes):+.1%} vs centralized ({span(spes, '+.1%')}); int8 "
+        f"{statistics.fmean(int8):+.1%} vs spes ({span(int8, '+.1%')}); {topk()[1]}; "
+        f"{seeds(main, main.payload['seeds'])} each"
+    )
+
+
+def head_local_steps() -> str:
+    r = load("local_steps")
+    h1, dp = (r.payload["arms"][a] for a in ("h1-muon-moments", "dp-muon"))
+    return (
+        f"averaged after every step with every optimizer state: still {h1['gap']['mean']:+.1%} (Muon, "
+        f"{seeds(r, h1['finals'])}); data parallel {dp['gap']['mean']:+.2%} ({seeds(r, dp['finals'])})"
+    )
+
+
+def head_grad_norms() -> str:
+    r = load("grad_norms")
+    last, whole = r.payload["spans"][-1], r.payload["batch"] * r.payload["peers"]
+    return (
+        f"{last['ratio']:.2f}x the norm past step {last['steps'][0]}, above the clip threshold at "
+        f"{last['part_clipped']} of {last['count']} steps, the batch of {whole} at {last['whole_clipped']} "
+        f"({seeds(r, [r.payload['seed']])})"
+    )
+
+
+def head_scale() -> str:
+    r = load("scale")
+    x = max(r.payload["results"], key=lambda row: row["peers"])
+    killed = sum(f["kind"] == "kill" for f in x["fault_log"])
+    return (
+        f"{x['peers']} peers, {killed} killed: of {x['peer_rounds']} peer-rounds {x['peer_rounds_averaged']} "
+        f"averaged, {x['peer_rounds_applied'] - x['peer_rounds_averaged']} adopted, "
+        f"{x['peer_rounds'] - x['peer_rounds_applied']} neither; {x['mb_per_peer_round']:.2f} MB per peer per "
+        f"round ({OLD_COUNTERS}; {seeds(r, [x['seed']])})"
+    )
+
+
+def head_simulate() -> str:
+    r = load("simulate")
+    res = r.payload["results"]
+    peers, retries = max(x["peers"] for x in res), max(x["group_retries"] for x in res)
+    at = [x for x in res if x["peers"] == peers and x["group_retries"] == retries]
+    grid, flat = next(x for x in at if x["group_size"]), next(x for x in at if not x["group_size"])
+    grid_runs, flat_runs = ([run["rounds_applied"] for run in x["runs"]] for x in (grid, flat))
+    return (
+        f"at {peers:,} peers with {retries} retries, the grid (groups of {grid['group_size']}) applies "
+        f"{grid['rounds_applied']:.0%} of rounds ({span(grid_runs, '.0%')}), one flat group "
+        f"{flat['rounds_applied']:.0%} ({span(flat_runs, '.0%')}); {seeds(r, r.payload['seeds'])}"
+    )
+
+
+def head_gpu_throughput() -> str:
+    if any((results.root() / "gpu_throughput").glob("*.json")):
+        raise RenderError("gpu_throughput has results now: give its line in benchmarks/render.py a headline")
+    return "not measured: no GPU has been available"
+
+
+# each line's headline: a README result's second text, else head_<script>()
+TOPICS: dict[str, Callable[[], tuple[str, str]]] = {
+    "memory": memory,
+    "comms": comms,
+    "quality": quality,
+    "chaos": chaos,
+}
+
+
+def headline(script: str) -> str:
+    return TOPICS[script]()[1] if script in TOPICS else globals()[f"head_{script}"]()
+
+
+# script | what it measures | command | minutes | the result files its line links ("others": its folder too)
+ROWS = """
+memory | per-peer memory of weights, gradients and optimizer state, SPES peer vs centralized, tiny / 1B / 7B | .venv/bin/python -m benchmarks.memory | < 1 | main
+comms | bytes per peer per round for every codec on a 4-peer loopback swarm, projected to 1B / 7B | .venv/bin/python -m benchmarks.comms | 5-6 | main topk-dense
+wan | a swarm in network namespaces behind capped links, optionally with a CPU-capped peer (root) | sudo .venv/bin/python -m benchmarks.wan --peers 4 --mbit 20 --steps 150 --variant 4x20 | 3-5 | 4x20 others
+wan_codecs | `wan` once per codec with blocking rounds, 4 peers at 20 Mbit/s (root) | sudo .venv/bin/python -m benchmarks.wan_codecs | 25 | main others
+sync_overhead | wall time not computing with blocking rounds, 2 loopback peers | .venv/bin/python -m benchmarks.sync_overhead | 3-4 | main
+residency | partial vs full expert residency: memory, bytes, skipped tokens, loss | .venv/bin/python -m benchmarks.residency | 4 | main
+convergence | validation loss at equal tokens, 3 seeds: centralized vs SPES, DiLoCo and each codec | .venv/bin/python -m benchmarks.convergence | 75 | main lone-holder topk-sync10 topk-dense-sync10 others
+quality | each swarm knob against centralized training at equal tokens, 3 seeds | .venv/bin/python -m benchmarks.quality | 3 per arm and seed | main
+local_steps | full replicas averaged every H steps in one process: where the gap comes from | .venv/bin/python -m benchmarks.local_steps | 3 per arm and seed | main others
+grad_norms | gradient norm of a peer's batch of 8 vs the batch of 32, at the same weights | .venv/bin/python -m benchmarks.grad_norms | 3 | main
+scale | 8 / 16 / 24 loopback peers with a kill, or 24 under churn | .venv/bin/python -m benchmarks.scale --peers 8 16 24 --steps 150 | 16 | main others
+simulate | the round protocol at 100 and 1,000 peers, simulated with the project's own code | .venv/bin/python -m benchmarks.simulate | 3.5 | main
+chaos | a loopback swarm under kills, freezes, restarts, bootstrap kills and full disks (root for disks) | sudo .venv/bin/python -m benchmarks.chaos --minutes 30 --interval 5 15 --disk-full | 33 | main
+gpu_throughput | one peer's tokens/s, MFU and peak memory on a CUDA GPU, per MoE backend | .venv/bin/python -m benchmarks.gpu_throughput | 5 (GPU) |
+"""
+
+
+def scripts_table() -> str:
+    lines = ["| script | what it measures | command | minutes | headline | result |", "|---|---|---|---:|---|---|"]
+    for row in ROWS.strip().splitlines():
+        script, what, command, minutes, files = (cell.strip() for cell in row.split("|"))
+        cited = [load(script, v) for v in files.split() if v != "others"]
+        cell = cite(cited, False) if cited else "none yet"
+        cell += f", [others](results/{script}/)" if "others" in files.split() else ""
+        lines.append(f"| `{script}` | {what} | `{command}` | {minutes} | {headline(script)} | {cell} |")
+    return "\n".join(lines)
+
+
+# -- the files and their markers -----------------------------------------------------------------------
+
+TARGETS: dict[str, dict[str, Callable[[], str]]] = {
+    "README.md": {"numbers": numbers},
+    "benchmarks/README.md": {"scripts": scripts_table},
+}
+
+
+def render_text(text: str, regions: dict[str, Callable[[], str]], name: str) -> str:
+    """``text`` with each region's body replaced by its rendering. A region's marker missing, duplicated,
+    unknown, unclosed or malformed is a :class:`RenderError` naming the file ``name`` (and the line)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    inside: str | None = None
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        start, where = START.fullmatch(line.strip()), f"{name}, line {number}"
+        if start:
+            region = start.group(1)
+            if inside or region in seen or region not in regions:
+                why = f"inside {inside!r}" if inside else "twice" if region in seen else f"(known: {sorted(regions)})"
+                raise RenderError(f"{where}: region {region!r} marked {why}")
+            seen.add(region)
+            inside = region
+            out.append(line)
+        elif line.strip() == END:
+            if not inside:
+                raise RenderError(f"{where}: {END} without an opening <!-- rendered: NAME -->")
+            out += [regions[inside]().rstrip("\n") + "\n", line]
+            inside = None
+        elif "<!-- rendered" in line or "<!-- end rendered" in line:
+            raise RenderError(f"{where}: a malformed marker: {line.strip()!r}")
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise RenderError(f"{name}: region {inside!r} is never closed by {END}")
+    for region in regions:
+        if region not in seen:
+            raise RenderError(f"{name}: no marker <!-- rendered: {region} --> (it should hold that region)")
+    return "".join(out)
+
+
+def render(repo: Path = results.REPO, write: bool = True) -> dict[str, str]:
+    """Render every target file under ``repo``, write those that changed (``write``), and return a unified
+    diff for each file that differed from its rendering."""
+    diffs = {}
+    for rel, regions in TARGETS.items():
+        file = repo / rel
+        old = file.read_text(encoding="utf-8")
+        new = render_text(old, regions, rel)
+        if new != old:
+            lines = difflib.unified_diff(
+                old.splitlines(True), new.splitlines(True), f"{rel} (as written)", f"{rel} (rendered)"
+            )
+            diffs[rel] = "".join(lines)
+            if write:
+                file.write_text(new, encoding="utf-8")
+    return diffs
+
+
+def main(argv: list[str] | None = None, repo: Path = results.REPO) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.render", description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 with a diff when a file differs")
+    args = ap.parse_args(argv)
+    try:
+        diffs = render(repo, write=not args.check)
+    except (RenderError, results.ResultError, KeyError, StopIteration, OSError) as exc:
+        print(f"cannot render: {exc!r}", file=sys.stderr)
+        return 2
+    if args.check and diffs:
+        print("".join(diffs.values()))
+        print(f"{', '.join(diffs)}: not what the results render to; run python -m benchmarks.render", file=sys.stderr)
+        return 1
+    print("\n".join(f"rendered {rel}" for rel in diffs) or "nothing to change")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
