@@ -332,7 +332,7 @@ def main() -> int:
     )
     for col in (
         "peers",
-        "peer-rounds applied",
+        "peer-rounds applied (averaged + adopted)",
         "rounds every peer applied",
         "... every peer not stopped",
         "s per round (median)",
@@ -349,7 +349,8 @@ def main() -> int:
         mb = r["mb_per_peer_round"]
         table.add_row(
             str(r["peers"]),
-            f"{r['peer_rounds_applied']}/{r['peer_rounds']} ({100 * (r['applied_share'] or 0):.0f}%)",
+            f"{r['peer_rounds_applied']}/{r['peer_rounds']} ({100 * (r['applied_share'] or 0):.0f}%: "
+            f"{r['peer_rounds_averaged']} + {r['peer_rounds_applied'] - r['peer_rounds_averaged']})",
             f"{r['rounds_everyone_applied']}/{r['rounds']} ({100 * (r['everyone_share'] or 0):.0f}%)",
             f"{r['rounds_everyone_running_applied']}/{r['rounds']} ({r['peer_rounds_frozen']} peer-rounds stopped, "
             f"{r.get('peer_rounds_after_others', 0)} after the others ended)",

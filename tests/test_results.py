@@ -26,7 +26,7 @@ from benchmarks.lab import results
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+SCRIPTS = results.scripts()  # every benchmarks/*.py but the package and the renderer
 
 # Written before benchmarks/lab/results.py: no provenance (no commit, date or seeds known; where a command
 # was kept it is the file's own, unchecked), so no script merges them. Each gains one when its command is

@@ -59,9 +59,12 @@ def root() -> Path:
     return Path(os.environ.get(ROOT_ENV) or RESULTS)
 
 
+NOT_BENCHMARKS = ("__init__", "render")  # the package, and the script that renders tables from the results
+
+
 def scripts() -> list[str]:
     """The benchmark scripts' names (``benchmarks/<script>.py``)."""
-    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem != "__init__")
+    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in NOT_BENCHMARKS)
 
 
 def variant_name(text: str) -> str:
