@@ -261,7 +261,7 @@ class LocalSwarm:
             "peer",
             "exit",
             "experts",
-            "steps computed / skipped / jumped",
+            "steps from + computed / skipped / jumped",
             "train loss",
             "val loss",
             "rounds averaged / adopted / alone / failed",
@@ -291,7 +291,7 @@ def _steps(summary: dict[str, Any]) -> str:
     steps = summary.get("steps")
     if not steps:  # not a swarm peer, or no summary yet
         return str(summary.get("steps_computed", summary.get("step", "-")))
-    return f"{steps['computed']} / {steps['skipped']} / {steps['jumped']}"
+    return f"{steps.get('started_at', 0)} + {steps['computed']} / {steps['skipped']} / {steps['jumped']}"
 
 
 def _rounds(summary: dict[str, Any]) -> str:

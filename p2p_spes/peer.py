@@ -38,8 +38,10 @@ class SwarmSync(TrainerHook):
         tokens: int = 0,
         next_round: int = 1,
         partition: int | None = None,
+        started_at: int = 0,
     ) -> None:
         self.swarm, self.sync_steps, self.partition = swarm, sync_steps, partition
+        self.started_at = started_at  # the step this process started from (resumed, or taken from the swarm)
         self.tokens_at_last_sync = tokens  # a resumed peer weighs only what it trained since
         self.rounds_applied = 0  # rounds whose result reached the live weights (NodeSync watches it)
         self.next_round = next_round
@@ -65,9 +67,11 @@ class SwarmSync(TrainerHook):
             **swarm.stats.as_dict(),
             "traffic": swarm.stats.traffic(),
             "rounds": swarm.stats.rounds(),
-            # the steps a peer reached: those it computed, those a catch-up replaced (skipped) and those the
-            # schedule moved past to the swarm's round (jumped); only computed ones trained anything
+            # the step a peer reached is where it started (its checkpoint, or the state it took when it
+            # joined) plus the steps it computed, those a catch-up replaced (skipped) and those the schedule
+            # moved past to the swarm's round (jumped); only computed ones trained anything
             "steps": {
+                "started_at": self.started_at,
                 "computed": trainer.steps_computed,
                 "skipped": swarm.stats.steps_skipped,
                 "jumped": swarm.stats.schedule_steps_advanced,
@@ -284,6 +288,7 @@ def run_peer(
             trainer.tokens,
             next_round=next_round,
             partition=partition,
+            started_at=trainer.step,
         )
         trainer.hooks.append(sync)
         if node is not None:
