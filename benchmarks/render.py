@@ -118,7 +118,12 @@ def comms() -> tuple[str, str]:
     n = min(projected, key=int)
     at = projected[n]["codecs"]["int8"]
     less, ceiling = p["loopback_times_less_than"]["int8"]["spes_reference_fp32"], at["ceiling_vs_spes_reference_fp32"]
-    counted = "counted per component (client, reducer, served, downloaded) before the wire meter"
+    counted = (
+        "counted per component (client, reducer, served, downloaded) before the wire meter"
+        if r.legacy
+        else "every message on the swarm's streams counted by the wire meter"
+    )
+    short = "counted per component before the wire meter" if r.legacy else "counted on the wire"
     bullet = (
         f"**Bytes.** With int8 ({p['bits_per_value']['int8']:.2f} bits per value), a peer sends plus receives "
         f"{p['measured']['int8']['bytes']['total'] / 1e6:.2f} MB per round on a {p['peers']}-peer loopback swarm, "
@@ -131,7 +136,7 @@ def comms() -> tuple[str, str]:
     return bullet, (
         f"int8 {less:.2f}x less than the SPES reference at fp32; at spes-1b, "
         f"{at['times_less_than_spes_reference_fp32']:.2f}x, where a serverless round can save at most "
-        f"{ceiling:.2f}x ({seeds(r)}; counted per component before the wire meter)"
+        f"{ceiling:.2f}x ({seeds(r)}; {short})"
     )
 
 

@@ -50,7 +50,6 @@ LEGACY: dict[str, str] = {
     "local_steps/d128.json": "written through --out; no commit",
     "local_steps/d256.json": "written through --out; no commit",
     "local_steps/dense.json": "merged from files under /tmp/ls; no commit",
-    "memory/main.json": "no command, commit or date recorded",
     "quality/main.json": "37 arms merged with --add over sessions, a command per arm; no commit",
     "residency/main.json": "its arguments kept, no command or commit",
     "scale/main.json": "command kept, no commit",
