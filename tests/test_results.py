@@ -33,7 +33,6 @@ SCRIPTS = results.scripts()  # every benchmarks/*.py but the package and the ren
 # run again (then it leaves this list). Never add a file here: write it through benchmarks.lab.results.
 LEGACY: dict[str, str] = {
     "chaos/main.json": "its command field leaves out the config overrides; no commit",
-    "comms/main.json": "command kept, no commit",
     "comms/topk-dense.json": "command kept (--compressions topk topk-dense --rounds 3), no commit",
     "convergence/main.json": "command kept, no commit",
     "convergence/lone-holder.json": "written through --out convergence_lone_holder; no commit",
@@ -60,7 +59,6 @@ LEGACY: dict[str, str] = {
     "scale/churn-8-seed2.json": "written to /tmp/runs and copied here; no commit",
     "scale/churn-8-seed3.json": "written to /tmp/runs and copied here; no commit",
     "scale/churn-grid.json": "written to /tmp/bench and copied here; no commit",
-    "simulate/main.json": "command kept, no commit",
     "sync_overhead/main.json": "command kept, no commit",
     "wan/2x20.json": "commit 192519c recorded, on a dirty tree",
     "wan/2x20-overlap.json": "commit 192519c recorded, on a dirty tree",
