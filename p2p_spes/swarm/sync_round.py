@@ -366,7 +366,6 @@ class RoundRunner:
         self.outer.set_anchor("shared", flatten(tensors), round_no)
         self.applier.feedback.drop("shared")
         self.server.take_snapshot(round_no, self.server.current("shared")["step"], self.outer.momentum)
-        self.stats.rounds_adopted += 1
         return peer
 
     def publish_record(self) -> None:
