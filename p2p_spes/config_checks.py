@@ -44,6 +44,14 @@ def validate(config: Config) -> None:
         raise ConfigError(f"head dim d_model/num_heads = {m.head_dim} must be even for rotary positions")
     if moe.top_k > moe.num_experts:
         raise ConfigError(f"moe.top_k ({moe.top_k}) cannot exceed moe.num_experts ({moe.num_experts})")
+    data = config.data
+    if data.manifest is not None and (data.train is not None or data.validation is not None):
+        raise ConfigError(
+            "data.manifest and data.train/data.validation are both set: data.manifest names the run's data for "
+            "every peer, so leave data.train and data.validation unset (or drop data.manifest to use local shards)"
+        )
+    if data.cache_gb is not None and data.cache_gb <= 0:
+        raise ConfigError(f"data.cache_gb must be positive (or null for no limit), got {data.cache_gb}")
     if not 0 <= peer.index < peer.count:
         raise ConfigError(f"peer.index ({peer.index}) must be in [0, peer.count={peer.count})")
     if ex.placement == "explicit":

@@ -111,7 +111,25 @@ class PeerConfig:
 
 @dataclass
 class DataConfig:
-    """Token shards made by ``p2p-spes data tokenize``; null paths mean the embedded corpus."""
+    """The run's tokens: a published manifest, local token directories, or (neither) the embedded corpus."""
+
+    manifest: str | None = setting(
+        None,
+        doc="URL (http://, https://, file://) or path of the run's token directory (its manifest.json), written "
+        "by ``p2p-spes data tokenize``: published with the run, so every peer fetches its partition's shards, the "
+        "validation shards and the tokenizer from it (or from peers holding them). Null: data.train, else the "
+        "embedded corpus.",
+    )
+    cache_dir: str | None = setting(
+        None,
+        scope="local",
+        doc="Where fetched run data is kept; null: $P2P_SPES_CACHE/data (default ~/.cache/p2p-spes/data).",
+    )
+    cache_gb: float | None = setting(
+        None,
+        scope="local",
+        doc="Most GB the data cache may hold; shards this peer no longer reads are evicted first. Null: no limit.",
+    )
 
     train: str | None = setting(
         None,

@@ -8,25 +8,16 @@ they never cross a shard boundary, so at most `seq_len` tokens per shard go unus
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from p2p_spes.data_manifest import MANIFEST_NAME, RETOKENIZE, Manifest, ShardEntry, read_manifest
 from p2p_spes.errors import DataError
-from p2p_spes.tokenization import (
-    MANIFEST_FORMAT,
-    MANIFEST_NAME,
-    MANIFEST_VERSION,
-    TOKEN_DTYPE,
-    file_sha256,
-    load_tokenizer,
-    tokenizer_info,
-)
+from p2p_spes.tokenization import file_sha256, load_tokenizer, tokenizer_fingerprint
 
-_RETOKENIZE = "re-create it with `p2p-spes data tokenize --input ... --tokenizer ... --out DIR`"
 _MAX_CHUNK = 1 << 24
 
 
@@ -35,71 +26,20 @@ def _require(condition: bool, message: str) -> None:
         raise DataError(message)
 
 
-def _read_manifest(root: Path) -> dict[str, Any]:
-    path = root / MANIFEST_NAME
-    if not root.is_dir():
-        raise DataError(f"token directory {root} does not exist; {_RETOKENIZE}")
-    if not path.is_file():
-        raise DataError(f"{path} is missing, so {root} is not a finished token directory; {_RETOKENIZE}")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DataError(f"{path} is not valid JSON ({error}); {_RETOKENIZE}") from None
-    _require(
-        isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT,
-        f"{path} is not a {MANIFEST_FORMAT} manifest; {_RETOKENIZE}",
-    )
-    _require(
-        manifest.get("version") == MANIFEST_VERSION and manifest.get("dtype") == "uint32",
-        f"{path} has version {manifest.get('version')!r} and dtype {manifest.get('dtype')!r}; "
-        f"this p2p-spes reads version {MANIFEST_VERSION} uint32 shards; {_RETOKENIZE}",
-    )
-    tokenizer = manifest.get("tokenizer")
-    shards = manifest.get("shards")
-    well_formed = (
-        isinstance(tokenizer, dict)
-        and all(isinstance(tokenizer.get(k), int) for k in ("vocab_size", "eos_token_id"))
-        and isinstance(tokenizer.get("fingerprint"), str)
-        and isinstance(shards, list)
-        and len(shards) > 0
-        and all(
-            isinstance(s, dict)
-            and isinstance(s.get("file"), str)
-            and "/" not in s["file"]
-            and "\\" not in s["file"]
-            and isinstance(s.get("num_tokens"), int)
-            and isinstance(s.get("sha256"), str)
-            and isinstance(s.get("max_token_id"), int)
-            for s in shards
-        )
-    )
-    _require(
-        well_formed,
-        f"{path} is missing fields or has fields of the wrong type (tokenizer, "
-        f"shards: file, num_tokens, sha256, max_token_id); {_RETOKENIZE}",
-    )
-    return manifest
-
-
-def _check_shard_size(path: Path, num_tokens: int) -> None:
+def _check_shard_size(path: Path, entry: ShardEntry, dtype: np.dtype) -> None:
     size = path.stat().st_size
-    itemsize = TOKEN_DTYPE.itemsize
-    if size == 0 or num_tokens == 0:
+    if size == 0 or entry.num_tokens == 0:
         raise DataError(
-            f"shard {path} is empty ({size} bytes, {num_tokens} tokens in the "
-            f"manifest); delete the directory and {_RETOKENIZE}"
+            f"shard {path} is empty ({size} bytes, {entry.num_tokens} tokens in the "
+            f"manifest); delete the directory and {RETOKENIZE}"
         )
-    if size % itemsize or size == num_tokens * 2:
+    if size != entry.bytes:
+        other = {2: "uint32", 4: "uint16"}[dtype.itemsize]
+        hint = f" (it looks like {other} data)" if size == entry.num_tokens * (6 - dtype.itemsize) else ""
         raise DataError(
-            f"shard {path} holds {size} bytes, which is not {num_tokens} uint32 "
-            "tokens: it looks like another dtype (uint16 data is half the size); "
-            f"shards must be uint32 little-endian, {_RETOKENIZE}"
-        )
-    if size != num_tokens * itemsize:
-        raise DataError(
-            f"shard {path} is truncated or overwritten: {size} bytes, but the "
-            f"manifest says {num_tokens} uint32 tokens ({num_tokens * itemsize} "
-            f"bytes); {_RETOKENIZE}"
+            f"shard {path} is truncated or overwritten: {size} bytes, but the manifest says "
+            f"{entry.num_tokens} {dtype.name} tokens ({entry.bytes} bytes){hint}; fetch or copy it again, or "
+            f"{RETOKENIZE}"
         )
 
 
@@ -108,49 +48,62 @@ def _data_max(tokens: np.ndarray) -> int:
 
 
 class TokenDataset:
-    """Read-only view of a token directory (manifest.json + uint32 shards), validated on open.
+    """Read-only view of one split of a token directory (manifest.json + shards), validated on open.
 
-    `vocab_size` is the model's embedding size: any id at or above it is refused. `tokenizer`
-    (a local directory) must be the one the shards were made with. `verify` also checksums every
-    shard and scans it for its real largest id, which reads all the data once.
+    ``split`` picks the manifest's ``train`` or ``validation`` shards; ``only`` (shard paths) keeps
+    a subset, the shards of one data partition that a peer fetched. ``vocab_size`` is the model's
+    embedding size: any id at or above it is refused. ``tokenizer`` (a local directory) must be the
+    one the shards were made with. ``verify`` also checksums every shard and scans it for its real
+    largest id, which reads the data once.
     """
 
     def __init__(
         self,
         path: str | Path,
         *,
+        split: str = "train",
+        only: list[str] | None = None,
         vocab_size: int | None = None,
         tokenizer: str | Path | None = None,
         verify: bool = True,
+        manifest: Manifest | None = None,
     ) -> None:
         self.path = Path(path)
-        self.manifest = _read_manifest(self.path)
-        info = self.manifest["tokenizer"]
+        self.manifest = manifest if manifest is not None else read_manifest(self.path)
+        self.split = split
+        info = self.manifest.tokenizer
         if tokenizer is not None:
-            self._check_tokenizer(tokenizer, info)
+            self._check_tokenizer(tokenizer)
         if vocab_size is not None:
-            self._check_id(info["eos_token_id"], vocab_size, self.path / MANIFEST_NAME, "EOS id")
+            self._check_id(info.eos_token_id, vocab_size, self.path / MANIFEST_NAME, "EOS id")
+        entries = self.manifest.shards(split)
+        if only is not None:
+            wanted = set(only)
+            unknown = wanted - {e.path for e in entries}
+            _require(not unknown, f"{self.path}: no {split} shard(s) {sorted(unknown)} in its manifest")
+            entries = tuple(e for e in entries if e.path in wanted)
+        _require(len(entries) > 0, f"{self.path}: no {split} shards selected")
+        self.entries = entries
+        dtype = self.manifest.token_dtype
         self.shards: list[np.ndarray] = []
-        for entry in self.manifest["shards"]:
-            shard_path = self.path / entry["file"]
+        for entry in entries:
+            shard_path = self.path / entry.path
             _require(
                 shard_path.is_file(),
-                f"shard {shard_path} listed in "
-                f"{self.path / MANIFEST_NAME} is missing; copy the whole directory again or "
-                f"{_RETOKENIZE}",
+                f"shard {shard_path} listed in {self.path / MANIFEST_NAME} is missing; copy the whole "
+                f"directory again or {RETOKENIZE}",
             )
-            _check_shard_size(shard_path, entry["num_tokens"])
+            _check_shard_size(shard_path, entry, dtype)
             if vocab_size is not None:
-                self._check_id(entry["max_token_id"], vocab_size, shard_path, "manifest's max_token_id")
+                self._check_id(entry.max_token_id, vocab_size, shard_path, "manifest's max_token_id")
             if verify:
                 digest = file_sha256(shard_path)
                 _require(
-                    digest == entry["sha256"],
-                    f"shard {shard_path} fails its checksum "
-                    f"(sha256 {digest[:16]}..., manifest {entry['sha256'][:16]}...): the "
-                    f"file is corrupt; copy it again or {_RETOKENIZE}",
+                    digest == entry.sha256,
+                    f"shard {shard_path} fails its checksum (sha256 {digest[:16]}..., manifest "
+                    f"{entry.sha256[:16]}...): the file is corrupt; copy it again or {RETOKENIZE}",
                 )
-            tokens = np.memmap(shard_path, dtype=TOKEN_DTYPE, mode="r")
+            tokens = np.memmap(shard_path, dtype=dtype, mode="r")
             if verify and vocab_size is not None:
                 self._check_id(_data_max(tokens), vocab_size, shard_path, "data")
             self.shards.append(tokens)
@@ -165,15 +118,17 @@ class TokenDataset:
                 "tokenizer's vocab size, or tokenize with the model's tokenizer"
             )
 
-    def _check_tokenizer(self, tokenizer: str | Path, expected: dict[str, Any]) -> None:
-        actual = tokenizer_info(load_tokenizer(tokenizer), tokenizer)
-        if (actual["fingerprint"], actual["vocab_size"]) != (expected["fingerprint"], expected["vocab_size"]):
+    def _check_tokenizer(self, tokenizer: str | Path) -> None:
+        expected = self.manifest.tokenizer
+        loaded = load_tokenizer(tokenizer)
+        actual = (tokenizer_fingerprint(loaded), len(loaded))
+        if actual != (expected.fingerprint, expected.vocab_size):
             raise DataError(
                 f"{self.path / MANIFEST_NAME}: the shards were made with tokenizer "
-                f"{expected.get('name_or_path')!r} (vocab {expected['vocab_size']}, fingerprint "
-                f"{expected['fingerprint'][:12]}), not {str(tokenizer)!r} (vocab "
-                f"{actual['vocab_size']}, fingerprint {actual['fingerprint'][:12]}); use the "
-                f"same tokenizer, or {_RETOKENIZE}"
+                f"{expected.name_or_path!r} (vocab {expected.vocab_size}, fingerprint "
+                f"{expected.fingerprint[:12]}), not {str(tokenizer)!r} (vocab "
+                f"{actual[1]}, fingerprint {actual[0][:12]}); use the "
+                f"same tokenizer, or {RETOKENIZE}"
             )
 
     @property
@@ -184,12 +139,12 @@ class TokenDataset:
     @property
     def vocab_size(self) -> int:
         """Vocab size of the tokenizer the shards were made with."""
-        return int(self.manifest["tokenizer"]["vocab_size"])
+        return self.manifest.tokenizer.vocab_size
 
     @property
     def eos_token_id(self) -> int:
         """The id appended after every document."""
-        return int(self.manifest["tokenizer"]["eos_token_id"])
+        return self.manifest.tokenizer.eos_token_id
 
     def _starts(self, seq_len: int) -> np.ndarray:
         """Cumulative window counts per shard (length shards + 1)."""

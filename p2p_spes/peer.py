@@ -10,10 +10,12 @@ from typing import Any
 
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state
 from p2p_spes.config import Config
+from p2p_spes.data_sources import DirectorySource
 from p2p_spes.distributed import Node, NodeSync
 from p2p_spes.errors import CheckpointError
 from p2p_spes.healing import take_on_experts
 from p2p_spes.hooks import TrainerHook
+from p2p_spes.run_data import cache_root, identify_data, prepare_data
 from p2p_spes.swarm import RoundReport, Swarm
 from p2p_spes.train import Trainer
 
@@ -231,7 +233,12 @@ def run_follower(cfg: Config, run_dir: str | Path, node: Node, resume: str | Non
     run_dir = Path(run_dir)
     checkpoint, _ = _own_checkpoint(run_dir, resume, cfg)
     plan = node.send_json()
-    trainer = Trainer(cfg, run_dir=run_dir, local_experts=plan["experts"], data_partition=plan["partition"], node=node)
+    # rank 0 fetched the data into this machine's cache before it sent the plan: read it from there
+    cached = DirectorySource(cache_root(cfg) / plan["data"][:16], fingerprint=plan["data"])
+    data = prepare_data(cfg, identify_data(cfg, peers=lambda: [cached]), plan["partition"], progress=False)
+    trainer = Trainer(
+        cfg, run_dir=run_dir, local_experts=plan["experts"], data_partition=plan["partition"], node=node, data=data
+    )
     if checkpoint is not None:
         trainer.resume(checkpoint)
     NodeSync.attach(node, trainer)
@@ -259,15 +266,21 @@ def run_peer(
         (run_dir / "peer.json").write_text(json.dumps({"peer_id": swarm.peer_id, "maddrs": swarm.maddrs}))
         print("peer id:", swarm.peer_id, flush=True)
         print("other peers can join with: --initial-peers " + " ".join(swarm.maddrs), flush=True)
-        swarm.check_model()
-        partition = swarm.data_partition(saved["loader"].get("peer_index") if saved else None)
+        identity = identify_data(cfg, peers=swarm.run_data_sources)
+        swarm.check_model(identity.fingerprint, identity.train.tokenizer.fingerprint)
+        print(f"training on {identity.describe()}", flush=True)
+        partition = swarm.data_partition(
+            saved.get("data_partition", saved["loader"].get("peer_index")) if saved else None
+        )
         experts = saved["local_experts"] if saved else swarm.choose_experts(partition)
         swarm.claim(experts, partition)
         if not saved:
             partition, experts = swarm.settle_claim(partition, experts)
+        data = prepare_data(cfg, identity, partition, swarm.data_holders(identity.train), progress=progress)
+        swarm.serve_data(identity.train, identity.train_root, data.train_shards)
         if node is not None:
-            node.send_json({"experts": experts, "partition": partition})
-        trainer = Trainer(cfg, run_dir=run_dir, local_experts=experts, data_partition=partition, node=node)
+            node.send_json({"experts": experts, "partition": partition, "data": identity.fingerprint})
+        trainer = Trainer(cfg, run_dir=run_dir, local_experts=experts, data_partition=partition, node=node, data=data)
         if checkpoint is not None:
             trainer.resume(checkpoint)
             print(f"resumed from {checkpoint} at step {trainer.step}", flush=True)

@@ -60,6 +60,8 @@ def trainer_summary(trainer: Trainer) -> dict[str, Any]:
         "moe_backend_checked": trainer.moe_backend.checked,
         "moe_backend_findings": trainer.moe_backend.findings,
         "memory": measure_memory(trainer.model, trainer.optimizer).to_dict(),
+        "data": trainer.data.summary(),
+        "data_fingerprint": trainer.data.identity.fingerprint,
         **trainer.summary_extras,
     }
     if trainer.metrics.lost:

@@ -19,48 +19,65 @@ from rich.console import Console
 
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, load_checkpoint, read_state, save_checkpoint
 from p2p_spes.config import Config
-from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
 from p2p_spes.device import resolve_device
 from p2p_spes.distributed import Node
-from p2p_spes.errors import CheckpointError, ConfigError
+from p2p_spes.errors import CheckpointError
 from p2p_spes.hooks import TrainerHook
 from p2p_spes.metrics_log import MetricsWriter
 from p2p_spes.model import MoETransformer
 from p2p_spes.moe import choose_backend
 from p2p_spes.optim import MuonAdamW, build_optimizer, lr_at, set_lr, trainable_parameters
 from p2p_spes.progress import ProgressView
+from p2p_spes.run_data import RunData, identify_data, prepare_data
 from p2p_spes.run_summary import summary_path, trainer_summary, write_report
 from p2p_spes.tensorboard_log import ScalarLog
 
 log = logging.getLogger(__name__)
 
 
-def resolve_data(cfg: Config) -> tuple[str, str, str]:
-    """Train and validation shard directories and the tokenizer; the embedded corpus by default."""
-    data = cfg.data
-    if data.train is None:
-        if data.validation is not None:
-            raise ConfigError("data.validation is set but data.train is not; set both or neither")
-        dirs = prepare_embedded_data()
-        return str(dirs["train"]), str(dirs["validation"]), data.tokenizer or str(embedded_tokenizer_path())
-    if data.validation is None:
-        raise ConfigError("data.train is set but data.validation is not; tokenize a held-out split for validation")
-    return data.train, data.validation, data.tokenizer
+def peer_loader(
+    cfg: Config, data: TokenDataset, partition: int, node: Node | None, *, partitioned: bool = False
+) -> BatchLoader:
+    """The training batches of data partition ``partition``; rank r of a node reads slice r of it.
 
-
-def peer_loader(cfg: Config, data: TokenDataset, partition: int, node: Node | None) -> BatchLoader:
-    """The training batches of data partition ``partition``; rank r of a node reads slice r of it."""
+    With ``partitioned`` the dataset holds only the partition's own shards (a data.manifest run), so
+    the partition's peers split those; otherwise every partition takes its slice of all windows.
+    """
     rank, world = (node.rank, node.world) if node else (0, 1)
+    if partitioned:
+        index, count = rank, world
+    else:
+        index, count = partition * world + rank, cfg.peer.count * world
     return BatchLoader(
         data,
         cfg.model.max_seq_len,
         cfg.train.batch_size,
         seed=cfg.data.seed,
-        peer_index=partition * world + rank,
-        num_peers=cfg.peer.count * world,
+        peer_index=index,
+        num_peers=count,
         shared=cfg.data.partition == "shared",
     )
+
+
+def build_model(
+    cfg: Config, device: torch.device, autocast_dtype: torch.dtype | None, local: list[int]
+) -> tuple[Any, MoETransformer]:
+    """The MoE backend chosen for ``device`` and the model training experts ``local``.
+
+    On a GPU the MoE backend and expert kernel are checked there once against the per-expert loop,
+    falling back if they fail (moe/selfcheck.py); elsewhere this is the configured choice, unchecked.
+    """
+    resident_only = cfg.swarm.residency == "partial"
+    backend = choose_backend(
+        cfg.moe, cfg.model.d_model, device, autocast_dtype, local_experts=local, resident_only=resident_only
+    )
+    if backend.checked:
+        log.info("MoE backend %s (checked on %s)", backend.label, device)
+    model = MoETransformer(
+        cfg.model, backend.apply(cfg.moe), local_experts=local, device=device, resident_only=resident_only
+    )
+    return backend, model
 
 
 class Trainer:
@@ -74,6 +91,7 @@ class Trainer:
         local_experts: list[int] | None = None,
         data_partition: int | None = None,
         node: Node | None = None,
+        data: RunData | None = None,
     ) -> None:
         self.cfg = cfg
         self.node = node  # several processes per peer (distributed.py); rank 0 logs and saves
@@ -89,26 +107,7 @@ class Trainer:
         self.hooks = list(hooks or [])
 
         local = cfg.local_experts() if local_experts is None else sorted(local_experts)
-        resident_only = cfg.swarm.residency == "partial"
-        # On a GPU the MoE backend and expert kernel are checked there once against the per-expert loop,
-        # falling back if they fail (moe/selfcheck.py); elsewhere this is the configured choice, unchecked.
-        self.moe_backend = choose_backend(
-            cfg.moe,
-            cfg.model.d_model,
-            self.device,
-            self.autocast_dtype,
-            local_experts=local,
-            resident_only=resident_only,
-        )
-        if self.moe_backend.checked:
-            log.info("MoE backend %s (checked on %s)", self.moe_backend.label, self.device)
-        self.model = MoETransformer(
-            cfg.model,
-            self.moe_backend.apply(cfg.moe),
-            local_experts=local,
-            device=self.device,
-            resident_only=resident_only,
-        )
+        self.moe_backend, self.model = build_model(cfg, self.device, self.autocast_dtype, local)
         self.model.init_weights(tr.seed)
         if tr.init_from:
             self.load_initial_weights(tr.init_from)
@@ -117,14 +116,16 @@ class Trainer:
             for finding in self.optimizer.self_check():
                 log.warning("%s", finding)
 
-        train_dir, val_dir, tokenizer = resolve_data(cfg)
-        vocab = cfg.model.vocab_size
-        self.train_data = TokenDataset(train_dir, vocab_size=vocab, tokenizer=tokenizer, verify=cfg.data.verify)
-        self.val_data = TokenDataset(val_dir, vocab_size=vocab, tokenizer=tokenizer, verify=cfg.data.verify)
+        partition = cfg.peer.index if data_partition is None else data_partition
+        self.partition = partition
+        if data is None:
+            data = prepare_data(cfg, identify_data(cfg), partition, progress=self.is_main)
+        self.data = data
+        self.train_data, self.val_data = data.open(cfg.model.vocab_size, verify=cfg.data.verify)
         self.world = node.world if node else 1
-        self.loader = peer_loader(
-            cfg, self.train_data, cfg.peer.index if data_partition is None else data_partition, node
-        )
+        self.loader = peer_loader(cfg, self.train_data, partition, node, partitioned=data.partitioned)
+        if self.is_main:
+            log.info("training on %s", data.identity.describe())
         self.val_batches = validation_batches(self.val_data, cfg.model.max_seq_len, tr.batch_size, tr.eval_batches)
 
         self.step = 0
@@ -145,6 +146,8 @@ class Trainer:
         return {
             "tokens": self.tokens,
             "loader": self.loader.state_dict(),
+            "data_partition": self.partition,
+            "data_fingerprint": self.data.identity.fingerprint,
             "model_fingerprint": self.cfg.model_fingerprint(),
             "local_experts": self.model.local_experts,
             "config": self.cfg.to_dict(),
@@ -191,10 +194,22 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         load_checkpoint(path, self.model, self.optimizer, state=state)
         self.step, self.tokens = state["step"], state["tokens"]
-        self.loader.load_state_dict(state["loader"])
+        self._resume_loader(state)
         self.val_loss = state.get("val_loss")
         log.info("resumed from %s at step %d", path, self.step)
         return True
+
+    def _resume_loader(self, state: dict[str, Any]) -> None:
+        """Continue the data order where the checkpoint left it, unless it read other shards: a peer of a
+        data.manifest run that restarts into another partition (its own was taken) starts afresh."""
+        if self.data.resumes(
+            state.get("data_partition", self.partition), state.get("data_fingerprint"), self.partition
+        ):
+            self.loader.load_state_dict(state["loader"])
+        else:
+            log.warning(
+                "the checkpoint read other shards than data partition %d: starting its order afresh", self.partition
+            )
 
     def load_initial_weights(self, checkpoint: str | Path) -> Path:
         """Start from another checkpoint's weights (an upcycled model, say): step 0, fresh optimizer."""

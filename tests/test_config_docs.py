@@ -52,7 +52,7 @@ def test_explain_marks_what_differs_from_the_default(capsys):
     assert 'swarm.run_id = "mine"  [local] changed (default "p2p-spes")' in out
     assert "model.vocab_size = 8192  [model] default\n" in out
     assert "train.batch_size = 8  [batch] default\n" in out
-    assert "# data: Token shards made by ``p2p-spes data tokenize``" in out
+    assert "# data: The run's tokens: a published manifest" in out
     assert out.rstrip().splitlines()[-1].startswith("# model fingerprint: ")
     assert sum(line.startswith("    ") is False and " = " in line for line in out.splitlines()) == len(setting_docs())
     assert "changed" not in explain(Config())

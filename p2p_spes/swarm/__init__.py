@@ -9,13 +9,15 @@
 - ``outer.py``: the outer step (average or Nesterov), its anchors and momentum, the update guard;
 - ``pacing.py``: when a round opens (the swarm's progress, not our step count) and measured deadlines;
 - ``sync_round.py``: one sync round -> :class:`RoundReport` (``report.py``);
-- ``coverage.py``: the self-healing takeover plan and fetching experts to take over.
+- ``coverage.py``: the self-healing takeover plan and fetching experts to take over;
+- ``data_server.py``: the run's data files, served to and fetched from peers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -25,12 +27,14 @@ from dht.auth import load_auth
 from dht.records import PeerRecord
 from p2p_spes.averaging import Codec, GroupAllReduce, build_aggregator, tensor_digest
 from p2p_spes.config import Config
+from p2p_spes.data_manifest import FileEntry, Manifest
 from p2p_spes.errors import SwarmError
 from p2p_spes.memory import SyncMemory
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.agreement import Refresher
 from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.coverage import Coverage
+from p2p_spes.swarm.data_server import DataServer, Holding, PeerSource, holders_of, holding, peer_sources
 from p2p_spes.swarm.membership import FRESH, Membership
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard
 from p2p_spes.swarm.pacing import Deadlines, RoundWatch, sync_deadline, version_window
@@ -81,8 +85,10 @@ class Swarm:
             retries=sw.group_retries,
             group_size=sw.group_size,
         )
+        self.data_server = DataServer(self.runtime, self.auth, self.membership.refresh_members)
         self.runtime.call(self.reducer.start())
         self.runtime.call(self.server.start())
+        self.runtime.call(self.data_server.start())
         self.refresher = Refresher(self.peer_id, self.downloader, self.stats, self.outer, self.reducer.codec.result)
         self.runner = RoundRunner(
             sw,
@@ -123,8 +129,30 @@ class Swarm:
     def live_peers(self) -> dict[str, PeerRecord]:
         return self.membership.live_peers()
 
-    def check_model(self) -> None:
-        self.membership.check_model()
+    def check_model(self, data: str | None = None, tokenizer: str | None = None) -> None:
+        self.membership.check_model(data, tokenizer)
+
+    # The run's data ------------------------------------------------------------------------------
+    def run_data_sources(self) -> list[PeerSource]:
+        """Peers holding the data most of the run's peers hold (to read its manifest from)."""
+        records = self.membership.others()
+        counts = Counter(h.fingerprint for r in records.values() if (h := Holding.of(r)) is not None)
+        if not counts:
+            return []
+        return peer_sources(self.runtime, records, counts.most_common(1)[0][0], self.peer_id)
+
+    def data_holders(self, manifest: Manifest):
+        """A function giving, for a file of ``manifest``, the live peers that hold it."""
+
+        def sources(entry: FileEntry) -> list[PeerSource]:
+            return holders_of(self.runtime, self.membership.others(max_age=5.0), manifest, entry, self.peer_id)
+
+        return sources
+
+    def serve_data(self, manifest: Manifest, root, held: list[str] | None) -> None:
+        """Serve our data's files to peers and say in our record which train shards we hold."""
+        self.data_server.serve(manifest, root, held)
+        self.update_status(data=holding(manifest, held).as_record())
 
     def data_partition(self, preferred: int | None = None) -> int:
         return self.membership.data_partition(preferred)

@@ -1,5 +1,6 @@
 """What peers must share to train together, checked before a peer sends anything: the model (its
-fingerprint) and how sync rounds are encoded (the protocol and the codec). A peer that differs is refused
+fingerprint), the data (its fingerprint: the tokenizer and every shard) and how sync rounds are encoded
+(the protocol and the codec). A peer that differs is refused
 with a sentence naming the difference and the fix."""
 
 from __future__ import annotations
@@ -54,12 +55,35 @@ class RunView:
 
 @dataclass(frozen=True)
 class Ours:
-    """What this peer would publish: its model fingerprint and settings, sync settings and config hash."""
+    """What this peer would publish: its model fingerprint and settings, sync settings and config hash,
+    and the fingerprints of its data and of the tokenizer that made it."""
 
     fingerprint: str
     model: dict[str, Any]
     sync: dict[str, Any]
     config_hash: str
+    data: str | None = None
+    tokenizer: str | None = None
+
+
+def describe_data(value: dict) -> str:
+    return f"data {str(value.get('data'))[:16]} (tokenizer {str(value.get('tokenizer'))[:16]})"
+
+
+def check_data(run_id: str, peer_id: str, records: dict[str, Any], ours: Ours) -> None:
+    """Raise :class:`SwarmError` if a peer of the run trains on other data or with another tokenizer."""
+    if ours.data is None:
+        return
+    for peer, value in records.items():
+        if peer == peer_id or not isinstance(value, dict) or value.get("data") in (None, ours.data):
+            continue
+        what = "another tokenizer" if value.get("tokenizer") != ours.tokenizer else "other data (other shards)"
+        raise SwarmError(
+            f"run {run_id!r} trains on {what} than this peer (peer {peer}): {describe_data(value)} there, "
+            f"{describe_data({'data': ours.data, 'tokenizer': ours.tokenizer})} here. A run's peers must read the "
+            "same tokens: join with --config-from-swarm (it names the run's data.manifest), set data.manifest as "
+            "the run does and leave data.tokenizer unset, or pick another --run-id"
+        )
 
 
 def model_records(view: RunView, ours: Ours) -> dict[str, Any]:
@@ -94,6 +118,7 @@ def check_run(run_id: str, peer_id: str, view: RunView, ours: Ours) -> None:
                 f"{describe_difference(ours.model, theirs)}. Join with --config-from-swarm to use the run's config, "
                 "or pick another --run-id"
             )
+    check_data(run_id, peer_id, records, ours)
     for peer, value in records.items():
         other = value.get("sync") if isinstance(value, dict) else None
         if peer != peer_id and other != ours.sync:

@@ -144,8 +144,9 @@ class Membership:
         self.members = set(await self.runtime.get(peers_key(self.runtime.run_id)))
         return self.members
 
-    def check_model(self) -> None:
-        """Refuse to join a run that trains a different model (nothing of ours is sent before this)."""
+    def check_model(self, data: str | None = None, tokenizer: str | None = None) -> None:
+        """Refuse to join a run that trains a different model, or (given our ``data`` and ``tokenizer``
+        fingerprints) on other data; nothing of ours is sent before this."""
         rt = self.runtime
         ours = self.cfg.model_defining()
         sw = self.cfg.swarm
@@ -154,10 +155,14 @@ class Membership:
             rt.run_id,
             self.peer_id,
             RunView(rt.call(rt.get(config_key(rt.run_id))), rt.call(rt.get(run_config_key(rt.run_id)))),
-            Ours(self.fingerprint, ours, sync, self.run_config["hash"]),
+            Ours(self.fingerprint, ours, sync, self.run_config["hash"], data, tokenizer),
         )
+        model_record = {"fingerprint": self.fingerprint, "model": ours, "sync": sync}
+        if data is not None:
+            model_record.update(data=data, tokenizer=tokenizer)
+            self.run_config = {**self.run_config, "data_fingerprint": data}
         self._published = [
-            (config_key(rt.run_id), {"fingerprint": self.fingerprint, "model": ours, "sync": sync}),
+            (config_key(rt.run_id), model_record),
             (run_config_key(rt.run_id), self.run_config),
         ]
         for key, value in self._published:
