@@ -187,8 +187,7 @@ class Validation:
     """Windows 0 .. count-1 of the embedded validation split, scored by mean next-token cross-entropy."""
 
     def __init__(self, seq_len: int, count: int | None, batch: int = 64) -> None:
-        path = prepare_embedded_data()["validation"]
-        data = TokenDataset(path, verify=True)
+        data = TokenDataset(prepare_embedded_data(), split="validation", verify=True)
         total = data.num_windows(seq_len)
         self.count = min(count, total) if count else total
         self.seq_len = seq_len
@@ -196,8 +195,8 @@ class Validation:
         self.batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows.split(batch)]
         self.describe = {
             "split": "validation of the embedded corpus (p2p_spes/corpus.py: held-out documents)",
-            "directory": str(path),
-            "shards": [s["sha256"] for s in data.manifest["shards"]],
+            "directory": str(data.path),
+            "shards": [s.sha256 for s in data.entries],
             "seq_len": seq_len,
             "windows": self.count,
             "windows_available": total,

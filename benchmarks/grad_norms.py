@@ -50,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = load_config(None, [*convergence.CONFIG, *convergence.schedule(args.steps), f"train.seed={args.seed}"])
     tr = cfg.train
-    data = TokenDataset(prepare_embedded_data()["train"], verify=True)
+    data = TokenDataset(prepare_embedded_data(), verify=True)
     model = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(cfg.moe.num_experts)))
     model.init_weights(args.seed)
     opt = build_optimizer(model, tr)

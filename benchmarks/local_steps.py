@@ -685,7 +685,7 @@ def main() -> None:
     writer = results.start("local_steps", args.variant, seeds=args.seeds)
     torch.set_num_threads(1)
     common = [*convergence.CONFIG, *convergence.schedule(args.steps), *args.extra]
-    data = TokenDataset(prepare_embedded_data()["train"], verify=True)
+    data = TokenDataset(prepare_embedded_data(), verify=True)
     validation = convergence.Validation(load_config(None, common).model.max_seq_len, 1024)
     console = Console(width=160)
     finals, spreads, merged = previous_finals(args) if args.add else ({}, {}, [])

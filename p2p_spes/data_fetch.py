@@ -174,7 +174,8 @@ class Fetcher:
                 except (SourceError, OSError) as exc:
                     track.failures += 1
                     report.bytes_fetched += got
-                    report.by_source[source.name] = report.by_source.get(source.name, 0) + got
+                    if got:
+                        report.by_source[source.name] = report.by_source.get(source.name, 0) + got
                     errors.append(str(exc))
                     log.info("fetching %s from %s failed (%s)", entry.path, source.name, exc)
                     continue
