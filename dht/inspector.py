@@ -100,6 +100,8 @@ def collect(dht: DHT, run_id: str) -> dict[str, Any]:
                 "fingerprint": record.fingerprint,
                 "residency": extra.get("residency", "full"),
                 "experts_taken_over": extra.get("experts_taken_over", 0),
+                "data": _data_fingerprint(extra),
+                "data_partition": extra.get("data_partition"),
             }
         )
     num_experts = max((r.get("num_experts", 0) for r in raw.values() if isinstance(r, dict)), default=0)
@@ -132,6 +134,7 @@ def collect(dht: DHT, run_id: str) -> dict[str, Any]:
         "run": {
             "config_hashes": [{"hash": h, "publishers": sorted(ps)} for h, ps in sorted(configs.items())],
             "fingerprints": fingerprints,
+            "data": sorted({p["data"] for p in peers if p["data"]}),
             "peers": len(peers),
             "total_tokens": sum(p["tokens"] or 0 for p in peers),
             "tokens_per_s": round(sum(p["tokens_per_s"] or 0 for p in peers), 1),
@@ -139,6 +142,12 @@ def collect(dht: DHT, run_id: str) -> dict[str, Any]:
             "bytes_received": sum(p["bytes_received"] or 0 for p in peers),
         },
     }
+
+
+def _data_fingerprint(extra: dict[str, Any]) -> str | None:
+    """The data a peer trains on, from the holding it publishes once its data is on disk."""
+    value = extra.get("data")
+    return value["fingerprint"] if isinstance(value, dict) and isinstance(value.get("fingerprint"), str) else None
 
 
 def _experts(peer: dict[str, Any]) -> str:
@@ -157,7 +166,7 @@ def render(snapshot: dict[str, Any], console: Console) -> None:
     hashes = ", ".join(f"{c['hash'][:16]} ({len(c['publishers'])} publisher(s))" for c in run["config_hashes"]) or "-"
     console.print(
         f"run {snapshot['run_id']!r}: {run['peers']} live peers, model {', '.join(run['fingerprints']) or '-'}, "
-        f"config {hashes}, {run['total_tokens']:,} tokens, {run['tokens_per_s']:,} tokens/s"
+        f"data {', '.join(d[:16] for d in run.get('data', [])) or '-'}, config {hashes}, {run['total_tokens']:,} tokens, {run['tokens_per_s']:,} tokens/s"
     )
     peers = Table(title="peers")
     columns = (

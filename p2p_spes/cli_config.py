@@ -72,6 +72,13 @@ def config_from_swarm(args: argparse.Namespace) -> Config:
         file=sys.stderr,
         flush=True,
     )
+    fingerprint = record.get("data_fingerprint")
+    where = f"data.manifest {cfg.data.manifest}" if cfg.data.manifest else "the embedded corpus (no data.manifest)"
+    print(
+        f"the run trains on {where}" + (f", data {fingerprint[:16]}" if isinstance(fingerprint, str) else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     return cfg
 
 

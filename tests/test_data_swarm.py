@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import P2P, SMALL, free_port, stop, wait_for
 
+from dht.inspector import collect, open_dht
 from p2p_spes.corpus import embedded_tokenizer_path
 from p2p_spes.data_fetch import partition_shards
 from p2p_spes.tokenization import tokenize_files
@@ -103,6 +104,13 @@ def test_volunteers_train_on_the_runs_data_fetched_by_partition_and_from_peers_o
         wait_for(
             lambda: training(tmp_path, "late"), 180, "the late volunteer training", procs["late"], tmp_path / "late.log"
         )
+        dht = open_dht(maddrs, "data")
+        try:  # the inspector names the data each peer trains on
+            seen = wait_for(
+                lambda: (s := collect(dht, "data"))["run"]["peers"] == 3 and s, 60, "3 peers in the inspector"
+            )
+        finally:
+            dht.shutdown()
     finally:
         for proc in procs.values():
             stop(proc)
@@ -110,6 +118,8 @@ def test_volunteers_train_on_the_runs_data_fetched_by_partition_and_from_peers_o
     assert other.returncode == 2, other.stdout + other.stderr
     assert "trains on other data (other shards)" in other.stderr and "--config-from-swarm" in other.stderr
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
+    assert seen["run"]["data"] == [manifest.fingerprint]
+    assert sorted(p["data_partition"] for p in seen["peers"]) in ([0, 0, 1], [0, 1, 1])
 
     summaries = {name: json.loads((tmp_path / name / "summary.json").read_text()) for name in procs}
     whole = sum(f.bytes for f in manifest.files())
