@@ -53,8 +53,8 @@ class TokenDataset:
     ``split`` picks the manifest's ``train`` or ``validation`` shards; ``only`` (shard paths) keeps
     a subset, the shards of one data partition that a peer fetched. ``vocab_size`` is the model's
     embedding size: any id at or above it is refused. ``tokenizer`` (a local directory) must be the
-    one the shards were made with. ``verify`` also checksums every shard and scans it for its real
-    largest id, which reads the data once.
+    one the shards were made with. ``verify`` also checksums every shard (unless ``hashed``: the
+    fetcher has just checked them) and scans it for its real largest id, which reads the data once.
     """
 
     def __init__(
@@ -67,6 +67,7 @@ class TokenDataset:
         tokenizer: str | Path | None = None,
         verify: bool = True,
         manifest: Manifest | None = None,
+        hashed: bool = False,
     ) -> None:
         self.path = Path(path)
         self.manifest = manifest if manifest is not None else read_manifest(self.path)
@@ -96,7 +97,7 @@ class TokenDataset:
             _check_shard_size(shard_path, entry, dtype)
             if vocab_size is not None:
                 self._check_id(entry.max_token_id, vocab_size, shard_path, "manifest's max_token_id")
-            if verify:
+            if verify and not hashed:
                 digest = file_sha256(shard_path)
                 _require(
                     digest == entry.sha256,

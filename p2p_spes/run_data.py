@@ -87,6 +87,7 @@ class RunData:
             vocab_size=vocab_size,
             tokenizer=self.tokenizer,
             verify=verify,
+            hashed=self.fetched is not None,
         )
         validation = TokenDataset(
             ident.validation_root,
@@ -95,6 +96,7 @@ class RunData:
             vocab_size=vocab_size,
             tokenizer=self.tokenizer,
             verify=verify,
+            hashed=self.fetched is not None,
         )
         return train, validation
 
