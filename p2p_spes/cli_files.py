@@ -22,21 +22,26 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         args.input,
         args.tokenizer,
         args.out,
+        validation_inputs=args.validation_input,
+        validation_fraction=args.validation_fraction,
         num_workers=args.workers,
         shard_tokens=args.shard_tokens,
         field=args.field,
+        split=args.split,
         progress=not args.no_progress,
     )
-    print(
-        f"wrote {manifest['num_tokens']:,} tokens from {manifest['num_documents']:,} documents "
-        f"in {len(manifest['shards'])} shards to {args.out}"
+    splits = "; ".join(
+        f"{name}: {manifest.num_tokens(name):,} tokens, {manifest.num_documents.get(name, 0):,} documents, "
+        f"{len(shards)} shard{'s' if len(shards) != 1 else ''}"
+        for name, shards in manifest.splits.items()
     )
+    print(f"wrote {splits} ({manifest.dtype}) to {args.out}; data fingerprint {manifest.fingerprint}")
     return 0
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    dirs = prepare_embedded_data()
-    print(json.dumps({**{k: str(v) for k, v in dirs.items()}, "tokenizer": str(embedded_tokenizer_path())}, indent=1))
+    root = prepare_embedded_data()
+    print(json.dumps({"data": str(root), "tokenizer": str(embedded_tokenizer_path())}, indent=1))
     return 0
 
 

@@ -183,19 +183,55 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="prepare training data")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    tok = data_sub.add_parser("tokenize", help="tokenize text files into uint32 shards with a manifest")
-    tok.add_argument(
-        "--input", nargs="+", required=True, metavar="GLOB", help=".jsonl, .jsonl.gz, .jsonl.xz, .parquet or .txt files"
+    tok = data_sub.add_parser(
+        "tokenize",
+        help="tokenize text into a token directory: shards by split, the tokenizer's files and a manifest",
+        description="Tokenize text into OUT/train (and OUT/validation) shards of uint16 ids (uint32 for a "
+        "vocabulary over 65536), a copy of the tokenizer in OUT/tokenizer, and OUT/manifest.json with every "
+        "file's size and SHA-256 and the data fingerprint. Inputs are streamed: .jsonl, .jsonl.gz, .jsonl.xz, "
+        ".jsonl.zst, Dolma's .json.gz, .parquet, .txt (one document per file) and directories written by a "
+        "Hugging Face dataset's save_to_disk.",
     )
-    tok.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer directory (tokenizer.json)")
-    tok.add_argument("--out", required=True, help="output directory for shards and manifest.json")
+    tok.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="files or globs (.jsonl, .jsonl.gz, .jsonl.xz, .jsonl.zst, .json.gz, .parquet, .txt) and "
+        "save_to_disk dataset directories",
+    )
+    tok.add_argument(
+        "--tokenizer",
+        required=True,
+        help="tokenizer directory (tokenizer.json, as save_pretrained writes it), or a hub name already in the "
+        "local Hugging Face cache",
+    )
+    tok.add_argument("--out", required=True, help="output token directory (manifest.json, tokenizer/, train/, ...)")
+    tok.add_argument(
+        "--validation-input",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="held-out files or dataset directories tokenized as the validation split",
+    )
+    tok.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="send each document whose text hashes below F (in [0, 1)) to the validation split instead "
+        "(default 0: no validation split unless --validation-input)",
+    )
+    tok.add_argument(
+        "--split", default=None, metavar="NAME", help="split of a DatasetDict directory to read (default: train)"
+    )
     tok.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="tokenizer processes")
-    tok.add_argument("--field", default="text", help="text field of .jsonl/.parquet records (default: text)")
+    tok.add_argument("--field", default="text", help="text field of .jsonl/.parquet/dataset records (default: text)")
     tok.add_argument("--shard-tokens", type=int, default=2**26, help="tokens per shard (default: 2^26)")
     tok.add_argument("--no-progress", action="store_true")
     tok.set_defaults(command="tokenize")
     prep = data_sub.add_parser(
-        "prepare-embedded", help="tokenize the embedded corpus into the cache and print its paths"
+        "prepare-embedded", help="tokenize the embedded corpus into the cache and print its directory"
     )
     prep.set_defaults(command="prepare")
 

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2p_spes.data import TokenDataset
+from p2p_spes.data_manifest import MANIFEST_VERSION, read_manifest
 from p2p_spes.errors import DataError
-from p2p_spes.tokenization import MANIFEST_VERSION, tokenize_files
+from p2p_spes.tokenization import tokenize_files
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 SPLITS = ("train", "validation")
@@ -292,12 +292,17 @@ def default_cache_dir() -> Path:
 
 
 def _is_complete(target: Path) -> bool:
-
+    """A finished token directory: its manifest reads, with both splits, and every file it lists is there
+    with its size (checksums are left to the dataset that opens it)."""
     try:
-        for split in SPLITS:
-            TokenDataset(target / split, verify=False)
+        manifest = read_manifest(target)
+        manifest.shards("validation")
     except DataError:
         return False
+    for entry in manifest.files():
+        path = target / entry.path
+        if not path.is_file() or path.stat().st_size != entry.bytes:
+            return False
     return True
 
 
@@ -318,38 +323,37 @@ def _publish(tmp: Path, target: Path) -> None:
     shutil.rmtree(stale, ignore_errors=True)
 
 
-def prepare_embedded_data(
-    cache_dir: Path | None = None, *, num_workers: int = 1, progress: bool = False
-) -> dict[str, Path]:
-    """Tokenize the embedded splits once into a cache keyed by the assets; return split dirs.
+def prepare_embedded_data(cache_dir: Path | None = None, *, num_workers: int = 1, progress: bool = False) -> Path:
+    """Tokenize the embedded corpus once into a cache keyed by the assets; return its token directory.
 
-    Safe to call from several processes at once: each builds in its own temporary directory and
-    renames it into place atomically, and a valid cache is reused without re-tokenizing.
-    One worker is the default: the corpus is small, and in-process encoding already uses every
-    core while extra processes would each pay the import of transformers.
+    The directory (manifest version 2) holds the train split, the embedded validation file as the
+    validation split, and the tokenizer's files. Safe to call from several processes at once: each
+    builds in its own temporary directory and renames it into place atomically, and a valid cache is
+    reused without re-tokenizing. One worker is the default: the corpus is small, and in-process
+    encoding already uses every core.
     """
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / f"embedded-{embedded_assets_key()[:16]}"
-    splits = {split: target / split for split in SPLITS}
     if _is_complete(target):
-        return splits
+        return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()
     try:
-        for split, corpus_file in embedded_corpus_files().items():
-            tokenize_files(
-                [glob.escape(str(corpus_file))],
-                embedded_tokenizer_path(),
-                tmp / split,
-                num_workers=num_workers,
-                progress=progress,
-            )
+        files = embedded_corpus_files()
+        tokenize_files(
+            [glob.escape(str(files["train"]))],
+            embedded_tokenizer_path(),
+            tmp,
+            validation_inputs=[glob.escape(str(files["validation"]))],
+            num_workers=num_workers,
+            progress=progress,
+        )
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return splits
+    return target
 
 
 def main(argv: list[str] | None = None) -> int:

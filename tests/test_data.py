@@ -7,7 +7,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import gzip
 import hashlib
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ import torch
 from p2p_spes.corpus import embedded_tokenizer_path
 from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
 from p2p_spes.errors import DataError
-from p2p_spes.tokenization import load_tokenizer, tokenize_files
+from p2p_spes.tokenization import tokenize_files
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 
@@ -109,132 +108,6 @@ def make_tiny_tokenizer(root: Path, *, eos: bool = True) -> Path:
         config["eos_token"] = "<|endoftext|>"
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     return root
-
-
-# Tokenization
-
-
-def test_manifest_and_shards_hold_every_document_in_order(tokenized, corpus_dir):
-    out, manifest = tokenized
-    tokenizer = load_tokenizer(embedded_tokenizer_path())
-    assert manifest == json.loads((out / "manifest.json").read_text())
-    assert manifest["format"] == "p2p-spes-tokens" and manifest["version"] == 1 and manifest["dtype"] == "uint32"
-    assert manifest["tokenizer"]["vocab_size"] == len(tokenizer) == 8192
-    assert manifest["tokenizer"]["eos_token_id"] == tokenizer.eos_token_id
-    assert len(manifest["tokenizer"]["fingerprint"]) == 64
-    assert manifest["sources"] == [str(corpus_dir / n) for n in ("a.jsonl", "b.jsonl.gz", "c.parquet", "d.txt")]
-    assert manifest["num_documents"] == 31
-    assert len(manifest["shards"]) > 1
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] + [s["file"] for s in manifest["shards"]]
-
-    stream = []
-    for shard in manifest["shards"]:
-        data = (out / shard["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == shard["sha256"]
-        tokens = np.frombuffer(data, dtype="<u4")
-        assert 0 < len(tokens) == shard["num_tokens"] <= 1000
-        assert tokens.max() == shard["max_token_id"]
-        stream.extend(tokens.tolist())
-    assert len(stream) == manifest["num_tokens"]
-
-    eos = tokenizer.eos_token_id
-    assert stream[-1] == eos
-    documents, current = [], []
-    for token in stream:
-        if token == eos:
-            documents.append(tokenizer.decode(current))
-            current = []
-        else:
-            current.append(token)
-    assert documents == [_doc(i) for i in range(31)]
-
-
-def test_worker_count_does_not_change_the_output(tokenized, corpus_dir, tmp_path):
-    out, manifest = tokenized
-    manifest_2 = tokenize_files(
-        [str(corpus_dir / "*.*")], embedded_tokenizer_path(), tmp_path, num_workers=2, shard_tokens=1000, progress=False
-    )
-    assert manifest_2["shards"] == manifest["shards"]
-    for shard in manifest["shards"]:
-        assert (tmp_path / shard["file"]).read_bytes() == (out / shard["file"]).read_bytes()
-
-
-def test_retokenizing_into_a_used_directory_removes_stale_shards(corpus_dir, tmp_path):
-    tokenize_files(
-        [str(corpus_dir / "a.jsonl")],
-        embedded_tokenizer_path(),
-        tmp_path,
-        num_workers=1,
-        shard_tokens=50,
-        progress=False,
-    )
-    manifest = tokenize_files(
-        [str(corpus_dir / "d.txt")], embedded_tokenizer_path(), tmp_path, num_workers=1, progress=False
-    )
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard_00000.bin"]
-    assert manifest["num_documents"] == 1
-    TokenDataset(tmp_path, vocab_size=8192, tokenizer=embedded_tokenizer_path())
-
-
-def test_recursive_glob(corpus_dir, tmp_path):
-    nested = tmp_path / "x" / "y"
-    nested.mkdir(parents=True)
-    (nested / "e.txt").write_text("nested document")
-    manifest = tokenize_files(
-        [str(tmp_path / "**" / "*.txt")], embedded_tokenizer_path(), tmp_path / "out", num_workers=1, progress=False
-    )
-    assert manifest["sources"] == [str(nested / "e.txt")]
-
-
-def test_nonexistent_glob_is_named(tmp_path):
-    pattern = str(tmp_path / "nothing" / "*.jsonl")
-    with pytest.raises(DataError, match=f"{re.escape(pattern)}' matches no files"):
-        tokenize_files([pattern], embedded_tokenizer_path(), tmp_path / "out", progress=False)
-
-
-def test_missing_field_names_file_line_and_option(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"content": "no text"}) + "\n")
-    with pytest.raises(DataError, match=r"bad\.jsonl, line 2: record has no field 'text'.*--field"):
-        tokenize_files([str(path)], embedded_tokenizer_path(), tmp_path / "out", num_workers=1, progress=False)
-
-
-def test_missing_parquet_column_names_the_option(tmp_path):
-    path = tmp_path / "bad.parquet"
-    pq.write_table(pa.table({"content": ["a", "b"]}), path)
-    with pytest.raises(DataError, match=r"bad\.parquet.*no column 'text'.*--field"):
-        tokenize_files([str(path)], embedded_tokenizer_path(), tmp_path / "out", num_workers=1, progress=False)
-
-
-def test_other_field_can_be_chosen(tmp_path):
-    path = tmp_path / "other.jsonl"
-    path.write_text(json.dumps({"content": "some text"}) + "\n")
-    manifest = tokenize_files(
-        [str(path)], embedded_tokenizer_path(), tmp_path / "out", num_workers=1, field="content", progress=False
-    )
-    assert manifest["num_documents"] == 1
-
-
-def test_invalid_json_and_unknown_suffix(tmp_path):
-    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
-    with pytest.raises(DataError, match=r"broken\.jsonl, line 2: not valid JSON"):
-        tokenize_files([str(tmp_path / "broken.jsonl")], embedded_tokenizer_path(), tmp_path / "o", progress=False)
-    (tmp_path / "data.csv").write_text("text\nhello\n")
-    with pytest.raises(DataError, match=r"data\.csv: unsupported file type.*\.jsonl\.gz.*\.parquet"):
-        tokenize_files([str(tmp_path / "data.csv")], embedded_tokenizer_path(), tmp_path / "o", progress=False)
-
-
-def test_missing_tokenizer_path_says_it_must_be_local(corpus_dir, tmp_path):
-    with pytest.raises(DataError, match="not a local directory with tokenizer.json.*save_pretrained"):
-        tokenize_files([str(corpus_dir / "d.txt")], tmp_path / "no-such-tokenizer", tmp_path / "out", progress=False)
-    with pytest.raises(DataError, match="not a local directory"):
-        tokenize_files([str(corpus_dir / "d.txt")], "Qwen/Qwen2.5-0.5B", tmp_path / "out", progress=False)
-
-
-def test_tokenizer_without_eos_is_refused(corpus_dir, tmp_path):
-    tokenizer = make_tiny_tokenizer(tmp_path / "tok", eos=False)
-    with pytest.raises(DataError, match="has no eos_token"):
-        tokenize_files([str(corpus_dir / "d.txt")], tokenizer, tmp_path / "out", progress=False)
 
 
 # Opening a token directory
