@@ -81,6 +81,7 @@ LEGACY: dict[str, str] = {
 # writes a script may make besides its results, (script, call) -> why
 ALLOWED_WRITES: dict[tuple[str, str], str] = {
     ("convergence", "open"): "a centralized run's log, in the run's temporary directory",
+    ("tokenize_throughput", "open"): "the generated JSONL corpus it tokenizes, in the run's temporary directory",
 }
 
 

@@ -492,3 +492,24 @@ def test_publish_keeps_the_first_complete_directory_and_replaces_a_broken_one(tm
     (target / "manifest.json").unlink()
     corpus._publish(token_dir("third"), target)
     assert "third.txt" in (target / "manifest.json").read_text()
+
+
+# The throughput benchmark
+
+
+def test_the_throughput_benchmark_measures_speed_and_the_memory_of_every_process(tmp_path, monkeypatch, capsys):
+    from benchmarks import tokenize_throughput
+    from benchmarks.lab import results
+
+    monkeypatch.setenv(results.ROOT_ENV, str(tmp_path / "results"))
+    assert tokenize_throughput.main(["--size-mb", "3", "--workers", "2", "--variant", "test"]) == 0
+    result = results.read(tmp_path / "results" / "tokenize_throughput" / "test.json")
+    assert result.provenance["argv"][:3] == ["python", "-m", "benchmarks.tokenize_throughput"]
+    r = result.payload
+    assert r["input_bytes"] >= 3 << 20 and r["documents"] > 100 and r["tokens"] > r["documents"]
+    assert r["mb_per_s"] > 0 and r["tokens_per_s"] > 0 and r["dtype"] == "uint16"
+    m = r["memory"]
+    assert m["samples"] >= 2 and m["max_processes"] >= 3  # the parent and both workers were seen
+    assert m["peak_rss_tree_mib"] > m["peak_rss_parent_mib"] > 0 and m["peak_rss_worker_mib"] > 0
+    assert m["ru_maxrss_self_mib"] > 0 and r["target"]["peak_rss_tree_within"] is True
+    assert "tokens/s" in capsys.readouterr().out
