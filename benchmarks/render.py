@@ -318,6 +318,17 @@ def head_simulate() -> str:
     )
 
 
+def head_tokenize_throughput() -> str:
+    r = load("tokenize_throughput")
+    p, memory = r.payload, r.payload["memory"]
+    return (
+        f"{p['input_bytes'] / 2**20:,.0f} MiB of JSONL at {p['mb_per_s']:.2f} MiB/s ({p['tokens_per_s']:,.0f} "
+        f"tokens/s) with {p['workers']} workers; the whole process tree peaked at "
+        f"{memory['peak_rss_tree_mib']:,.0f} MiB resident, the target being under {p['target']['rss_limit_gib']} GiB "
+        f"for {p['target']['input_gb']} GB ({seeds(r)})"
+    )
+
+
 def head_gpu_throughput() -> str:
     if any((results.root() / "gpu_throughput").glob("*.json")):
         raise RenderError("gpu_throughput has results now: give its line in benchmarks/render.py a headline")
@@ -352,6 +363,7 @@ grad_norms | gradient norm of a peer's batch of 8 vs the batch of 32, at the sam
 scale | 8 / 16 / 24 loopback peers with a kill, or 24 under churn | .venv/bin/python -m benchmarks.scale --peers 8 16 24 --steps 150 | 16 | main others
 simulate | the round protocol at 100 and 1,000 peers, simulated with the project's own code | .venv/bin/python -m benchmarks.simulate | 3.5 | main
 chaos | a loopback swarm under kills, freezes, restarts, bootstrap kills and full disks (root for disks) | sudo .venv/bin/python -m benchmarks.chaos --minutes 30 --interval 5 15 --disk-full | 33 | main
+tokenize_throughput | `p2p-spes data tokenize` of a synthetic JSONL corpus cut from the embedded documents, 2 workers: speed and the resident memory of every process | .venv/bin/python -m benchmarks.tokenize_throughput | 6 | main
 gpu_throughput | one peer's tokens/s, MFU and peak memory on a CUDA GPU, per MoE backend | .venv/bin/python -m benchmarks.gpu_throughput | 5 (GPU) |
 """
 
