@@ -8,7 +8,6 @@ import io
 import json
 import lzma
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,9 @@ from p2p_spes.corpus import (
     build_assets,
     embedded_corpus_files,
     embedded_tokenizer_path,
-    prepare_embedded_data,
     split_of,
 )
-from p2p_spes.data import TokenDataset
 from p2p_spes.errors import DataError
-from p2p_spes.tokenization import tokenize_files
 
 SAMPLES = [
     "def f(x):\n\treturn x ** 2  # squared\n",
@@ -73,52 +69,6 @@ def test_embedded_corpus_splits_are_disjoint_and_stable():
     assert not sources["train"] & sources["validation"]
     assert 10 <= len(sources["validation"]) <= 0.1 * len(sources["train"])
     assert "library/os.rst.txt" in sources["train"] | sources["validation"]
-
-
-def test_prepare_embedded_data_tokenizes_once(tmp_path, monkeypatch):
-    dirs = prepare_embedded_data(tmp_path)
-    assert set(dirs) == {"train", "validation"}
-    train = TokenDataset(dirs["train"], vocab_size=8192, tokenizer=embedded_tokenizer_path())
-    validation = TokenDataset(dirs["validation"], vocab_size=8192)
-    assert validation.num_windows(256) >= 8
-    assert train.num_tokens > 10 * validation.num_tokens
-    assert [p.name for p in tmp_path.iterdir()] == [dirs["train"].parent.name]
-
-    manifest_time = (dirs["train"] / "manifest.json").stat().st_mtime_ns
-
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("the cache should have been reused")
-
-    monkeypatch.setattr("p2p_spes.tokenization.tokenize_files", must_not_run)
-    start = time.monotonic()
-    assert prepare_embedded_data(tmp_path) == dirs
-    assert time.monotonic() - start < 5
-    assert (dirs["train"] / "manifest.json").stat().st_mtime_ns == manifest_time
-
-
-def _token_dirs(root: Path, text: str) -> Path:
-    for split in corpus.SPLITS:
-        (root / f"{split}.txt").parent.mkdir(parents=True, exist_ok=True)
-        (root / f"{split}.txt").write_text(text)
-        tokenize_files(
-            [str(root / f"{split}.txt")], embedded_tokenizer_path(), root / split, num_workers=1, progress=False
-        )
-    return root
-
-
-def test_publish_keeps_the_first_complete_cache_and_replaces_a_broken_one(tmp_path):
-    target = tmp_path / "embedded-key"
-    corpus._publish(_token_dirs(tmp_path / "first", "first writer"), target)
-    assert not (tmp_path / "first").exists()
-    first_manifest = (target / "train" / "manifest.json").read_text()
-
-    corpus._publish(_token_dirs(tmp_path / "second", "second writer"), target)
-    assert (target / "train" / "manifest.json").read_text() == first_manifest
-
-    (target / "validation" / "manifest.json").unlink()
-    corpus._publish(_token_dirs(tmp_path / "third", "third writer"), target)
-    assert "/third/train.txt" in (target / "train" / "manifest.json").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["embedded-key", "second"]
 
 
 def test_cache_location_follows_the_environment(tmp_path, monkeypatch):

@@ -116,9 +116,9 @@ def make_tiny_tokenizer(root: Path, *, eos: bool = True) -> Path:
 def test_dataset_properties(tokenized):
     out, manifest = tokenized
     dataset = TokenDataset(out, vocab_size=8192, tokenizer=embedded_tokenizer_path())
-    assert dataset.num_tokens == manifest["num_tokens"]
+    assert dataset.num_tokens == manifest.num_tokens("train")
     assert dataset.vocab_size == 8192
-    assert dataset.eos_token_id == manifest["tokenizer"]["eos_token_id"]
+    assert dataset.eos_token_id == manifest.tokenizer.eos_token_id
     assert all(isinstance(s, np.memmap) and not s.flags.writeable for s in dataset.shards)
 
 
