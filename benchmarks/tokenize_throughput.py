@@ -38,7 +38,8 @@ from rich.table import Table
 
 from benchmarks.lab import results
 from p2p_spes.corpus import embedded_corpus_files, embedded_tokenizer_path
-from p2p_spes.tokenization import iter_documents, tokenize_files
+from p2p_spes.text_inputs import iter_documents
+from p2p_spes.tokenization import tokenize_files
 
 MIB = 1 << 20
 TARGET_INPUT_GB = 1

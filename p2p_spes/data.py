@@ -16,7 +16,7 @@ import torch
 
 from p2p_spes.data_manifest import MANIFEST_NAME, RETOKENIZE, Manifest, ShardEntry, read_manifest
 from p2p_spes.errors import DataError
-from p2p_spes.tokenization import file_sha256, load_tokenizer, tokenizer_fingerprint
+from p2p_spes.tokenizer_files import file_sha256, load_tokenizer, tokenizer_fingerprint
 
 _MAX_CHUNK = 1 << 24
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from p2p_spes.data_manifest import FileEntry, Manifest
 from p2p_spes.data_sources import Source, SourceError
 from p2p_spes.errors import DataError
-from p2p_spes.tokenization import file_sha256
+from p2p_spes.tokenizer_files import file_sha256
 
 log = logging.getLogger(__name__)
 GB = 1 << 30

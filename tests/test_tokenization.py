@@ -19,12 +19,14 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from p2p_spes import corpus, tokenization
+from p2p_spes import corpus, text_inputs
 from p2p_spes.cli import main as cli_main
 from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
 from p2p_spes.data_manifest import MANIFEST_VERSION, Manifest, read_manifest
 from p2p_spes.errors import DataError
-from p2p_spes.tokenization import document_position, load_tokenizer, tokenize_files, tokenizer_fingerprint
+from p2p_spes.text_inputs import document_position
+from p2p_spes.tokenization import tokenize_files
+from p2p_spes.tokenizer_files import load_tokenizer, tokenizer_fingerprint
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 
@@ -193,8 +195,8 @@ def test_a_text_file_is_streamed_in_pieces_with_one_eos(tmp_path, tokenizer, mon
     lines = [f"{i}: {_doc(i)}" if i % 7 else "" for i in range(400)]
     text = "\n".join(lines) + "\n" + "x" * 700 + " a line longer than a piece\n"
     (tmp_path / "big.txt").write_text(text, encoding="utf-8")
-    monkeypatch.setattr(tokenization, "_TXT_PIECE_CHARS", 500)
-    pieces = list(tokenization._txt_pieces(tmp_path / "big.txt"))
+    monkeypatch.setattr(text_inputs, "_TXT_PIECE_CHARS", 500)
+    pieces = list(text_inputs._txt_pieces(tmp_path / "big.txt"))
     assert len(pieces) > 50 and [end for _, end in pieces] == [False] * (len(pieces) - 1) + [True]
     assert all(len(p) <= 1000 for p, _ in pieces) and "".join(p for p, _ in pieces) == text
     assert all(p.endswith("\n") for p, _ in pieces[:-2])  # cut at line ends, but inside the one long line
@@ -284,7 +286,7 @@ def test_a_validation_fraction_splits_by_document_hash_for_any_worker_count_and_
 
 
 def test_text_files_are_split_by_the_hash_of_their_whole_text(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.setattr(tokenization, "_TXT_PIECE_CHARS", 64)
+    monkeypatch.setattr(text_inputs, "_TXT_PIECE_CHARS", 64)
     texts = [f"file {i}\n" + "\n".join(_doc(i * 10 + j) for j in range(5)) for i in range(12)]
     for i, text in enumerate(texts):
         (tmp_path / f"{i:02d}.txt").write_text(text)
