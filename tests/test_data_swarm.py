@@ -2,12 +2,13 @@
 corpus that is not the embedded one, serves it with ``python -m http.server`` and starts the run with
 ``data.manifest``; volunteers join with nothing but the multiaddr and ``--config-from-swarm``, fetch only
 their partition, and a volunteer who comes after the file server is gone gets its shards from peers.
-A peer on other data is refused before it trains."""
+A peer on other data, or reading the run's data with another tokenizer, is refused before it trains."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -32,6 +33,18 @@ def stdlib_corpus(path: Path, files: int = 80) -> Path:
             json.dumps({"text": source.read_text(encoding="utf-8", errors="replace")}) + "\n" for source in sources
         )
     return path
+
+
+def other_tokenizer(tmp_path: Path) -> Path:
+    """The embedded tokenizer with two ids swapped: it loads, but maps text to other ids."""
+    out = tmp_path / "other-tokenizer"
+    shutil.copytree(embedded_tokenizer_path(), out)
+    spec = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (out / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    return out
 
 
 def peer(tmp_path: Path, name: str, args: list[str]) -> subprocess.Popen:
@@ -99,6 +112,15 @@ def test_volunteers_train_on_the_runs_data_fetched_by_partition_and_from_peers_o
             timeout=180,
             start_new_session=True,
         )
+        wrong = subprocess.run(  # the run's data read with another tokenizer: refused before it trains
+            [*P2P, "train", "--run-dir", str(tmp_path / "wrong"), *RUN, *join]
+            + ["--set", f"data.tokenizer={other_tokenizer(tmp_path)}"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            start_new_session=True,
+            env=dict(os.environ, P2P_SPES_CACHE=str(tmp_path / "cache-wrong")),
+        )
         stop(server)
         procs["late"] = peer(tmp_path, "late", join)
         wait_for(
@@ -118,6 +140,9 @@ def test_volunteers_train_on_the_runs_data_fetched_by_partition_and_from_peers_o
     assert other.returncode == 2, other.stdout + other.stderr
     assert "trains on other data (other shards)" in other.stderr and "--config-from-swarm" in other.stderr
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
+    assert wrong.returncode == 2, wrong.stdout + wrong.stderr
+    assert "the shards were made with tokenizer" in wrong.stderr and "use the same tokenizer" in wrong.stderr
+    assert not (tmp_path / "wrong" / "metrics.jsonl").exists()
     assert seen["run"]["data"] == [manifest.fingerprint]
     assert sorted(p["data_partition"] for p in seen["peers"]) in ([0, 0, 1], [0, 1, 1])
 
