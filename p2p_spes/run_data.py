@@ -106,6 +106,14 @@ class RunData:
         same = partition == current and fingerprint in (None, self.identity.fingerprint)
         return same or not self.partitioned
 
+    def describe_read(self) -> str:
+        """What this peer reads, for its log: its train shards and tokens, and the validation tokens."""
+        s = self.summary()
+        return (
+            f"{s['train_shards']} of {s['train_shards_in_run']} train shards ({s['train_tokens']:,} tokens), "
+            f"{s['validation_tokens']:,} validation tokens ({s['dtype']})"
+        )
+
     def summary(self) -> dict[str, Any]:
         """What the peer's log and summary.json say about its data."""
         ident = self.identity

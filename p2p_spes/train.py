@@ -125,7 +125,7 @@ class Trainer:
         self.world = node.world if node else 1
         self.loader = peer_loader(cfg, self.train_data, partition, node, partitioned=data.partitioned)
         if self.is_main:
-            log.info("training on %s", data.identity.describe())
+            log.info("training on %s: %s", data.identity.describe(), data.describe_read())
         self.val_batches = validation_batches(self.val_data, cfg.model.max_seq_len, tr.batch_size, tr.eval_batches)
 
         self.step = 0
