@@ -112,7 +112,7 @@ def test_scopes_live_on_the_fields_and_the_lists_derive_from_them():
     local = {f"{section}.{name}" for section, name in settings_of_scope("local")}
     assert local == {
         *("moe.impl", "moe.torch_kernel", "experts.local", "peer.index"),
-        *("data.train", "data.validation", "data.tokenizer", "data.verify"),
+        *("data.train", "data.validation", "data.tokenizer", "data.verify", "data.cache_dir", "data.cache_gb"),
         *("train.device", "train.dtype", "train.log_interval", "train.eval_interval", "train.eval_batches"),
         *("train.checkpoint_interval", "train.keep_checkpoints", "train.run_dir", "train.threads"),
         *("train.tensorboard", "train.tensorboard_dir"),
