@@ -10,6 +10,7 @@ files this peer no longer reads are evicted, oldest first, to make room.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import time
@@ -143,8 +144,20 @@ class Fetcher:
         return [sources[i] for i in order]
 
     def _fetch_one(self, entry: FileEntry, report: FetchReport, bar: tqdm) -> None:
+        """Fetch one file, holding its lock: peers on one machine share a cache, and the validation
+        shards and the tokenizer are wanted by all of them at once."""
         target = self._target(entry)
         target.parent.mkdir(parents=True, exist_ok=True)
+        locks = self.root / ".locks"
+        locks.mkdir(exist_ok=True)
+        with open(locks / (entry.path.replace("/", "__") + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self._intact(entry):  # another process fetched it while we waited
+                report.reused += 1
+                return
+            self._download(entry, target, report, bar)
+
+    def _download(self, entry: FileEntry, target: Path, report: FetchReport, bar: tqdm) -> None:
         part = target.with_name(target.name + ".part")
         errors: list[str] = []
         for attempt in range(self.attempts):
@@ -217,7 +230,8 @@ class Fetcher:
         used = sum(p.stat().st_size for p in files)
         freed = 0
         victims = sorted(
-            (p for p in files if p.resolve() not in kept and p.name != "manifest.json"), key=lambda p: p.stat().st_mtime
+            (p for p in files if p.resolve() not in kept and p.name != "manifest.json" and p.suffix != ".lock"),
+            key=lambda p: p.stat().st_mtime,
         )
         for victim in victims:
             if used - freed + incoming <= limit:

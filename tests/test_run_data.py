@@ -256,3 +256,22 @@ def test_a_peer_on_other_data_or_another_tokenizer_is_refused():
         check_data("run", "me", {"p": {"data": "b" * 64, "tokenizer": "t" * 64}}, ours)
     with pytest.raises(SwarmError, match="trains on another tokenizer.*leave data.tokenizer unset"):
         check_data("run", "me", {"p": {"data": "b" * 64, "tokenizer": "u" * 64}}, ours)
+
+
+def test_peers_sharing_a_cache_fetch_a_file_once(tmp_path):
+    manifest = make_data_dir(tmp_path / "origin")
+    entry = manifest.shards("validation")[0]
+    source = Recording(tmp_path / "origin", "origin")
+    reports = []
+
+    def fetch() -> None:
+        reports.append(Fetcher(tmp_path / "cache", lambda e: [source], progress=False).fetch([entry]))
+
+    threads = [threading.Thread(target=fetch) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(reports) == 3 and source.offsets == [0]  # one download; the others found it done
+    assert sorted(r.bytes_fetched for r in reports) == [0, 0, entry.bytes]
+    assert (tmp_path / "cache" / entry.path).read_bytes() == (tmp_path / "origin" / entry.path).read_bytes()
