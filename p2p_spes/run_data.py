@@ -80,24 +80,15 @@ class RunData:
     def open(self, vocab_size: int, verify: bool = True) -> tuple[TokenDataset, TokenDataset]:
         """The train shards this peer reads and the validation shards, checked against the model's vocab."""
         ident = self.identity
-        train = TokenDataset(
-            ident.train_root,
-            manifest=ident.train,
-            only=self.train_shards,
-            vocab_size=vocab_size,
-            tokenizer=self.tokenizer,
-            verify=verify,
-            hashed=self.fetched is not None,
-        )
-        validation = TokenDataset(
-            ident.validation_root,
-            manifest=ident.validation,
-            split=ident.validation_split,
-            vocab_size=vocab_size,
-            tokenizer=self.tokenizer,
-            verify=verify,
-            hashed=self.fetched is not None,
-        )
+
+        def dataset(root: Path, manifest: Manifest, split: str, only: list[str] | None) -> TokenDataset:
+            checks = {"vocab_size": vocab_size, "tokenizer": self.tokenizer, "verify": verify}
+            return TokenDataset(
+                root, manifest=manifest, split=split, only=only, hashed=self.fetched is not None, **checks
+            )
+
+        train = dataset(ident.train_root, ident.train, "train", self.train_shards)
+        validation = dataset(ident.validation_root, ident.validation, ident.validation_split, None)
         return train, validation
 
     def resumes(self, partition: int, fingerprint: str | None, current: int) -> bool:

@@ -1,55 +1,28 @@
-"""Tokenization into shards, the checks on opening them, and the peer-disjoint batch loader."""
+"""The checks on opening token shards, and the peer-disjoint batch loader (tokenizing: test_tokenization.py)."""
 
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import gzip
 import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from p2p_spes.corpus import embedded_tokenizer_path
+from p2p_spes.corpus import embedded_tokenizer_path, prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset, validation_batches
+from p2p_spes.data_manifest import Manifest, read_manifest
 from p2p_spes.errors import DataError
-from p2p_spes.tokenization import tokenize_files
-
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
-
-
-def _doc(i: int) -> str:
-    words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(20 + i % 13)]
-    return f"Document {i}: " + " ".join(words) + (" \u00e9t\u00e9 \U0001f600\n\tend" if i % 5 == 0 else ".")
 
 
 @pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    """One file of every supported format; files sort as a, b, c, d."""
-    root = tmp_path_factory.mktemp("corpus")
-    (root / "a.jsonl").write_text(
-        "".join(json.dumps({"text": _doc(i), "id": i}) + "\n" for i in range(10)) + "\n", encoding="utf-8"
-    )
-    with gzip.open(root / "b.jsonl.gz", "wt", encoding="utf-8") as stream:
-        for i in range(10, 20):
-            stream.write(json.dumps({"text": _doc(i)}) + "\n")
-    pq.write_table(pa.table({"text": [_doc(i) for i in range(20, 30)], "n": list(range(10))}), root / "c.parquet")
-    (root / "d.txt").write_text(_doc(30), encoding="utf-8")
-    return root
-
-
-@pytest.fixture(scope="module")
-def tokenized(corpus_dir, tmp_path_factory) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("tokens") / "one_worker"
-    manifest = tokenize_files(
-        [str(corpus_dir / "*")], embedded_tokenizer_path(), out, num_workers=1, shard_tokens=1000, progress=False
-    )
-    return out, manifest
+def tokenized() -> tuple[Path, Manifest]:
+    """The embedded corpus as ``data tokenize`` writes it (tokenized once per test session)."""
+    root = prepare_embedded_data()
+    return root, read_manifest(root)
 
 
 def write_token_dir(
@@ -100,7 +73,9 @@ def make_tiny_tokenizer(root: Path, *, eos: bool = True) -> Path:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator([_doc(i) for i in range(50)], trainer=trainer)
+    tokenizer.train_from_iterator(
+        [f"document {i}: " + "alpha beta gamma delta " * (i % 7 + 1) for i in range(50)], trainer=trainer
+    )
     root.mkdir(parents=True)
     tokenizer.save(str(root / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast"}
