@@ -48,7 +48,14 @@ __all__ = [
     "with_overrides",
 ]
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+def _shipped_configs() -> Path:
+    """The shipped configs: inside the installed package (pyproject maps the checkout's ``configs/``
+    to ``p2p_spes/configs`` in a wheel), else the checkout's own ``configs/``."""
+    here = Path(__file__).resolve().parent
+    return here / "configs" if (here / "configs").is_dir() else here.parent / "configs"
+
+
+CONFIG_DIR = _shipped_configs()
 
 
 @dataclass
