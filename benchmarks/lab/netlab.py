@@ -10,6 +10,8 @@ others train on, a round whose transfers take longer than its compute, a peer on
   interface, address or route, so no lab traffic can reach the host, its firewall or other labs, and
   parallel labs can use the same addresses and interface names. Namespace names carry the PID and a
   random suffix, so parallel runs never clash;
+* with ``LinkSpec(nat=True)``, a peer behind its own home router instead (``home_router.py``): the
+  bridge port leads to the router's WAN side, the peer sits on a private /24 behind it;
 * ``tbf`` on both ends of each veth: egress of ``lab0`` is the peer's upload cap, egress of ``p<i>``
   (towards the peer) its download cap (see :func:`tbf_params` for the burst and queue sizes);
 * a cgroup v1 ``cpu`` group per peer (``/sys/fs/cgroup/cpu/<lab>/peer<i>``) with
@@ -44,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.lab import home_router
 from p2p_spes.local_swarm import PeerPlace
 
 if TYPE_CHECKING:
@@ -66,6 +69,7 @@ class LinkSpec:
     up_mbit: float | None = None
     down_mbit: float | None = None
     cpu: float | None = None
+    nat: bool = False  # behind its own home router (home_router.py): it can dial out, nobody can dial it
 
 
 @dataclass(frozen=True)
@@ -194,7 +198,15 @@ class Lab:
 
     # Where peers run ------------------------------------------------------------------------------
     def address(self, index: int) -> str:
+        """Where peer ``index`` listens: its public address, or its private one behind its router."""
+        return self.router(index).peer_address if self.links[index].nat else self.public_address(index)
+
+    def public_address(self, index: int) -> str:
+        """Peer ``index``'s address on the bridge: its own, or its router's."""
         return f"{SUBNET}.{index + 1}"
+
+    def router(self, index: int) -> home_router.RouterPlan:
+        return home_router.plan(self.name, index, self.public_address(index))
 
     def argv_prefix(self, index: int) -> list[str]:
         """Prefix a command with this to run it in peer ``index``'s cgroup and namespace (same process id)."""
@@ -214,6 +226,8 @@ class Lab:
                 {
                     "namespace": self.namespaces[i],
                     "address": self.address(i),
+                    "public_address": self.public_address(i),
+                    "router": self.router(i).namespace if link.nat else None,
                     **asdict(link),
                     "cpu_quota_us": cpu_quota_us(link.cpu),
                     "cpu_period_us": CFS_PERIOD_US,
@@ -247,11 +261,17 @@ class Lab:
         for i, link in enumerate(self.links):
             ns = self.namespaces[i]
             self._add_namespace(ns)
-            _run(["ip", "-n", self.hub, "link", "add", f"p{i}", "type", "veth", "peer", "name", "lab0", "netns", ns])
+            if link.nat:
+                self._add_namespace(self.router(i).namespace)
+                home_router.build(_run, self.hub, ns, f"p{i}", self.router(i))
+            else:
+                _run(
+                    ["ip", "-n", self.hub, "link", "add", f"p{i}", "type", "veth", "peer", "name", "lab0", "netns", ns]
+                )
+                _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "lab0"])
+                _run(["ip", "-n", ns, "link", "set", "lab0", "up"])
             _run(["ip", "-n", self.hub, "link", "set", f"p{i}", "master", "br0"])
             _run(["ip", "-n", self.hub, "link", "set", f"p{i}", "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "lab0"])
-            _run(["ip", "-n", ns, "link", "set", "lab0", "up"])
             if link.up_mbit is not None:
                 _run(["tc", "-n", ns, "qdisc", "add", "dev", "lab0", "root", *tbf_params(link.up_mbit).args()])
             if link.down_mbit is not None:
@@ -364,17 +384,21 @@ class Lab:
 
     # Checks ------------------------------------------------------------------------------------------
     @staticmethod
-    def available() -> tuple[bool, str]:
-        """Whether a lab can be built here, and if not, why (for a test's skip reason or a CLI's error)."""
+    def available(nat: bool = False) -> tuple[bool, str]:
+        """Whether a lab (with home routers, given ``nat``) can be built here, and if not, why (for a test's
+        skip reason or a CLI's error)."""
         if os.geteuid() != 0:
             return False, "needs root (network namespaces, tc and cgroups)"
         for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
                 return False, f"needs `{tool}` (iproute2) on PATH"
+        if (missing := home_router.iptables_missing()) is not None and nat:
+            return False, missing
         if not (CPU_CGROUP / "cgroup.procs").exists():
             return False, f"needs the cgroup v1 cpu controller at {CPU_CGROUP}"
         probe = Lab(
-            [LinkSpec(up_mbit=10, down_mbit=10, cpu=0.5)], name=f"p2plab-{os.getpid()}-probe{secrets.token_hex(2)}"
+            [LinkSpec(up_mbit=10, down_mbit=10, cpu=0.5, nat=nat)],
+            name=f"p2plab-{os.getpid()}-probe{secrets.token_hex(2)}",
         )
         try:
             probe.build()
