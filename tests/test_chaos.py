@@ -101,6 +101,7 @@ def test_swarm_survives_kill_in_sync_freeze_and_restart(tmp_path):
     assert report.loss_fell, (report.loss_first, report.loss_last)
 
 
+@pytest.mark.long  # over a minute: out of the default suite (which stays near 15 minutes), in CI's long one
 def test_a_run_outlives_its_bootstrap_and_a_full_disk_during_a_checkpoint(tmp_path):
     # peers join through a bootstrap (as in a real run); the bootstrap is killed and started again, and
     # one peer's disk (a tmpfs of its own: root only) fills up through a checkpoint. Both peers finish

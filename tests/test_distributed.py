@@ -81,6 +81,7 @@ def test_two_processes_average_gradients_and_stay_identical(tmp_path):
     assert saved == ["step_00000004", "step_00000008"]
 
 
+@pytest.mark.long  # over a minute: out of the default suite (which stays near 15 minutes), in CI's long one
 def test_only_rank_zero_joins_the_swarm_and_ranks_follow_its_rounds(tmp_path):
     """The 2-process peer starts the run, an ordinary peer joins it; they average every 10 steps."""
     run_dir, log = tmp_path / "node", tmp_path / "node.log"

@@ -89,6 +89,7 @@ case "$1" in -s) echo "$FAKE_HOST" ;; -I) echo 127.0.0.1 ;; *) echo "$FAKE_HOST"
 """
 
 
+@pytest.mark.long  # over a minute: out of the default suite (which stays near 15 minutes), in CI's long one
 def test_slurm_nodes_and_a_volunteer_of_the_7b_config_train_disjoint_blocks(tmp_path):
     base = yaml.safe_load((ROOT / "configs" / "spes-7b.yaml").read_text())
     for section, values in SHRINK.items():

@@ -110,6 +110,7 @@ PRIVATE = SMALL + [
 
 
 @pytest.mark.slow
+@pytest.mark.long  # over a minute: out of the default suite (which stays near 15 minutes), in CI's long one
 def test_outsider_gets_nothing_in_and_nothing_out_of_a_private_run(tmp_path):
     secret = tmp_path / "run.secret"
     secret.write_bytes(SECRET)

@@ -62,6 +62,7 @@ def exported_expert_digests(hf_dir: Path, num_experts: int) -> dict[str, str]:
     return out
 
 
+@pytest.mark.long  # over a minute: out of the default suite (which stays near 15 minutes), in CI's long one
 def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
     swarm = LocalSwarm(None, BASE + PARTIAL + ["train.max_steps=140"], peers=3, run_dir=tmp_path)
     try:
@@ -156,6 +157,7 @@ def test_partial_swarm_trains_and_moves_only_its_own_experts(tmp_path):
         assert 0 < mean_skip < 1  # it holds 2 of 6 experts: some assignments are skipped, not all
 
 
+@pytest.mark.long  # over a minute: out of the default suite (which stays near 15 minutes), in CI's long one
 def test_mixed_swarm_stays_consistent_and_a_dead_holders_experts_are_taken_over(tmp_path):
     swarm = LocalSwarm(None, BASE + ["train.max_steps=90"], peers=3, run_dir=tmp_path)
     try:
