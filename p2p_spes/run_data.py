@@ -160,12 +160,7 @@ def load_manifest(location: str, peers: Callable[[], Sequence[Source]] = lambda:
 def identify_data(cfg: Config, peers: Callable[[], Sequence[Source]] = lambda: ()) -> DataIdentity:
     """Which data ``cfg`` trains on; ``peers`` are asked for a data.manifest's manifest if its URL fails."""
     data = cfg.data
-    if data.manifest is not None:
-        if data.train is not None or data.validation is not None:
-            raise ConfigError(
-                "data.manifest and data.train/data.validation are both set; data.manifest names the run's data "
-                "for every peer: leave data.train and data.validation unset"
-            )
+    if data.manifest is not None:  # config_checks.py refuses data.train/data.validation beside it
         manifest, raw = load_manifest(data.manifest, peers)
         if "validation" not in manifest.splits:
             raise DataError(
