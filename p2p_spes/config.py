@@ -48,6 +48,7 @@ __all__ = [
     "with_overrides",
 ]
 
+
 def _shipped_configs() -> Path:
     """The shipped configs: inside the installed package (pyproject maps the checkout's ``configs/``
     to ``p2p_spes/configs`` in a wheel), else the checkout's own ``configs/``."""
