@@ -98,6 +98,7 @@ def test_bootstrap_keeps_its_multiaddr_and_a_volunteer_trains_with_the_config_it
     text = (tmp_path / "volunteer.out").read_text()
     assert "no NVIDIA GPU found" in text and "fetching the config of run 'pub'" in text
     assert "published by 1 peer(s)" in text and "batch 4 x 1" in text and "reached its step budget" in text
+    assert "the run trains on the embedded corpus (no data.manifest)" in text
     summary = json.loads((tmp_path / "vol" / "run" / "summary.json").read_text())
     assert summary["step"] == 20 and summary["num_experts"] == 6
     fetched = (tmp_path / "vol" / "run-config.yaml").read_text()
