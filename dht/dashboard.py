@@ -6,7 +6,9 @@ with :func:`dht.inspector.collect`, and keeps what it saw since it started: each
 throughput over time, every sync round any peer reported (peers publish their last rounds, so rounds
 from before the dashboard started show too) and the run's total throughput. A
 :class:`DashboardServer` serves the page (``dht/static``: plain HTML, CSS and JavaScript shipped in the
-package, nothing from a CDN) and the same data as JSON at ``/api/state``; it answers GET only.
+package, nothing from a CDN), the same data as JSON at ``/api/state`` and the curves as CSV at
+``/api/curves.csv``; it answers GET only. With a state directory, what it saw is also kept on disk
+(``dashboard_store.py``) and shown again after a restart.
 
 When the run cannot be reached (a wrong address, the bootstrap down) or nobody publishes under the run
 id (a wrong ``--run-id``, or a private run without its ``--secret-file``), the page says so and the
@@ -25,9 +27,11 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from dht.auth import RunAuth
+from dht.dashboard_store import HistoryStore, curves_csv, store_path
 from dht.inspector import collect, open_dht
 
 log = logging.getLogger(__name__)
@@ -77,7 +81,10 @@ class RunWatch(threading.Thread):
         interval: float = 5.0,
         startup_timeout: float = 15.0,
         label: str | None = None,
+        state_dir: str | Path | None = None,
     ) -> None:
+        """With ``state_dir`` what the watch sees is also kept on disk (``dashboard_store.py``) and what an
+        earlier dashboard of the same run kept there is shown from the start."""
         super().__init__(daemon=True, name="dashboard-watch")
         self.initial_peers, self.run_id, self.auth = list(initial_peers), run_id, auth
         self.label = label or run_id  # the run id as the user gave it (a private run's keyspace is hashed)
@@ -86,6 +93,27 @@ class RunWatch(threading.Thread):
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.dht = None
+        self.store = HistoryStore(store_path(state_dir, self.label)) if state_dir is not None else None
+        if self.store is not None:
+            self._restore(self.store)
+
+    def _restore(self, store: HistoryStore) -> None:
+        s = self.state
+        for peer, points in store.points(HISTORY).items():
+            s.history[peer] = deque(points, maxlen=HISTORY)
+        s.rounds = {int(r["round"]): r for r in store.rounds(ROUNDS)}
+        s.throughput.extend(store.throughput(HISTORY))
+        if s.rounds or s.history:
+            log.info("restored %d rounds and %d peers' curves from %s", len(s.rounds), len(s.history), store.path)
+
+    def curves_csv(self) -> str:
+        """The peers' curves as CSV: every point kept on disk, else those in memory."""
+        with self.lock:
+            if self.store is not None:
+                return curves_csv(self.store.all_points())
+            return curves_csv(
+                sorted(((p, x) for p, h in self.state.history.items() for x in h), key=lambda i: i[1]["t"])
+            )
 
     def snapshot_json(self) -> dict[str, Any]:
         with self.lock:
@@ -93,10 +121,15 @@ class RunWatch(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
-        self.join(timeout=self.startup_timeout + 10)
+        if self.is_alive():
+            self.join(timeout=self.startup_timeout + 10)
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+        if self.store is not None:
+            with self.lock:
+                self.store.close()
+                self.store = None
 
     def run(self) -> None:
         while not self.stopped.is_set():
@@ -143,6 +176,7 @@ class RunWatch(threading.Thread):
                     "(the run's swarm.run_id) and, for a private run, --secret-file; or the run has not "
                     "started yet, or has ended."
                 )
+            added = []
             for p in snapshot["peers"]:
                 points = s.history.setdefault(p["peer_id"], deque(maxlen=HISTORY))
                 point = {
@@ -154,13 +188,15 @@ class RunWatch(threading.Thread):
                 }
                 if not points or points[-1]["step"] != p["step"]:
                     points.append(point)
-            s.throughput.append(
-                {"t": now, "peers": len(snapshot["peers"]), "tokens_per_s": snapshot["run"]["tokens_per_s"]}
-            )
+                    added.append((p["peer_id"], point))
+            throughput = {"t": now, "peers": len(snapshot["peers"]), "tokens_per_s": snapshot["run"]["tokens_per_s"]}
+            s.throughput.append(throughput)
             for r in snapshot["rounds"]:
                 s.rounds[r["round"]] = r  # the newest view of a round: more peers may have reported it
             for old in sorted(s.rounds)[:-ROUNDS]:
                 del s.rounds[old]
+            if self.store is not None:
+                self.store.add(added, snapshot["rounds"], throughput)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -170,12 +206,18 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         if path == "/api/state":
             self._send(HTTPStatus.OK, "application/json", json.dumps(self.server.watch.snapshot_json()).encode())
+        elif path == "/api/curves.csv":
+            self._send(HTTPStatus.OK, "text/csv; charset=utf-8", self.server.watch.curves_csv().encode())
         elif path in STATIC:
             name, kind = STATIC[path]
             body = resources.files("dht").joinpath("static", name).read_bytes()
             self._send(HTTPStatus.OK, f"{kind}; charset=utf-8", body)
         else:
-            self._send(HTTPStatus.NOT_FOUND, "text/plain", b"not found: the dashboard serves /, /api/state\n")
+            self._send(
+                HTTPStatus.NOT_FOUND,
+                "text/plain",
+                b"not found: the dashboard serves /, /api/state and /api/curves.csv\n",
+            )
 
     def _refuse(self) -> None:
         self._send(HTTPStatus.METHOD_NOT_ALLOWED, "text/plain", b"the dashboard is read-only\n")

@@ -13,6 +13,7 @@ from dht.bootstrap import Bootstrap, BootstrapOptions
 from dht.dashboard import DashboardServer, RunWatch
 from dht.inspector import collect, open_dht, render, watch
 from p2p_spes.cli_config import load_from_args
+from p2p_spes.corpus import default_cache_dir
 from p2p_spes.errors import ConfigError, SwarmError
 
 
@@ -85,6 +86,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         interval=args.interval,
         startup_timeout=args.bootstrap_timeout,
         label=args.run_id,
+        state_dir=args.state_dir or default_cache_dir() / "dashboard",
     )
     try:
         server = DashboardServer(watch, args.host, args.port)

@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dash.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080; 0: any free port)")
     dash.add_argument("--interval", type=float, default=5.0, help="seconds between reads of the DHT (default 5)")
+    dash.add_argument(
+        "--state-dir",
+        default=None,
+        help="where the run's curves and rounds are kept across restarts, one SQLite file per run id "
+        "(default: $P2P_SPES_CACHE/dashboard, i.e. ~/.cache/p2p-spes/dashboard)",
+    )
     dash.add_argument("--bootstrap-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
     dash.set_defaults(command="dashboard")
 

@@ -84,6 +84,38 @@ def test_the_watch_keeps_history_from_the_moment_it_started_and_says_when_the_ru
     assert "--run-id" in state["message"] and "--secret-file" in state["message"]
 
 
+def test_a_restarted_dashboard_shows_the_curves_and_rounds_it_saw_before(tmp_path):
+    first = RunWatch(["/ip4/127.0.0.1/tcp/1"], "run", label="my run", state_dir=tmp_path)
+    first.take(
+        snapshot({"A": [0, 1], "B": [2]}, step=10, rounds=[{"round": 1, "step": 10, "participants": 2}]), now=100.0
+    )
+    first.take(
+        snapshot({"A": [0, 1], "B": [2]}, step=20, rounds=[{"round": 2, "step": 20, "participants": 2}]), now=110.0
+    )
+    before = first.snapshot_json()
+    first.stop()  # the dashboard process ends; its history stays in the state directory
+    assert [p.name for p in tmp_path.iterdir()] == ["my_run.sqlite"]
+
+    second = RunWatch(["/ip4/127.0.0.1/tcp/1"], "run", label="my run", state_dir=tmp_path)
+    server = DashboardServer(second, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        state = json.loads(urllib.request.urlopen(server.url + "api/state", timeout=10).read())
+        second.take(snapshot({"A": [0, 1]}, step=30, rounds=[{"round": 3, "step": 30, "participants": 1}]), now=120.0)
+        csv_text = urllib.request.urlopen(server.url + "api/curves.csv", timeout=10).read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+        second.stop()
+    assert [r["round"] for r in state["rounds"]] == [1, 2] and state["rounds"] == before["rounds"]
+    assert state["history"] == before["history"] and state["throughput"] == before["throughput"]
+    rows = [line.split(",") for line in csv_text.strip().splitlines()]
+    assert rows[0] == ["peer", "t", "step", "tokens", "loss", "tokens_per_s"]
+    assert [(r[0], r[2]) for r in rows[1:]] == [("A", "10"), ("B", "10"), ("A", "20"), ("B", "20"), ("A", "30")]
+    assert RunWatch(["/ip4/127.0.0.1/tcp/1"], "run", label="my run").curves_csv().count("\n") == 1  # no state dir
+
+
 def test_the_server_serves_the_page_its_assets_and_the_state_and_nothing_else():
     watch = RunWatch(["/ip4/127.0.0.1/tcp/1"], "run", label="run")
     watch.take(snapshot({"A": [0]}), now=1.0)
