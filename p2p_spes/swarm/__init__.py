@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -141,7 +142,7 @@ class Swarm:
             return []
         return peer_sources(self.runtime, records, counts.most_common(1)[0][0], self.peer_id)
 
-    def data_holders(self, manifest: Manifest):
+    def data_holders(self, manifest: Manifest) -> Callable[[FileEntry], list[PeerSource]]:
         """A function giving, for a file of ``manifest``, the live peers that hold it."""
 
         def sources(entry: FileEntry) -> list[PeerSource]:
@@ -149,7 +150,7 @@ class Swarm:
 
         return sources
 
-    def serve_data(self, manifest: Manifest, root, held: list[str] | None) -> None:
+    def serve_data(self, manifest: Manifest, root: Path, held: list[str] | None) -> None:
         """Serve our data's files to peers and say in our record which train shards we hold."""
         self.data_server.serve(manifest, root, held)
         self.update_status(data=holding(manifest, held).as_record())
