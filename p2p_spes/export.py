@@ -34,6 +34,7 @@ from p2p_spes.checkpoint import STATE, WEIGHTS, find_checkpoint, read_state
 from p2p_spes.config import Config, load_config
 from p2p_spes.corpus import embedded_tokenizer_path
 from p2p_spes.errors import CheckpointError, ConfigError
+from p2p_spes.run_data import manifest_tokenizer
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -189,8 +190,17 @@ def write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path
     return [out_dir / name for name in names]
 
 
-def resolve_tokenizer(cfg: Config, tokenizer: str | Path | None) -> Path:
-    """The tokenizer given, else the run's (``data.tokenizer``), else the embedded one."""
+def resolve_tokenizer(cfg: Config, tokenizer: str | Path | None, data_fingerprint: str | None = None) -> Path:
+    """The tokenizer given, else the run's (``data.tokenizer``, else the copy a data.manifest run
+    fetched with its data ``data_fingerprint``), else the embedded one."""
+    if tokenizer is None and cfg.data.tokenizer is None and cfg.data.manifest is not None:
+        found = manifest_tokenizer(cfg, data_fingerprint)
+        if found is None:
+            raise ConfigError(
+                f"the run trained on data.manifest {cfg.data.manifest}, whose tokenizer is not on this machine; "
+                "pass it as --tokenizer DIR (the tokenizer/ directory of the run's token directory)"
+            )
+        return found
     if tokenizer is None and cfg.data.tokenizer is None:
         return embedded_tokenizer_path()
     path = Path(tokenizer if tokenizer is not None else cfg.data.tokenizer).expanduser()
@@ -228,7 +238,7 @@ def export_hf(
                 "peer's checkpoint, or assemble the model from the live run with `p2p-spes export --from-swarm "
                 "--initial-peers MADDR --run-id ID --out DIR`"
             )
-    tok = AutoTokenizer.from_pretrained(str(resolve_tokenizer(cfg, tokenizer)))
+    tok = AutoTokenizer.from_pretrained(str(resolve_tokenizer(cfg, tokenizer, state.get("data_fingerprint"))))
     if len(tok) > cfg.model.vocab_size:
         raise ConfigError(
             f"the tokenizer has {len(tok)} tokens but model.vocab_size is {cfg.model.vocab_size}; "

@@ -192,6 +192,19 @@ def identify_data(cfg: Config, peers: Callable[[], Sequence[Source]] = lambda: (
     return DataIdentity(combined_fingerprint(train, validation), LOCAL, train, validation, train_root, validation_root)
 
 
+def manifest_tokenizer(cfg: Config, fingerprint: str | None) -> Path | None:
+    """Where the tokenizer of a data.manifest run is on this machine (its directory, or this peer's cache
+    of data ``fingerprint``), or None if it is not here."""
+    local = local_root(cfg.data.manifest) if cfg.data.manifest is not None else None
+    if local is not None:
+        candidate = local / "tokenizer"
+    elif fingerprint is not None:
+        candidate = cache_root(cfg) / fingerprint[:16] / "tokenizer"
+    else:
+        return None
+    return candidate if (candidate / "tokenizer.json").is_file() else None
+
+
 def _tokenizer(cfg: Config, identity: DataIdentity) -> Path | None:
     if cfg.data.tokenizer is not None:
         return Path(cfg.data.tokenizer).expanduser()

@@ -29,7 +29,8 @@ from p2p_spes.data_manifest import (
     write_manifest,
 )
 from p2p_spes.data_sources import DirectorySource, SourceError, UrlSource
-from p2p_spes.errors import DataError, SwarmError
+from p2p_spes.errors import ConfigError, DataError, SwarmError
+from p2p_spes.export import resolve_tokenizer
 from p2p_spes.run_data import identify_data, prepare_data
 from p2p_spes.swarm.compat import Ours, check_data
 
@@ -275,3 +276,15 @@ def test_peers_sharing_a_cache_fetch_a_file_once(tmp_path):
     assert len(reports) == 3 and source.offsets == [0]  # one download; the others found it done
     assert sorted(r.bytes_fetched for r in reports) == [0, 0, entry.bytes]
     assert (tmp_path / "cache" / entry.path).read_bytes() == (tmp_path / "origin" / entry.path).read_bytes()
+
+
+def test_export_finds_the_tokenizer_a_manifest_run_trained_with(tmp_path, served):
+    url, origin, manifest = served
+    local = cfg_for(tmp_path, manifest=str(origin))
+    assert resolve_tokenizer(local, None) == origin / "tokenizer"  # a path manifest: its own directory
+    remote = cfg_for(tmp_path, manifest=url)
+    with pytest.raises(ConfigError, match="tokenizer is not on this machine.*--tokenizer DIR"):
+        resolve_tokenizer(remote, None, manifest.fingerprint)  # nothing fetched yet
+    prepare_data(remote, identify_data(remote), 0, progress=False)
+    assert resolve_tokenizer(remote, None, manifest.fingerprint) == identify_data(remote).train_root / "tokenizer"
+    assert resolve_tokenizer(remote, origin / "tokenizer") == origin / "tokenizer"  # --tokenizer wins
