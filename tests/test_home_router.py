@@ -1,5 +1,6 @@
 """The lab's home routers (benchmarks/lab/home_router.py): a NATed peer dials out and is seen at its
-router's address; nobody dials it, not at its private address nor at its router's. Root only."""
+router's address; nobody dials it, not at its private address nor at its router's; its link is shaped
+like a public peer's. Root only."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks.lab.netlab import Lab, LinkSpec
+from benchmarks.lab.netlab import Lab, LinkSpec, measure_link
 
 LISTEN = """
 import socket, sys
@@ -42,7 +43,7 @@ def test_a_natted_peer_dials_out_and_nobody_dials_it():
     ok, reason = Lab.available(nat=True)
     if not ok:
         pytest.skip(reason)
-    with Lab([LinkSpec(), LinkSpec(nat=True), LinkSpec(nat=True)]) as lab:
+    with Lab([LinkSpec(), LinkSpec(nat=True, up_mbit=8), LinkSpec(nat=True)]) as lab:
         assert lab.address(1) == "192.168.2.2" and lab.public_address(1) == "10.47.0.2"
         listeners = [
             subprocess.Popen(
@@ -62,8 +63,10 @@ def test_a_natted_peer_dials_out_and_nobody_dials_it():
             seen = listeners[0].communicate(timeout=10)[0].split()
             for listener in listeners[1:]:
                 listener.communicate(timeout=10)
+        uploaded = measure_link(lab, 1, 0, nbytes=1_500_000)  # the NATed peer's upload cap still applies
     assert outbound == ["connected", "connected"]
     assert seen == [lab.public_address(1), lab.public_address(2)]  # masqueraded: the routers' addresses
     # no route to a private address; the router answers its own address itself (nothing is forwarded)
     assert inbound == ["failed", "refused"] and across == ["failed", "refused"]
+    assert 6.4 < uploaded < 8.8, uploaded
     assert lab.leftovers() == []
