@@ -156,6 +156,11 @@ def test_volunteers_train_on_the_runs_data_fetched_by_partition_and_from_peers_o
     assert 0 < first["fetched_bytes"] < whole  # its partition, the validation shards and the tokenizer only
     late = summaries["late"]["data"]
     assert late["fetched_bytes"] > 0 and all(source.startswith("peer ") for source in late["fetched_from"]), late
+    # every byte counted on the wire: the data the late peer fetched crossed its streams, and its sources count it served
+    assert summaries["late"]["traffic"]["data_fetched"]["received"] >= late["fetched_bytes"]
+    served = {n: summaries[n]["traffic"]["data_served"]["sent"] for n in ("organiser", "first")}
+    assert sum(served.values()) >= late["fetched_bytes"]
+    assert all(summaries[n]["bytes_served"] >= served[n] for n in served)
     late_log = (tmp_path / "late.log").read_text()
     assert "read the run's manifest from peer" in late_log
     for name, summary in summaries.items():  # each cache holds its partition's train shards, no others

@@ -9,7 +9,8 @@ counts them by purpose, from the handler's name and which side of the stream thi
 - ``reducing``: a member's contributions we reduce (in) and the averaged parts we serve (out);
 - ``serving``: state, experts, anchors and updates other peers download from us;
 - ``downloading``: what we download from other peers (catch-up, refreshes, rebases, adoptions);
-- ``data``: the run's data files we serve to peers (out) and fetch from them (in);
+- ``data_served``: the run's data files peers fetch from us (``{run}.data``, serving side);
+- ``data_fetched``: the run's data files we fetch from peers (calling side);
 - ``other``: any other handler.
 
 What it does not see: the DHT's own RPCs (hivemind runs the DHT in a process of its own), and what
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FRAME_BYTES = 9  # hivemind's frame around each protobuf message on a stream: 1 marker byte, 8 length bytes
-PURPOSES = ("averaging", "reducing", "serving", "downloading", "data", "other")
+PURPOSES = ("averaging", "reducing", "serving", "downloading", "data_served", "data_fetched", "other")
 
 
 @dataclass
@@ -39,7 +40,7 @@ def purpose_of(handler: str, serving: bool) -> str:
     if handler.endswith(".state"):
         return "serving" if serving else "downloading"
     if handler.endswith(".data"):
-        return "data"
+        return "data_served" if serving else "data_fetched"
     return "other"
 
 

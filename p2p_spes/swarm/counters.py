@@ -35,10 +35,10 @@ class SwarmCounters:
     def as_dict(self) -> dict[str, int]:
         """The counters, with the wire's totals: ``bytes_sent`` and ``bytes_received`` are every byte our
         streams carried (as a member, as a reducer, serving and downloading), ``bytes_served`` what
-        others downloaded from us."""
+        others downloaded from us (state and the run's data files)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "wire"}
         out["bytes_sent"], out["bytes_received"] = self.wire.sent, self.wire.received
-        out["bytes_served"] = self.wire.by_purpose["serving"].sent
+        out["bytes_served"] = self.wire.by_purpose["serving"].sent + self.wire.by_purpose["data_served"].sent
         return out
 
     def rounds(self) -> dict[str, int]:
