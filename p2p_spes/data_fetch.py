@@ -59,6 +59,12 @@ class FetchReport:
     evicted_bytes: int = 0
     seconds: float = 0.0
 
+    def count(self, source: str, nbytes: int) -> None:
+        """``nbytes`` came from ``source`` (whether or not that download then succeeded)."""
+        self.bytes_fetched += nbytes
+        if nbytes:
+            self.by_source[source] = self.by_source.get(source, 0) + nbytes
+
 
 @dataclass
 class _Track:
@@ -118,8 +124,13 @@ class Fetcher:
     def _target(self, entry: FileEntry) -> Path:
         return self.root / entry.path
 
+    def _part(self, entry: FileEntry) -> Path:
+        """Where ``entry`` is downloaded to before it is checked."""
+        target = self._target(entry)
+        return target.with_name(target.name + ".part")
+
     def _partial_size(self, entry: FileEntry) -> int:
-        part = self._target(entry).with_name(self._target(entry).name + ".part")
+        part = self._part(entry)
         return part.stat().st_size if part.is_file() else 0
 
     def _intact(self, entry: FileEntry) -> bool:
@@ -158,12 +169,12 @@ class Fetcher:
             self._download(entry, target, report, bar)
 
     def _download(self, entry: FileEntry, target: Path, report: FetchReport, bar: tqdm) -> None:
-        part = target.with_name(target.name + ".part")
+        part = self._part(entry)
         errors: list[str] = []
         for attempt in range(self.attempts):
             for source in self._ordered(entry):
                 track = self.tracks[source.name]
-                offset = part.stat().st_size if part.is_file() else 0
+                offset = self._partial_size(entry)
                 if offset > entry.bytes:
                     part.unlink()
                     offset = 0
@@ -182,17 +193,14 @@ class Fetcher:
                                 bar.update(len(chunk))
                     track.bytes += got
                     track.seconds += time.monotonic() - t0
-                    report.bytes_fetched += got
-                    report.by_source[source.name] = report.by_source.get(source.name, 0) + got
+                    report.count(source.name, got)
                 except (SourceError, OSError) as exc:
                     track.failures += 1
-                    report.bytes_fetched += got
-                    if got:
-                        report.by_source[source.name] = report.by_source.get(source.name, 0) + got
+                    report.count(source.name, got)
                     errors.append(str(exc))
                     log.info("fetching %s from %s failed (%s)", entry.path, source.name, exc)
                     continue
-                size = part.stat().st_size if part.is_file() else 0
+                size = self._partial_size(entry)
                 if size < entry.bytes:
                     track.failures += 1
                     errors.append(f"{source.name} ended {entry.path} at {size} of {entry.bytes} bytes")

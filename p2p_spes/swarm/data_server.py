@@ -175,9 +175,21 @@ class PeerSource:
                 return
 
 
-def peer_sources(runtime: Runtime, records: dict[str, PeerRecord], fingerprint: str, me: str) -> list[PeerSource]:
-    """Peers that hold data ``fingerprint``, in random order (so newcomers spread over them)."""
-    peers = [p for p, r in records.items() if p != me and (h := Holding.of(r)) and h.fingerprint == fingerprint]
+def peer_sources(
+    runtime: Runtime, records: dict[str, PeerRecord], fingerprint: str, me: str, shard: int | None = None
+) -> list[PeerSource]:
+    """Peers that hold data ``fingerprint`` (and, given ``shard``, that train shard), in random order, so
+    that newcomers spread over them."""
+    peers = []
+    for peer, record in records.items():
+        held = Holding.of(record)
+        if (
+            peer != me
+            and held is not None
+            and held.fingerprint == fingerprint
+            and (shard is None or shard in held.shards)
+        ):
+            peers.append(peer)
     random.shuffle(peers)
     return [PeerSource(runtime, p, fingerprint) for p in peers]
 
@@ -188,9 +200,4 @@ def holders_of(
     """Peers that hold ``entry`` of ``manifest``: any holder for the tokenizer and validation files, those
     that say they hold it for a train shard."""
     index = next((i for i, s in enumerate(manifest.shards("train")) if s.path == entry.path), None)
-    out = []
-    for source in peer_sources(runtime, records, manifest.fingerprint, me):
-        held = Holding.of(records[source.peer])
-        if index is None or (held is not None and index in held.shards):
-            out.append(source)
-    return out
+    return peer_sources(runtime, records, manifest.fingerprint, me, index)
