@@ -15,7 +15,7 @@ from p2p_spes.distributed import Node, NodeSync
 from p2p_spes.errors import CheckpointError
 from p2p_spes.healing import take_on_experts
 from p2p_spes.hooks import TrainerHook
-from p2p_spes.run_data import cache_root, identify_data, prepare_data
+from p2p_spes.run_data import identify_data, manifest_root, prepare_data
 from p2p_spes.swarm import RoundReport, Swarm
 from p2p_spes.train import Trainer
 
@@ -234,7 +234,7 @@ def run_follower(cfg: Config, run_dir: str | Path, node: Node, resume: str | Non
     checkpoint, _ = _own_checkpoint(run_dir, resume, cfg)
     plan = node.send_json()
     # rank 0 fetched the data into this machine's cache before it sent the plan: read it from there
-    cached = DirectorySource(cache_root(cfg) / plan["data"][:16], fingerprint=plan["data"])
+    cached = DirectorySource(manifest_root(cfg, plan["data"]), fingerprint=plan["data"])
     data = prepare_data(cfg, identify_data(cfg, peers=lambda: [cached]), plan["partition"], progress=False)
     trainer = Trainer(
         cfg, run_dir=run_dir, local_experts=plan["experts"], data_partition=plan["partition"], node=node, data=data

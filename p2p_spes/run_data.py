@@ -17,6 +17,7 @@ average, so a peer on other data or another tokenizer is refused before its firs
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,13 @@ def cache_root(cfg: Config) -> Path:
     return Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else default_cache_dir() / "data"
 
 
+def manifest_root(cfg: Config, fingerprint: str) -> Path:
+    """Where a data.manifest run's files are on this machine: the directory a path names (read in place),
+    else this peer's cache of data ``fingerprint``."""
+    local = local_root(cfg.data.manifest) if cfg.data.manifest is not None else None
+    return local if local is not None else cache_root(cfg) / fingerprint[:16]
+
+
 def load_manifest(location: str, peers: Callable[[], Sequence[Source]] = lambda: ()) -> tuple[Manifest, bytes]:
     """The manifest ``data.manifest`` names: from its URL, else from a peer of the run (checked against
     the fingerprint the peer says it holds)."""
@@ -167,11 +175,9 @@ def identify_data(cfg: Config, peers: Callable[[], Sequence[Source]] = lambda: (
                 f"the run's data {data.manifest} has no validation split; tokenize it with --validation-fraction F "
                 "or --validation-input FILES"
             )
-        local = local_root(data.manifest)
-        root = local if local is not None else cache_root(cfg) / manifest.fingerprint[:16]
-        return DataIdentity(
-            manifest.fingerprint, data.manifest, manifest, manifest, root, root, raw, fetch=local is None
-        )
+        root = manifest_root(cfg, manifest.fingerprint)
+        fetch = local_root(data.manifest) is None
+        return DataIdentity(manifest.fingerprint, data.manifest, manifest, manifest, root, root, raw, fetch=fetch)
     if data.train is None:
         if data.validation is not None:
             raise ConfigError("data.validation is set but data.train is not; set both or neither")
@@ -195,13 +201,9 @@ def identify_data(cfg: Config, peers: Callable[[], Sequence[Source]] = lambda: (
 def manifest_tokenizer(cfg: Config, fingerprint: str | None) -> Path | None:
     """Where the tokenizer of a data.manifest run is on this machine (its directory, or this peer's cache
     of data ``fingerprint``), or None if it is not here."""
-    local = local_root(cfg.data.manifest) if cfg.data.manifest is not None else None
-    if local is not None:
-        candidate = local / "tokenizer"
-    elif fingerprint is not None:
-        candidate = cache_root(cfg) / fingerprint[:16] / "tokenizer"
-    else:
+    if cfg.data.manifest is None or (fingerprint is None and local_root(cfg.data.manifest) is None):
         return None
+    candidate = manifest_root(cfg, fingerprint or "") / "tokenizer"
     return candidate if (candidate / "tokenizer.json").is_file() else None
 
 
@@ -266,6 +268,6 @@ def _keep_manifest(root: Path, raw: bytes) -> None:
     """The manifest next to the files, so that this peer can serve both, and read the data again offline."""
     path = root / MANIFEST_NAME
     if not path.is_file() or path.read_bytes() != raw:
-        tmp = root / f".{MANIFEST_NAME}.tmp"
+        tmp = root / f".{MANIFEST_NAME}.{os.getpid()}.tmp"  # peers sharing a cache write their own
         tmp.write_bytes(raw)
         tmp.replace(path)
