@@ -234,8 +234,9 @@ def prepare_data(
     shards = (
         [s.path for s in manifest.shards("train")] if shared else partition_shards(manifest, partition, cfg.peer.count)
     )
+    read = None if shared else shards  # shared: every peer reads all of it, its loader seeded by its partition
     if not identity.fetch:  # a local data.manifest: read in place
-        return RunData(identity, shards, _tokenizer(cfg, identity))
+        return RunData(identity, read, _tokenizer(cfg, identity))
     wanted = set(shards)
     entries = [
         *manifest.tokenizer.files,
@@ -261,7 +262,7 @@ def prepare_data(
         report.bytes_fetched / 1e6,
         ", ".join(f"{name}: {n / 1e6:.1f} MB" for name, n in report.by_source.items()) or "nothing new",
     )
-    return RunData(identity, shards, _tokenizer(cfg, identity), report)
+    return RunData(identity, read, _tokenizer(cfg, identity), report)
 
 
 def _keep_manifest(root: Path, raw: bytes) -> None:

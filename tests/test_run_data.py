@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from p2p_spes.config import load_config
 from p2p_spes.data import TokenDataset
@@ -33,6 +34,7 @@ from p2p_spes.errors import ConfigError, DataError, SwarmError
 from p2p_spes.export import resolve_tokenizer
 from p2p_spes.run_data import identify_data, prepare_data
 from p2p_spes.swarm.compat import Ours, check_data
+from p2p_spes.train import peer_loader
 
 
 def make_data_dir(root: Path, train: int = 8, tokens: int = 600, seed: int = 0) -> Manifest:
@@ -288,3 +290,15 @@ def test_export_finds_the_tokenizer_a_manifest_run_trained_with(tmp_path, served
     prepare_data(remote, identify_data(remote), 0, progress=False)
     assert resolve_tokenizer(remote, None, manifest.fingerprint) == identify_data(remote).train_root / "tokenizer"
     assert resolve_tokenizer(remote, origin / "tokenizer") == origin / "tokenizer"  # --tokenizer wins
+
+
+def test_with_a_shared_partition_every_peer_reads_all_shards_in_its_own_order(tmp_path, served):
+    url = served[0]
+    cfg = cfg_for(tmp_path, manifest=url, partition="shared")
+    orders = []
+    for partition in (0, 1):
+        data = prepare_data(cfg, identify_data(cfg), partition, progress=False)
+        assert not data.partitioned and data.summary()["train_shards"] == 8
+        train = TokenDataset(data.identity.train_root, vocab_size=512)  # (its tokenizer file is synthetic)
+        orders.append(peer_loader(cfg, train, partition, None, partitioned=data.partitioned).next_batch()[0])
+    assert not torch.equal(orders[0], orders[1])
