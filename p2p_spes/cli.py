@@ -1,7 +1,7 @@
 """The ``p2p-spes`` command line: the parser (``cli_parser.py``) picks a command, ``main`` runs it.
 
 The commands live by what they do: ``cli_config.py`` (the config a command runs with; ``config``,
-``fetch-config``), ``cli_train.py`` (``train``, ``swarm``), ``cli_network.py`` (``bootstrap``,
+``fetch-config``), ``cli_train.py`` (``train``, ``swarm``, ``volunteer``), ``cli_network.py`` (``bootstrap``,
 ``inspect``, ``dashboard``) and ``cli_files.py`` (``data``, ``plot``, ``export``, ``eval``, ``upcycle``).
 """
 
@@ -17,7 +17,7 @@ from p2p_spes.cli_config import cmd_config, cmd_fetch_config
 from p2p_spes.cli_files import cmd_eval, cmd_export, cmd_plot, cmd_prepare, cmd_tokenize, cmd_upcycle
 from p2p_spes.cli_network import cmd_bootstrap, cmd_dashboard, cmd_inspect
 from p2p_spes.cli_parser import build_parser
-from p2p_spes.cli_train import cmd_swarm, cmd_train
+from p2p_spes.cli_train import cmd_swarm, cmd_train, cmd_volunteer
 from p2p_spes.errors import BackendError, CheckpointError, ConfigError, DataError, ResidencyError, SwarmError
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, BackendError, SwarmError, ResidencyError)
@@ -31,6 +31,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plot": cmd_plot,
     "bootstrap": cmd_bootstrap,
     "fetch_config": cmd_fetch_config,
+    "volunteer": cmd_volunteer,
     "tokenize": cmd_tokenize,
     "prepare": cmd_prepare,
     "config": cmd_config,

@@ -187,6 +187,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fetch_args(fetch, flag=False)
     fetch.set_defaults(command="fetch_config", config_from_swarm=True, config=None)
 
+    vol = sub.add_parser(
+        "volunteer",
+        help="give this machine to a run: check it, fetch the run's config, train, restart after crashes",
+        description="Join a run with one of its multiaddrs and keep a peer training on this machine: checks the "
+        "machine, fetches the run's config (signature and hash checked) with a batch size that fits, trains, "
+        "restarts a crashed peer from its checkpoint with back-off, and leaves cleanly on Ctrl-C.",
+    )
+    vol.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer or bootstrap")
+    vol.add_argument("--run-id", default="p2p-spes", help="the run (default: p2p-spes)")
+    vol.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
+    vol.add_argument(
+        "--dir", default="volunteer", help="where the config, identity, logs and run go (default: volunteer)"
+    )
+    vol.add_argument("--max-restarts", type=int, default=5, help="restarts after crashes in a row before giving up")
+    vol.add_argument("--memory-fraction", type=float, default=0.8, help="share of free device memory to plan for")
+    _add_fetch_args(vol, flag=False)
+    vol.add_argument(
+        "train_args",
+        nargs="*",
+        metavar="-- TRAIN_ARGS",
+        help="passed to `p2p-spes train` (e.g. -- --announce-maddrs ...)",
+    )
+    vol.set_defaults(command="volunteer")
+
     data = sub.add_parser("data", help="prepare training data")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     tok = data_sub.add_parser(

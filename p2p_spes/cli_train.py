@@ -1,4 +1,5 @@
-"""The commands that train: ``train`` (one peer, alone, in a swarm or under torchrun) and ``swarm`` (N local peers)."""
+"""The commands that train: ``train`` (one peer, alone, in a swarm or under torchrun), ``swarm`` (N local peers)
+and ``volunteer`` (one supervised peer of someone else's run)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from p2p_spes.cli_config import config_from_swarm, load_from_args
+from p2p_spes.cli_config import cmd_fetch_config, config_from_swarm, load_from_args
+from p2p_spes.cli_parser import build_parser
 from p2p_spes.config import load_config
 from p2p_spes.distributed import NodeSync, node_from_env
 from p2p_spes.errors import CheckpointError, ConfigError, DataError
@@ -18,6 +20,7 @@ from p2p_spes.plots import plot_runs
 from p2p_spes.progress import ProgressView
 from p2p_spes.tensorboard_log import summary_writer
 from p2p_spes.train import Trainer
+from p2p_spes.volunteer import Restarts, Supervisor, check_machine, handle_stop_signals, say
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -131,3 +134,37 @@ def _plot_swarm(run_dir: Path) -> None:
         print(f"no curves.png: {exc}", file=sys.stderr)
         return
     print(f"curves: {out}")
+
+
+def cmd_volunteer(args: argparse.Namespace) -> int:
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts takes a whole number >= 0, got {args.max_restarts}")
+    directory = Path(args.dir).resolve()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--dir {args.dir}: cannot create it ({exc}); give a directory you can write") from None
+    machine = check_machine(args.device, directory)
+    for line in machine.lines:
+        say(line)
+    for warning in machine.warnings:
+        say(f"warning: {warning}")
+
+    say(f"fetching the config of run {args.run_id!r} through {args.initial_peers[0]}")
+    config = directory / "run-config.yaml"
+    secret = ["--secret-file", args.secret_file] if args.secret_file else []
+    fetch = ["fetch-config", "--initial-peers", *args.initial_peers, "--run-id", args.run_id, "--fit-batch"]
+    fetch += ["--device", machine.device, "--memory-fraction", str(args.memory_fraction), "--out", str(config)]
+    fetch += ["--fetch-timeout", str(args.fetch_timeout), *secret]
+    fetch += ["--config-hash", args.config_hash] if args.config_hash else []
+    cmd_fetch_config(build_parser().parse_args(fetch))
+
+    train = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--config", str(config)]
+    train += ["--run-id", args.run_id, "--initial-peers", *args.initial_peers, *secret]
+    train += ["--identity", str(directory / "peer.key"), "--run-dir", str(directory / "run")]
+    train += ["--resume", "auto", *args.train_args]  # a restarted peer goes on from its newest checkpoint
+    supervisor = Supervisor(
+        lambda start: train, directory / "peer.log", Restarts(limit=args.max_restarts), directory / "peer.pid"
+    )
+    handle_stop_signals(supervisor)
+    return supervisor.run().code

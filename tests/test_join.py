@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from helpers import (
     P2P,
-    ROOT,
     SMALL,
     free_port,
     group_alive,
@@ -163,56 +159,3 @@ def test_volunteer_joins_a_live_run_the_inspector_sees_it_and_ctrl_c_leaves_clea
     status = {c["expert"]: c["status"] for c in after["coverage"]}
     assert {e for e, s in status.items() if s == "missing"} == set(experts[gone])
     assert {e for e, s in status.items() if s == "ok"} == set(experts[stayer])
-
-
-FAKE_PYTHON = """#!/usr/bin/env bash
-# Stands in for python in launch/volunteer.sh: real for the version checks, a peer that exits with
-# $TRAIN_EXIT for `train` (counting its starts), a config writer for `fetch-config`.
-case " $* " in
-  *" -m p2p_spes train "*) echo start >> "$STARTS"; exit "$TRAIN_EXIT" ;;
-  *" -m p2p_spes fetch-config "*) while [ "$1" != --out ]; do shift; done; echo "train: {}" > "$2"; exit 0 ;;
-  *) exec "$REAL_PYTHON" "$@" ;;
-esac
-"""
-
-
-def run_volunteer_with_fake_peer(tmp_path: Path, train_exit: int) -> tuple[subprocess.CompletedProcess, int]:
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON)
-    fake.chmod(0o755)
-    starts = tmp_path / "starts"
-    proc = subprocess.run(
-        [
-            "bash",
-            str(ROOT / "launch" / "volunteer.sh"),
-            "--initial-peers",
-            "/ip4/127.0.0.1/tcp/9/p2p/QmX",
-            "--no-install",
-            "--dir",
-            str(tmp_path / "vol"),
-            "--max-restarts",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        start_new_session=True,
-        env=dict(
-            os.environ, PYTHON=str(fake), REAL_PYTHON=sys.executable, STARTS=str(starts), TRAIN_EXIT=str(train_exit)
-        ),
-    )
-    return proc, len(starts.read_text().split()) if starts.exists() else 0
-
-
-def test_volunteer_restarts_a_crashed_peer_with_backoff_and_gives_up_after_the_limit(tmp_path):
-    proc, starts = run_volunteer_with_fake_peer(tmp_path, 3)
-    assert starts == 2, proc.stdout + proc.stderr
-    assert proc.returncode == 2
-    assert "restarting in 5s (attempt 1 of 1)" in proc.stdout
-    assert "crashed 1 times in a row (last exit code 3); giving up" in proc.stderr
-
-
-def test_volunteer_does_not_restart_a_peer_that_refuses_to_start(tmp_path):
-    proc, starts = run_volunteer_with_fake_peer(tmp_path, 2)
-    assert starts == 1 and proc.returncode == 2
-    assert "refused to start" in proc.stderr and "restarting" not in proc.stdout
