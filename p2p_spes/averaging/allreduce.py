@@ -14,9 +14,23 @@ loop:
    The sorted member list hashes to a group id. The *base* is the digest (and round) of the value the
    tensor is relative to (a pseudo-gradient's anchor): the group agrees on the newest one its members
    name, and a member holding another first takes the agreed one from a member (``rebase``).
+   A member's record also says whether it can be dialled (``reachable``) and, if it knows, its bandwidth.
 2. **Transfers.** A flat group reduce-scatters and all-gathers its members' encoded parts
    (``flat_allreduce.py``); a bounded group larger than ``group_size`` runs in rows and columns
    (``grid_allreduce.py``). Every member that succeeds decodes bit-identical values.
+
+**Reducers and clients.** Only the members that can be dialled reduce: the tensor is split among them
+(in proportion to their declared bandwidths, hivemind's ``load_balance_peers``; else in equal parts). A
+member that cannot be dialled (``reachable=False``, behind a NAT) is a *client*: it sends its encoded
+part to every reducer and fetches every averaged part (P parts out, all parts in), reduces and serves
+nothing, and nobody ever opens a stream to it. Every reducer's part waits for every member's
+contribution, clients' included, so a lost client fails the attempt at its deadline like any member and
+the retry forms without it. A group with no reachable member is reduced by a reachable *outsider*: the
+first arrival picks one of the peers ``helpers`` names (``matchmaking.choose_outsider``, by the hash of
+the attempt's key) and publishes it in its decision; the members send it their parts with the part's
+description and it creates the part on demand, adding nothing of its own (``reducer.PartSpec``). An
+outsider that fails is avoided by the retry. In a grid, a row's columns go to its reachable members only;
+a group whose reachable members cannot fill every row runs flat (``grid.make_grid``).
 
 Any missing contribution or part before the deadline fails the attempt *for the whole group*: a
 reducer either serves one result to everybody or none, and a member applies nothing unless it has
@@ -46,7 +60,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from hivemind.proto import averaging_pb2
@@ -69,6 +83,22 @@ __all__ = ["HOLD", "Attempt", "GroupAllReduce", "GroupResult", "relaxed_timeout"
 log = logging.getLogger(__name__)
 
 
+def flat_group(joined: Joined, timeout: float, deadline: float) -> FlatGroup:
+    """The flat group ``joined`` decided: its reducers (when not every member) and their bandwidths
+    (when any declared one), as every member derives them from the same decision."""
+    members, reducers = tuple(joined.members), tuple(joined.reducers)
+    bandwidths = tuple(joined.bandwidths.get(p, 0.0) for p in reducers)
+    bandwidths = bandwidths if any(bandwidths) else ()
+    return FlatGroup(
+        members,
+        joined.bases,
+        timeout,
+        deadline,
+        reducers=() if reducers == members else reducers,
+        bandwidths=bandwidths,
+    )
+
+
 def stands_aside(
     peer_id: str, group_size: int, attempt: Attempt, joined: Joined, result: GroupResult, ended: float
 ) -> bool:
@@ -81,7 +111,8 @@ def stands_aside(
         return True
     if peer_id not in joined.members:
         result.error = "arrived after the group closed"
-        if len(joined.members) > 1 and not (attempt.bounded and make_grid(joined.members, group_size) is not None):
+        grid = make_grid(joined.members, group_size, joined.clients) if attempt.bounded else None
+        if len(joined.members) > 1 and grid is None:
             # if its transfers fail, its survivors form it again once they have ended for every member
             # (``ended``); we may join that attempt instead of losing the round with them
             result.retryable = True
@@ -107,8 +138,16 @@ class GroupAllReduce:
         aggregate: Aggregator | None = None,
         retries: int = 1,
         group_size: int = 0,
+        reachable: bool = True,
+        bandwidth: float | None = None,
+        helpers: Callable[[], Iterable[str]] | None = None,
     ) -> None:
+        """``reachable``: other peers can dial us (False: a client, see the module docstring).
+        ``bandwidth`` (any unit the run's peers share, e.g. measured Mbit/s; None: not known) sizes the
+        part we reduce; it may be updated between rounds. ``helpers`` gives the reachable peers we know
+        (e.g. from the swarm's membership records), read when a group of ours has no reachable member."""
         self.dht, self.p2p, self.peer_id, self.run_id = dht, p2p, peer_id, run_id
+        self.reachable, self.bandwidth, self.helpers = reachable, bandwidth, helpers
         self.owner = owner  # our signed subkey (dht/identity.py): nobody can join a group in our name
         self.codec = compression if isinstance(compression, Codec) else Codec(compression)
         self.matchmaking_time, self.timeout = matchmaking_time, timeout
@@ -120,6 +159,7 @@ class GroupAllReduce:
         self.group_size = group_size  # a bounded group larger than this runs in rows and columns (grid.py)
         self.grid = GridRound(peer_id, self.codec, server, self.client)
         self.flat = FlatRound(peer_id, self.codec, server, self.client, keep=timeout + matchmaking_time)
+        self.server = server
 
     @property
     def server(self) -> PartServer:
@@ -129,6 +169,7 @@ class GroupAllReduce:
     @server.setter
     def server(self, server: PartServer) -> None:  # replaceable before start()
         self.flat.server = self.grid.server = server
+        server.peer_id = self.peer_id if self.reachable else ""  # only a reachable peer reduces for outsiders
 
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(
@@ -237,6 +278,7 @@ class GroupAllReduce:
                 bounded=False,
                 quorum=0,
                 abort=result.doomed,
+                avoid=attempt.avoid | frozenset(set(result.lost) - set(result.members)),  # failed outsiders
             )
         )
         if late and not retry.ok and not (retry.retryable and self.peer_id not in retry.members):
@@ -308,11 +350,14 @@ class GroupAllReduce:
             self.solo(attempt.tensor() if callable(attempt.tensor) else attempt.tensor, result)
             result.seconds = time.monotonic() - t0
             return result
-        grid = make_grid(members, self.group_size) if attempt.bounded else None
+        if not joined.reducers:
+            result.error = "no member can be dialled and no reachable peer was named to reduce for the group"
+            return result
+        grid = make_grid(members, self.group_size, joined.clients) if attempt.bounded else None
         if grid is not None:
             await self._grid(attempt, grid, joined.window, timeout, joined.bases, result)
         else:
-            await self.flat.run(attempt, FlatGroup(tuple(members), joined.bases, timeout, deadline), result)
+            await self.flat.run(attempt, flat_group(joined, timeout, deadline), result)
         result.seconds, result.transfer_seconds = time.monotonic() - t0, time.monotonic() - t_decided
         return result
 
@@ -333,7 +378,22 @@ class GroupAllReduce:
             timeout=None if attempt.timeout is None else min(attempt.timeout, self.timeout),
             quorum=attempt.quorum,
             abort=attempt.abort,
+            reachable=self.reachable,
+            bandwidth=self.bandwidth,
+            helpers=self._helpers(attempt),
         )
+
+    def _helpers(self, attempt: Attempt) -> list[str]:
+        """The reachable peers we know that may reduce for a group of clients (not those that failed
+        this round's earlier attempt)."""
+        if self.helpers is None:
+            return []
+        try:
+            known = list(self.helpers())
+        except Exception as exc:  # a membership read that failed leaves us without outsiders, not the round
+            log.warning("could not list reachable peers to reduce for a group of clients: %r", exc)
+            return []
+        return [p for p in known if p not in attempt.avoid and p != self.peer_id]
 
     async def _grid(
         self,

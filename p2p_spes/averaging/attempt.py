@@ -44,6 +44,7 @@ class Attempt:
     bounded: bool = False  # a group larger than ``group_size`` runs as a grid
     quorum: int = 0  # members to wait for past the window (the first attempt only)
     abort: bool = False  # the previous attempt failed for everyone: form at once
+    avoid: frozenset[str] = frozenset()  # outsiders that failed an earlier attempt: not asked to reduce again
 
     @property
     def is_retry(self) -> bool:

@@ -250,6 +250,8 @@ class Codec:
         checksum = hashlib.blake2b(raw[: _HEADER.size] + body, digest_size=_CHECK).digest()
         if checksum != raw[_HEADER.size : HEADER_BYTES]:
             raise TransportError("compressed message fails its checksum (corrupt)")
+        if not numel:  # an empty part (more reducers than values): torch.frombuffer refuses an empty buffer
+            return torch.empty(0)
         out = getattr(self, f"_decode_{self.name}")(torch.frombuffer(bytearray(body), dtype=torch.uint8), numel)
         if not torch.isfinite(out).all():
             raise TransportError("compressed message decodes to NaN or infinite values")
@@ -312,9 +314,22 @@ class Codec:
 
     # Splitting -----------------------------------------------------------------------------------
     def decode_parts(self, messages: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-        """A tensor of ``numel`` values sent as ``len(messages)`` parts (``torch.tensor_split`` order)."""
-        sizes = [len(c) for c in torch.tensor_split(torch.empty(numel, dtype=torch.bool), len(messages))]
+        """A tensor of ``numel`` values sent as parts in order. Each part's size is read from its header:
+        a group splits among its reducers in proportion to their bandwidth, not always in equal parts."""
+        sizes = [message_numel(m) for m in messages]
+        if sum(sizes) != numel:
+            raise TransportError(f"{len(messages)} parts of {sum(sizes)} values where {numel} were expected")
         return torch.cat([self.decode(m, n) for m, n in zip(messages, sizes)])
+
+
+def message_numel(message: torch.Tensor) -> int:
+    """The values a message says it holds (its header; :meth:`Codec.decode` checks the rest)."""
+    if message.dtype != torch.uint8 or message.dim() != 1 or message.numel() < HEADER_BYTES:
+        raise TransportError("not a p2p-spes compressed message (too short or not flat uint8)")
+    magic, _, count, _ = _HEADER.unpack(_bytes(message[: _HEADER.size]))
+    if magic != MAGIC:
+        raise TransportError("not a p2p-spes compressed message (bad magic)")
+    return count
 
 
 class ErrorFeedback:

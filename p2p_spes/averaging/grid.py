@@ -7,6 +7,11 @@ every member computes the same rows), and the flat tensor into G fixed *columns*
 contiguous run of the columns (``tensor_split(range(G), n)[i]``, at least one since n <= G). The
 holders of column c are the members that reduce it, one per row: they all-reduce it among
 themselves (``grid_allreduce.py``). No group has more than max(G, R) members.
+
+Members that cannot be dialled (clients) hold no columns: the reachable members are dealt first, then
+the clients, each row sorted, and a row's columns are shared among its reachable members only. When
+there are fewer reachable members than rows the group is not cut (the flat group has a role for clients).
+Without clients the rows are exactly those above.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class Grid:
 
     rows: tuple[tuple[str, ...], ...]
     columns: int
+    clients: frozenset[str] = frozenset()  # members nobody can dial: they hold no columns
 
     @cached_property
     def _row_of(self) -> dict[str, int]:
@@ -40,14 +46,20 @@ class Grid:
     def row_of(self, peer: str) -> int:
         return self._row_of[peer]
 
+    def reducers(self, row: int) -> list[str]:
+        """The members of ``row`` that hold its columns (those that can be dialled), in row order."""
+        return [p for p in self.rows[row] if p not in self.clients]
+
     def columns_of(self, peer: str) -> range:
-        """The columns ``peer`` reduces for its row."""
-        row = self.rows[self.row_of(peer)]
-        return _share(self.columns, len(row))[row.index(peer)]
+        """The columns ``peer`` reduces for its row (none for a client)."""
+        if peer in self.clients:
+            return range(0)
+        reducers = self.reducers(self.row_of(peer))
+        return _share(self.columns, len(reducers))[reducers.index(peer)]
 
     def holder(self, row: int, column: int) -> str:
         """The member of ``row`` that reduces ``column``."""
-        members = self.rows[row]
+        members = self.reducers(row)
         for peer, share in zip(members, _share(self.columns, len(members))):
             if column in share:
                 return peer
@@ -69,11 +81,18 @@ def _share(columns: int, members: int) -> list[range]:
     return runs
 
 
-def make_grid(members: list[str], size: int) -> Grid | None:
+def make_grid(members: list[str], size: int, clients: set[str] | frozenset[str] = frozenset()) -> Grid | None:
     """The grid of ``members`` (any order) in rows of at most ``size``; None when they fit in one group
-    (``size`` 0: never cut)."""
+    (``size`` 0: never cut) or when fewer than one per row can be dialled (``clients``: those that cannot)."""
     if size <= 0 or len(members) <= size:
         return None
-    ordered = sorted(members)
-    count = -(-len(ordered) // size)
-    return Grid(tuple(tuple(ordered[k::count]) for k in range(count)), size)
+    count = -(-len(members) // size)
+    clients = frozenset(clients) & set(members)
+    if not clients:
+        ordered = sorted(members)
+        return Grid(tuple(tuple(ordered[k::count]) for k in range(count)), size)
+    reachable = sorted(set(members) - clients)
+    if len(reachable) < count:
+        return None
+    ordered = reachable + sorted(clients)
+    return Grid(tuple(tuple(sorted(ordered[k::count])) for k in range(count)), size, clients)

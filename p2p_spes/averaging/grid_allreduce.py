@@ -5,7 +5,8 @@ Once a large group's membership is decided, every member computes the same grid 
 1. **Rows.** Each member sends the part of its tensor in each row member's columns to that member,
    encoded with the run's codec, as in a flat group. A row member combines what came for its columns
    (``reducer.py``, the run's aggregation rule) when every row member's part is in, or at the stage's
-   deadline with those that came.
+   deadline with those that came. A member nobody can dial (a client) holds no columns: it only sends
+   its parts to its row's reachable members and fetches the columns' results (``grid.py``).
 2. **Columns.** For each column it reduces, a row member all-reduces its row's combination with the
    holders of that column in the other rows, weighted by the tokens it combined: a flat group of at
    most one member per row (``allreduce.GroupAllReduce.run``, retried among survivors like any group).
@@ -101,23 +102,28 @@ class GridRound:
         columns)."""
         out = GridOutcome()
         me, k = self.peer_id, grid.row_of(self.peer_id)
-        row = list(grid.rows[k])
+        row = list(grid.rows[k])  # who contributes to the row's parts
+        reducers = grid.reducers(k)  # who holds them (every member, unless some cannot be dialled)
         bounds = column_bounds(flat.numel(), grid.columns)
-        spans = [(bounds[grid.columns_of(p).start], bounds[grid.columns_of(p).stop]) for p in row]
+        spans = [(bounds[grid.columns_of(p).start], bounds[grid.columns_of(p).stop]) for p in reducers]
         row_key = f"{group}/row{k}"
-        gid = hashlib.sha256(pack(row)).hexdigest()[:16]
-        keys = [pack([round_no, row_key, gid, i]) for i in range(len(row))]
-        lo, hi = spans[row.index(me)]
-        part = Part(row, gid, (hi - lo,), row_deadline, name=row_key, start=lo, relay=True)
-        self.server.decided[(round_no, row_key)] = gid
-        self.server.register(keys[row.index(me)], part)
-        self.server.forget_later(keys[row.index(me)], (round_no, row_key), max(deadline - time.monotonic(), 1.0))
+        gid = hashlib.sha256(pack(row if reducers == row else [row, reducers])).hexdigest()[:16]
+        keys = [pack([round_no, row_key, gid, i]) for i in range(len(reducers))]
+        part = None  # a client reduces nothing
+        if me in reducers:
+            lo, hi = spans[reducers.index(me)]
+            part = Part(row, gid, (hi - lo,), row_deadline, name=row_key, start=lo, relay=True)
+            self.server.decided[(round_no, row_key)] = gid
+            self.server.register(keys[reducers.index(me)], part)
+            self.server.forget_later(
+                keys[reducers.index(me)], (round_no, row_key), max(deadline - time.monotonic(), 1.0)
+            )
         self.server.holding[(round_no, group)] = {pack([round_no, f"{group}/c{c}"]) for c in grid.columns_of(me)}
         asyncio.get_running_loop().call_later(
             max(deadline - time.monotonic(), 1.0) + 5.0, self.server.holding.pop, (round_no, group), None
         )
-        sent: list[torch.Tensor] = [torch.empty(0)] * len(row)
-        took = [False] * len(row)
+        sent: list[torch.Tensor] = [torch.empty(0)] * len(reducers)
+        took = [False] * len(reducers)
 
         async def contribute(i: int, peer: str) -> None:
             message = self.codec.encode(flat[spans[i][0] : spans[i][1]].contiguous())
@@ -134,11 +140,13 @@ class GridRound:
         async def rows_then_columns() -> dict[int, list[torch.Tensor] | None]:
             try:
                 await asyncio.wait_for(
-                    asyncio.gather(*(contribute(i, p) for i, p in enumerate(row))),
+                    asyncio.gather(*(contribute(i, p) for i, p in enumerate(reducers))),
                     max(row_deadline - time.monotonic(), 0.1),
                 )
             except asyncio.TimeoutError:
                 pass
+            if part is None:
+                return {}
             try:
                 await asyncio.wait_for(part.done.wait(), max(row_deadline - time.monotonic(), 0.01))
             except asyncio.TimeoutError:

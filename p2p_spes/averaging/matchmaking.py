@@ -21,6 +21,14 @@ A member whose contribution certainly never reached a reducer (``part_client.Und
 refuses every dial) knows nobody can have finished; its arrival record says when it learned that (``x``),
 and everyone reading it forms the retry ``ABORT_HOLD`` later instead.
 
+**Who reduces.** A member nobody can dial (behind a NAT) says so in its record (``c``); one that measured
+or declared its bandwidth says that too (``bw``). The group's reducers are its reachable members
+(:attr:`Joined.reducers`), which split the tensor in proportion to their bandwidths
+(``flat_allreduce.py``); a group with no reachable member has the first arrival pick a reachable outsider
+from the peers it knows (:func:`choose_outsider`, by the hash of the group's key: the same pick for every
+member that knows the same peers) and publish it in its decision, which every member adopts. All of it
+hashes into the group id, so members that decided differently fail loudly.
+
 The transfer deadline is the longest any member proposed: each member measures its own from the
 rates it saw, and a member that gives up at its own short deadline while another still sends within
 its longer one would fail an attempt the slower one could finish, then retry it while that one is still
@@ -30,8 +38,10 @@ inside it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hivemind.utils import get_dht_time
@@ -142,6 +152,14 @@ class Joined:
     done: set[str] = field(default_factory=set)  # peers that said they applied an earlier attempt (a retry's key)
     timeout: float = 0.0
     first: float = 0.0  # the first arrival's time (DHT clock): the group's transfers end by first + window + deadline
+    clients: set[str] = field(default_factory=set)  # members nobody can dial: they reduce nothing
+    bandwidths: dict[str, float] = field(default_factory=dict)  # what members declared (any unit, all the same)
+    outsiders: list[str] = field(default_factory=list)  # reachable non-members that reduce for an all-client group
+
+    @property
+    def reducers(self) -> list[str]:
+        """Who reduces the group's parts, in order: its reachable members, else the outsiders picked."""
+        return [p for p in self.members if p not in self.clients] or list(self.outsiders)
 
     def deadline(self, configured: float) -> float:
         """The transfer deadline the group runs with: the agreed one, at most ``configured``; the
@@ -165,6 +183,9 @@ async def join_group(
     timeout: float | None = None,
     quorum: int = 0,
     abort: bool = False,
+    reachable: bool = True,
+    bandwidth: float | None = None,
+    helpers: Sequence[str] = (),
 ) -> Joined:
     """Join the group under ``key`` and return its decided membership (see the module docstring).
 
@@ -175,6 +196,8 @@ async def join_group(
     that attempt failed for everyone (ours with ``abort``) ends the hold ``ABORT_HOLD`` after it.
     ``timeout`` is the transfer deadline this member proposes (the group's is the longest proposed),
     ``quorum`` the arrivals it asks the group to wait for should it arrive first (:func:`closing_time`).
+    ``reachable`` and ``bandwidth`` go into our record (who reduces, and how much); ``helpers`` are the
+    reachable peers we know, from which we pick the outsider that reduces for a group of clients.
     Every DHT request is bounded: one that never answers raises ``asyncio.TimeoutError``.
     """
     now = get_dht_time()
@@ -195,6 +218,10 @@ async def join_group(
         mine.update(b=base.digest, br=int(base.round))
     if timeout is not None:
         mine["d"] = float(timeout)
+    if not reachable:
+        mine["c"] = True
+    if bandwidth is not None and bandwidth > 0:
+        mine["bw"] = float(bandwidth)
     expires = arrival + ttl
 
     async def publish() -> None:
@@ -236,6 +263,8 @@ async def join_group(
     await read()
     joined = decide(records, matchmaking_time)
     joined.done = set(done)
+    if not joined.reducers:
+        joined.outsiders = choose_outsider(key, helpers, joined.members)
     if done:
         return joined
     return await settle(dht, key, peer_id, owner, records, joined, ttl)
@@ -246,6 +275,16 @@ def aborted(records: dict[str, dict], since: float) -> float | None:
     for everyone, if one does."""
     times = [x for v in records.values() if type(x := v.get("x")) is float and since <= x <= get_dht_time() + 1]
     return min(times, default=None)
+
+
+def choose_outsider(key: str, helpers: Sequence[str], members: Sequence[str]) -> list[str]:
+    """The reachable peer that reduces for a group none of whose ``members`` can be dialled: one of
+    ``helpers`` (not a member), picked by the hash of the group's key so that members knowing the same
+    peers pick the same one, and a retry (another key) most likely another. Empty when there is none."""
+    candidates = sorted(set(helpers) - set(members))
+    if not candidates:
+        return []
+    return [candidates[int(hashlib.sha256(key.encode()).hexdigest(), 16) % len(candidates)]]
 
 
 async def settle(
@@ -305,6 +344,12 @@ def decision(joined: Joined, peer_id: str, arrival: float) -> dict:
     value = {"peer_id": peer_id, "t": arrival, "members": list(joined.members), "w": joined.window}
     if joined.timeout > 0:
         value["d"] = joined.timeout
+    if joined.clients:
+        value["c"] = [i for i, p in enumerate(joined.members) if p in joined.clients]
+    if joined.bandwidths:
+        value["bw"] = [joined.bandwidths.get(p, 0.0) for p in joined.members]
+    if joined.outsiders:
+        value["r"] = list(joined.outsiders)
     base = agreed_base(joined.bases)
     if base is not None:
         value.update(
@@ -319,6 +364,7 @@ def adopted(value: dict, own: Joined) -> Joined | None:
     """The membership a decision record holds, with our own arrivals' lateness; None if malformed."""
     members, window, holders = value.get("members"), proposed(value.get("w")), value.get("h", [])
     timeout = proposed(value["d"]) if "d" in value else 0.0
+    clients, bandwidths, outsiders = value.get("c", []), value.get("bw", []), value.get("r", [])
     if (
         not isinstance(members, list)
         or not members
@@ -328,12 +374,29 @@ def adopted(value: dict, own: Joined) -> Joined | None:
         or timeout is None
         or not isinstance(holders, list)
         or not all(type(i) is int and 0 <= i < len(members) for i in holders)
+        or not isinstance(clients, list)
+        or not all(type(i) is int and 0 <= i < len(members) for i in clients)
+        or not isinstance(bandwidths, list)
+        or len(bandwidths) not in (0, len(members))
+        or not all(isinstance(b, float) and b >= 0 for b in bandwidths)
+        or not isinstance(outsiders, list)
+        or not all(isinstance(p, str) and p not in members for p in outsiders)
     ):
         return None
     bases = {}
     if isinstance(value.get("b"), str) and type(value.get("br")) is int:
         bases = {members[i]: Base(value["b"], value["br"]) for i in holders}
-    return Joined(list(members), dict(own.lateness), window, bases, timeout=timeout, first=own.first)
+    return Joined(
+        list(members),
+        dict(own.lateness),
+        window,
+        bases,
+        timeout=timeout,
+        first=own.first,
+        clients={members[i] for i in clients},
+        bandwidths={p: b for p, b in zip(members, bandwidths) if b > 0},
+        outsiders=list(outsiders),
+    )
 
 
 async def announce_done(dht, key: str, peer_id: str, owner: bytes, ttl: float) -> None:
@@ -346,7 +409,8 @@ async def announce_done(dht, key: str, peer_id: str, owner: bytes, ttl: float) -
 
 def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
     """The membership every member computes from the same arrival records (``{peer: {"t": arrival,
-    "m": proposed window, "q": quorum, "d": proposed deadline, "b"/"br": base}}``): everyone who arrived
+    "m": proposed window, "q": quorum, "d": proposed deadline, "b"/"br": base, "c": not reachable,
+    "bw": bandwidth}}``): everyone who arrived
     before the group closed (:func:`closing_time`; with its quorum still missing, everyone who came up to
     now), with the longest deadline they proposed.
     Also what ``benchmarks/lab/simulation.py`` runs, so the model forms groups as peers do."""
@@ -361,5 +425,12 @@ def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:
         if isinstance(records[p].get("b"), str) and type(records[p].get("br")) is int
     }
     return Joined(
-        members, arrival_delays(records), agreed, bases, timeout=agreed_timeout(records, members), first=first
+        members,
+        arrival_delays(records),
+        agreed,
+        bases,
+        timeout=agreed_timeout(records, members),
+        first=first,
+        clients={p for p in members if records[p].get("c") is True},
+        bandwidths={p: b for p in members if (b := proposed(records[p].get("bw"))) is not None},
     )

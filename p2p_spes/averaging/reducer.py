@@ -10,11 +10,20 @@ contribution is never served: members that ask are told so at its deadline (``IN
 Contributions may arrive before this peer reached the round: they wait for the part to be
 registered, at most one join window and one deadline. A contribution for a group this peer formed
 with other members is refused at once (``BAD_GROUP_ID``).
+
+**Reducing for a group we are not in.** A group whose members nobody can dial (``allreduce.py``: they are
+all clients) names a reachable outsider as its reducer. Its contributions then carry the part's
+description (:class:`PartSpec`, after the part's key in the first message's ``group_id``), and the
+outsider creates the part on demand when the description checks out (it names us as the reducer, its
+group id is the hash of its contributors and reducers, the sender is a contributor): a part whose
+contributors are the group's members, to which it adds nothing itself (weight 0: it is not averaged in).
+At most ``MAX_ADOPTED`` such parts are open at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,6 +37,7 @@ from p2p_spes.averaging.transport import (
     TransportError,
     TruncatedStream,
     collect_tensors,
+    pack,
     parse_tensor,
     serialize_parts,
     unpack,
@@ -38,6 +48,69 @@ OK, BAD = averaging_pb2.AVERAGED_PART, averaging_pb2.BAD_GROUP_ID
 AGAIN = averaging_pb2.CANCELLED  # a contribution's stream ended early: send it again
 TAKEN = averaging_pb2.DUPLICATE_PEER_ID  # we already hold this sender's contribution (its reply was lost)
 MISSING = averaging_pb2.INTERNAL_ERROR  # the part has no result: a contribution never came
+MAX_ADOPTED = 32  # parts of groups we are not in (outsider reductions) open at once
+MAX_ADOPTED_VALUES = 1 << 28  # values of one such part: a description cannot make us hold more
+
+
+def group_id(members: list[str], reducers: list[str] | None = None, bandwidths: list[float] | None = None) -> str:
+    """A flat group's id: the hash of its sorted members, and of who reduces which share when that is not
+    every member in equal parts (members that decided another split get another id and fail loudly)."""
+    if not reducers and not bandwidths:
+        return hashlib.sha256(pack(list(members))).hexdigest()[:16]
+    return hashlib.sha256(pack([list(members), list(reducers or members), list(bandwidths or [])])).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """What an outsider needs to reduce a part of a group it is not in (module docstring). ``seconds`` is
+    the time left until the group's deadline when it was sent (monotonic clocks differ across machines)."""
+
+    contributors: tuple[str, ...]
+    reducers: tuple[str, ...]
+    bandwidths: tuple[float, ...]
+    gid: str
+    index: int
+    size: int
+    start: int
+    seconds: float
+    name: str
+
+    def packed(self) -> list:
+        return [
+            list(self.contributors),
+            list(self.reducers),
+            list(self.bandwidths),
+            self.gid,
+            self.index,
+            self.size,
+            self.start,
+            float(self.seconds),
+            self.name,
+        ]
+
+    @classmethod
+    def unpacked(cls, value: object) -> PartSpec:
+        """A description as it came; raises ``TransportError`` if it is malformed."""
+        try:
+            contributors, reducers, bandwidths, gid, index, size, start, seconds, name = value  # type: ignore[misc]
+            spec = cls(
+                tuple(contributors),
+                tuple(reducers),
+                tuple(float(b) for b in bandwidths),
+                gid,
+                index,
+                size,
+                start,
+                float(seconds),
+                name,
+            )
+        except (TypeError, ValueError):
+            raise TransportError("malformed part description") from None
+        strings = all(isinstance(p, str) for p in spec.contributors + spec.reducers)
+        ints = all(type(v) is int and v >= 0 for v in (spec.index, spec.size, spec.start))
+        if not (strings and ints and isinstance(spec.gid, str) and isinstance(spec.name, str)):
+            raise TransportError("malformed part description")
+        return spec
 
 
 @dataclass
@@ -81,6 +154,8 @@ class PartServer:
         # the column keys we will publish, by (round, group), once our grid for it is decided: a key of
         # that round we do not hold is answered at once (a peer with another view of the group asked)
         self.holding: dict[tuple[int, str], set[bytes]] = {}
+        self.peer_id = ""  # ours: a part described to us (outsider reduction) must name us; "" takes none
+        self.adopted: set[bytes] = set()  # keys of the parts we reduce for groups we are not in
 
     def register(self, key: bytes, part: Part) -> None:
         """Start reducing ``part``; contributions that came early stop waiting for it."""
@@ -92,6 +167,47 @@ class PartServer:
         loop = asyncio.get_running_loop()
         loop.call_later(seconds, self.parts.pop, key, None)
         loop.call_later(3 * seconds, self.decided.pop, decided, None)
+
+    def adopt(self, key: bytes, spec: PartSpec, sender: str) -> Part | None:
+        """The part ``spec`` describes (we reduce it for a group we are not in), created on its first
+        contribution; None when the description does not check out (see the module docstring)."""
+        part = self.parts.get(key)
+        if part is not None:  # every contributor must describe the same part
+            same = part.members == list(spec.contributors) and part.gid == spec.gid and part.start == spec.start
+            return part if same and part.shape == (spec.size,) else None
+        try:
+            round_no, group, gid, index = unpack(key)
+        except (TransportError, ValueError):
+            return None
+        if (
+            not self.peer_id
+            or gid != spec.gid
+            or index != spec.index
+            or spec.index >= len(spec.reducers)
+            or spec.reducers[spec.index] != self.peer_id
+            or self.peer_id in spec.contributors
+            or sender not in spec.contributors
+            or list(spec.contributors) != sorted(set(spec.contributors))
+            or spec.gid != group_id(list(spec.contributors), list(spec.reducers), list(spec.bandwidths))
+            or not 0 < spec.seconds <= self.wait
+            or spec.size > MAX_ADOPTED_VALUES
+            or len(self.adopted) >= MAX_ADOPTED
+        ):
+            return None
+        part = Part(
+            list(spec.contributors),
+            gid,
+            (spec.size,),
+            time.monotonic() + spec.seconds,
+            name=spec.name,
+            start=spec.start,
+        )
+        self.register(key, part)
+        self.adopted.add(key)
+        self.forget_later(key, (round_no, group), spec.seconds + self.wait)
+        asyncio.get_running_loop().call_later(spec.seconds + self.wait, self.adopted.discard, key)
+        log.info("reducing part %d of %s for a group we are not in (%d members)", index, group, len(part.members))
+        return part
 
     async def wait_part(self, key: bytes) -> Part | None:
         """Our part for ``key``, waiting while we have not reached that round yet."""
@@ -162,7 +278,8 @@ class PartServer:
             _, tensors = await collect_tensors(replay())
             if len(tensors) > 1 or not first.weight > 0:
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            part = await self.wait_part(first.group_id)
+            key, spec = described(first.group_id)
+            part = self.adopt(key, spec, sender) if spec is not None else await self.wait_part(key)
             if part is not None and sender in part.contributions:
                 return averaging_pb2.AveragingData(code=TAKEN)
             if part is None or sender not in part.members or part.done.is_set():
@@ -235,3 +352,19 @@ class PartServer:
         decoded = codec.decode(message, averaged.numel())
         self.residual[part.name] = (part.start, compensated - decoded)
         return message, decoded
+
+
+def describe(key: bytes, spec: PartSpec) -> bytes:
+    """A part's key followed by its description: what a contribution to an outsider names."""
+    return pack([*unpack(key), spec.packed()])
+
+
+def described(group_id: bytes) -> tuple[bytes, PartSpec | None]:
+    """The part key a contribution names, and the part's description if it carries one."""
+    try:
+        fields = unpack(group_id)
+    except TransportError:
+        return group_id, None
+    if not isinstance(fields, list) or len(fields) != 5:
+        return group_id, None
+    return pack(fields[:4]), PartSpec.unpacked(fields[4])
