@@ -11,17 +11,18 @@ import asyncio
 
 import pytest
 import torch
-from helpers import Dies, Peers
+from helpers import Dies, Forgot, Peers
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.proto import averaging_pb2
 
+from dht.keys import group_key
 from p2p_spes.averaging.allreduce import GroupAllReduce, flat_group
 from p2p_spes.averaging.compression import Codec, message_numel
 from p2p_spes.averaging.flat_allreduce import FlatGroup
 from p2p_spes.averaging.grid import make_grid
 from p2p_spes.averaging.matchmaking import Joined, adopted, choose_outsider, decide, decision
 from p2p_spes.averaging.reducer import PartServer, PartSpec, describe, described, group_id
-from p2p_spes.averaging.transport import pack, tensor_digest
+from p2p_spes.averaging.transport import TransportError, pack, tensor_digest
 from p2p_spes.averaging.wire_meter import MeteredP2P, WireMeter
 
 WINDOW = 2.0
@@ -137,6 +138,19 @@ def test_the_split_covers_the_vector_among_reducers_only():
     assert plain.gid == group_id(list(members))
     assert plain.sizes(10) == [3, 3, 2, 2]
     assert len({plain.gid, equal.gid, balanced.gid, undeclared.gid}) == 4  # another split, another id
+
+
+def test_parts_of_any_sizes_decode_from_their_headers():
+    """A frozen copy rebuilds a group's result from its encoded parts, whatever the split was."""
+    codec = Codec("int8")
+    x = torch.randn(1001)
+    chunks = torch.split(x, [700, 0, 301])
+    messages = [codec.encode(c) for c in chunks]
+    assert [message_numel(m) for m in messages] == [700, 0, 301]
+    decoded = torch.cat([codec.decode(m, len(c)) for m, c in zip(messages, chunks)])
+    assert torch.equal(codec.decode_parts(messages, 1001), decoded)
+    with pytest.raises(TransportError, match="1001 values where 1002"):
+        codec.decode_parts(messages, 1002)
 
 
 def test_members_derive_the_same_reducers_from_the_records_and_the_decision_carries_them():
@@ -302,3 +316,33 @@ def test_a_client_in_a_grid_holds_no_column_and_every_member_ends_bit_identical(
         assert_untouched(reducers, meters, {client})
     finally:
         peers.close()
+
+
+class Refuses(GroupAllReduce):
+    """A reachable peer whose handlers refuse every call (it restarted and forgot, or will not reduce)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.server = Forgot(self.codec, self.aggregate, self.server.wait)
+
+
+@pytest.mark.slow
+def test_an_outsider_that_refuses_costs_a_retry_through_another(four):
+    """Members 0 and 1 cannot be dialled; of the two helpers, the one the first attempt picks refuses: the
+    attempt fails for both at once, and the retry avoids it and averages through the other helper."""
+    ids = [node.peer_id.to_base58() for node in four.nodes]
+    run_id = next(
+        r
+        for r in (f"t-refusing-{n}" for n in range(100))
+        if choose_outsider(group_key(r, 0, "g"), [ids[2], ids[3]], ids[:2]) == [ids[2]]
+    )
+    tensors = [torch.randn(3_001, generator=torch.Generator().manual_seed(50 + i)) for i in range(2)]
+    weights = [1.0, 3.0]
+    results, meters, reducers = run_members(
+        four, [0, 1], tensors, weights, run_id, clients={0, 1}, helpers=[2, 3], kinds={2: Refuses}
+    )
+    assert all(r.ok and r.attempts == 2 and r.lost == [] for r in results), [(r.attempts, r.error) for r in results]
+    assert tensor_digest([results[0].tensor]) == tensor_digest([results[1].tensor])
+    torch.testing.assert_close(results[0].tensor, weighted(tensors, weights, [0, 1]))
+    assert meters[3].by_purpose["reducing"].received > 0
+    assert_untouched(reducers, meters, {0, 1})

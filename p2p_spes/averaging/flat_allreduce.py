@@ -68,9 +68,14 @@ class FlatGroup:
             return [len(c) for c in torch.tensor_split(torch.empty(numel, dtype=torch.bool), len(self.reducing))]
         declared = [b if b > 0 else None for b in self.bandwidths]
         clients = sum(p not in self.reducing for p in self.members)
-        with warnings.catch_warnings():  # hivemind asks scipy for a solver it deprecated: said once per group
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return list(load_balance_peers(numel, declared + [0.0] * clients)[: len(self.reducing)])
+        try:
+            with warnings.catch_warnings():  # hivemind asks scipy for a solver it deprecated: said once per group
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return list(load_balance_peers(numel, declared + [0.0] * clients)[: len(self.reducing)])
+        except Exception as exc:  # (a scipy that dropped that solver): equal parts, and members whose
+            # scipy still solves it cut otherwise, which fails the attempt loudly (a part of the wrong size)
+            log.warning("could not balance the parts by bandwidth (%r): equal parts", exc)
+            return [len(c) for c in torch.tensor_split(torch.empty(numel, dtype=torch.bool), len(self.reducing))]
 
 
 class FlatRound:

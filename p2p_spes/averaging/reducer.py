@@ -216,8 +216,8 @@ class PartServer:
         except (TransportError, ValueError):
             return None
         decided = self.decided.get((round_no, group))
-        if decided is not None and decided != gid:
-            return None  # we formed this group with other members: refuse at once
+        if decided is not None and decided != gid and key not in self.adopted:
+            return None  # we formed this group with other members: refuse at once (unless we reduce for it)
         if key not in self.parts:
             await self._await(key)
         return self.parts.get(key)
