@@ -18,7 +18,7 @@ from hivemind.proto import averaging_pb2
 from dht.keys import group_key
 from p2p_spes.averaging.allreduce import GroupAllReduce, flat_group
 from p2p_spes.averaging.compression import Codec, message_numel
-from p2p_spes.averaging.flat_allreduce import FlatGroup
+from p2p_spes.averaging.flat_allreduce import FlatGroup, exchange_bytes
 from p2p_spes.averaging.grid import make_grid
 from p2p_spes.averaging.matchmaking import Joined, adopted, choose_outsider, decide, decision
 from p2p_spes.averaging.reducer import PartServer, PartSpec, describe, described, group_id
@@ -151,6 +151,16 @@ def test_parts_of_any_sizes_decode_from_their_headers():
     assert torch.equal(codec.decode_parts(messages, 1001), decoded)
     with pytest.raises(TransportError, match="1001 values where 1002"):
         codec.decode_parts(messages, 1002)
+
+
+def test_a_client_moves_one_tensor_each_way_and_fewer_reducers_carry_more():
+    codec = Codec("int8")
+    contribution, result = codec.wire_bytes(10_000), codec.result.wire_bytes(10_000)
+    assert exchange_bytes(codec, 10_000, 4, 2, reducing=False) == (contribution, result)
+    everyone = exchange_bytes(codec, 10_000, 4, 4, reducing=True)  # today's group: 3/4 of each, each way
+    assert all(abs(n - 0.75 * (contribution + result)) <= 1 for n in everyone)
+    half = exchange_bytes(codec, 10_000, 4, 2, reducing=True)  # two reducers serve three members each
+    assert half[0] > everyone[0] and half[1] > everyone[1]
 
 
 def test_members_derive_the_same_reducers_from_the_records_and_the_decision_carries_them():

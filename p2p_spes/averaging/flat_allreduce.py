@@ -78,6 +78,21 @@ class FlatGroup:
             return [len(c) for c in torch.tensor_split(torch.empty(numel, dtype=torch.bool), len(self.reducing))]
 
 
+def exchange_bytes(codec: Codec, numel: int, members: int, reducers: int, reducing: bool) -> tuple[int, int]:
+    """About the bytes one member sends and receives in a flat group's exchange of ``numel`` values,
+    with ``reducers`` of its ``members`` reducing equal parts (headers and framing left out). A reducer
+    sends the others' shares of its tensor and serves its averaged part to the other members; a client
+    sends every share and fetches every part. Every member reducing: (members - 1) / members of a
+    contribution and of a result each way."""
+    contribution, result = codec.wire_bytes(numel), codec.result.wire_bytes(numel)
+    if not reducing:
+        return contribution, result
+    share, others = 1 / max(reducers, 1), max(members - 1, 0)
+    sent = (1 - share) * contribution + others * share * result
+    received = others * share * contribution + (1 - share) * result
+    return int(sent), int(received)
+
+
 class FlatRound:
     """Runs one member's side of a flat group's transfers (the reducer side is the shared ``server``)."""
 

@@ -6,7 +6,9 @@ byte and an 8-byte length per message, and the end-of-stream message a caller se
 counts them by purpose, from the handler's name and which side of the stream this peer is on:
 
 - ``averaging``: our side of a group's exchange as a member (contributions out, averaged parts in);
-- ``reducing``: a member's contributions we reduce (in) and the averaged parts we serve (out);
+- ``reducing``: a member's contributions we reduce (in) and the averaged parts we serve (out); none for a
+  client (a member nobody can dial, ``allreduce.py``), and all there is for an outsider that reduces for
+  a group of clients it is not in;
 - ``serving``: state, experts, anchors and updates other peers download from us;
 - ``downloading``: what we download from other peers (catch-up, refreshes, rebases, adoptions);
 - ``data_served``: the run's data files peers fetch from us (``{run}.data``, serving side);
