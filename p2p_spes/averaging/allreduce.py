@@ -11,7 +11,8 @@ loop:
    window (at most ``matchmaking_time``) of it; a member stops waiting early once every peer it expects
    has arrived, and every member adopts the membership and transfer deadline (the longest any member
    proposed) the first arrival published (``matchmaking.py``).
-   The sorted member list hashes to a group id. The *base* is the digest (and round) of the value the
+   The sorted member list hashes to a group id (with who reduces and their bandwidths, when not every
+   member reduces an equal part). The *base* is the digest (and round) of the value the
    tensor is relative to (a pseudo-gradient's anchor): the group agrees on the newest one its members
    name, and a member holding another first takes the agreed one from a member (``rebase``).
    A member's record also says whether it can be dialled (``reachable``) and, if it knows, its bandwidth.
