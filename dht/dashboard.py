@@ -8,7 +8,8 @@ from before the dashboard started show too) and the run's total throughput. A
 :class:`DashboardServer` serves the page (``dht/static``: plain HTML, CSS and JavaScript shipped in the
 package, nothing from a CDN), the same data as JSON at ``/api/state`` and the curves as CSV at
 ``/api/curves.csv``; it answers GET only. With a state directory, what it saw is also kept on disk
-(``dashboard_store.py``) and shown again after a restart.
+(``dashboard_store.py``) and shown again after a restart; with a W&B project every read is logged to
+one W&B run too (``p2p_spes/wandb_log.py``).
 
 When the run cannot be reached (a wrong address, the bootstrap down) or nobody publishes under the run
 id (a wrong ``--run-id``, or a private run without its ``--secret-file``), the page says so and the
@@ -33,6 +34,7 @@ from typing import Any
 from dht.auth import RunAuth
 from dht.dashboard_store import HistoryStore, curves_csv, store_path
 from dht.inspector import collect, open_dht
+from p2p_spes.wandb_log import RunViewLog
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +84,11 @@ class RunWatch(threading.Thread):
         startup_timeout: float = 15.0,
         label: str | None = None,
         state_dir: str | Path | None = None,
+        wandb_log: RunViewLog | None = None,
     ) -> None:
         """With ``state_dir`` what the watch sees is also kept on disk (``dashboard_store.py``) and what an
-        earlier dashboard of the same run kept there is shown from the start."""
+        earlier dashboard of the same run kept there is shown from the start. With ``wandb_log`` every read
+        of the run is also logged to a W&B run (``p2p_spes/wandb_log.py``), finished when the watch stops."""
         super().__init__(daemon=True, name="dashboard-watch")
         self.initial_peers, self.run_id, self.auth = list(initial_peers), run_id, auth
         self.label = label or run_id  # the run id as the user gave it (a private run's keyspace is hashed)
@@ -93,6 +97,7 @@ class RunWatch(threading.Thread):
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.dht = None
+        self.wandb_log = wandb_log
         self.store = HistoryStore(store_path(state_dir, self.label)) if state_dir is not None else None
         if self.store is not None:
             self._restore(self.store)
@@ -130,6 +135,9 @@ class RunWatch(threading.Thread):
             with self.lock:
                 self.store.close()
                 self.store = None
+        if self.wandb_log is not None:
+            self.wandb_log.close()
+            self.wandb_log = None
 
     def run(self) -> None:
         while not self.stopped.is_set():
@@ -197,6 +205,11 @@ class RunWatch(threading.Thread):
                 del s.rounds[old]
             if self.store is not None:
                 self.store.add(added, snapshot["rounds"], throughput)
+        if self.wandb_log is not None and snapshot["peers"]:
+            try:
+                self.wandb_log.write(snapshot)
+            except Exception as exc:  # W&B failing (its service gone) must not stop the page
+                log.warning("could not log to W&B: %s", exc)
 
 
 class _Handler(BaseHTTPRequestHandler):

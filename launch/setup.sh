@@ -3,14 +3,14 @@
 # torch is installed first, pinned, so resolving the project's torch range never swaps it for
 # another build: on a machine without a GPU set TORCH_INDEX_URL to a CPU wheel index if your
 # default index serves CUDA builds. Environment: PYTHON (default python3), VENV (default .venv),
-# TORCH_VERSION (default 2.13.0), TORCH_INDEX_URL, EXTRAS (default dev,eval,bench,plot,tensorboard,docs; empty for
-# the package alone).
+# TORCH_VERSION (default 2.13.0), TORCH_INDEX_URL, EXTRAS (default dev,eval,bench,plot,tensorboard,wandb,docs;
+# empty for the package alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-EXTRAS=${EXTRAS-dev,eval,bench,plot,tensorboard,docs}
+EXTRAS=${EXTRAS-dev,eval,bench,plot,tensorboard,wandb,docs}
 
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
   echo "p2p-spes needs Python >= 3.10; found: $("$PYTHON" --version 2>&1 || echo none). Set PYTHON=/path/to/python3.x" >&2

@@ -31,6 +31,7 @@ FLAG_SETTINGS = {
     "initial_peers": "swarm.initial_peers",
     "host_maddrs": "swarm.host_maddrs",
     "announce_maddrs": "swarm.announce_maddrs",
+    "wandb_project": "train.wandb_project",
 }
 
 

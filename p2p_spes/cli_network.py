@@ -15,6 +15,7 @@ from dht.inspector import collect, open_dht, render, watch
 from p2p_spes.cli_config import load_from_args
 from p2p_spes.corpus import default_cache_dir
 from p2p_spes.errors import ConfigError, SwarmError
+from p2p_spes.wandb_log import RunViewLog, dashboard_target
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -29,6 +30,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             initial_peers=args.initial_peers or [],
             use_relay=not args.no_relay,
             use_auto_relay=args.use_auto_relay,
+            reachability=args.reachability,
             run_id=args.run_id,
             config=config,
         )
@@ -36,6 +38,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     maddrs = boot.start()
     try:
         print(f"bootstrap peer id: {boot.identity.peer_id} (identity file {args.identity})", flush=True)
+        print(boot.reachability.summary(), flush=True)
         print("peers join with: --initial-peers " + " ".join(maddrs), flush=True)
         if config is not None:
             print(
@@ -79,6 +82,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     auth = load_auth(args.secret_file, [])
+    wandb_log = RunViewLog(dashboard_target(args.wandb_project, args.run_id)) if args.wandb_project else None
     watch = RunWatch(
         args.initial_peers,
         auth.keyspace(args.run_id),
@@ -87,10 +91,12 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         startup_timeout=args.bootstrap_timeout,
         label=args.run_id,
         state_dir=args.state_dir or default_cache_dir() / "dashboard",
+        wandb_log=wandb_log,
     )
     try:
         server = DashboardServer(watch, args.host, args.port)
     except OSError as exc:
+        watch.stop()
         raise ConfigError(
             f"cannot serve on {args.host}:{args.port} ({exc}): choose another --port (0: any free one)"
         ) from None

@@ -8,6 +8,7 @@ import os
 from p2p_spes import __version__
 
 SECRET_HELP = "file holding a private run's shared secret (or set P2P_SPES_SECRET); swarm.secret_file"
+WANDB_HELP = "also log the metrics to Weights & Biases in PROJECT, grouped by run id (the wandb extra)"
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also write the metrics as TensorBoard scalars into DIR (train.tensorboard)",
     )
+    train.add_argument("--wandb-project", metavar="PROJECT", help=WANDB_HELP + " (train.wandb_project)")
     net = train.add_argument_group("swarm (joining a run)")
     net.add_argument(
         "--initial-peers",
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="write each peer's metrics as TensorBoard scalars under DIR/peerN",
     )
+    local.add_argument("--wandb-project", metavar="PROJECT", help=WANDB_HELP + ", one W&B run per peer")
     local.add_argument("--no-plot", action="store_true", help="do not write RUN_DIR/curves.png at the end")
     local.set_defaults(command="swarm")
 
@@ -126,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where the run's curves and rounds are kept across restarts, one SQLite file per run id "
         "(default: $P2P_SPES_CACHE/dashboard, i.e. ~/.cache/p2p-spes/dashboard)",
+    )
+    dash.add_argument(
+        "--wandb-project",
+        metavar="PROJECT",
+        help="also log the run's peers, coverage, rounds and throughput to one Weights & Biases run in PROJECT "
+        "(the wandb extra; $WANDB_ENTITY, $WANDB_MODE apply)",
     )
     dash.add_argument("--bootstrap-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
     dash.set_defaults(command="dashboard")

@@ -21,6 +21,7 @@ from p2p_spes.progress import ProgressView
 from p2p_spes.tensorboard_log import summary_writer
 from p2p_spes.train import Trainer
 from p2p_spes.volunteer import Restarts, Supervisor, check_machine, handle_stop_signals, say
+from p2p_spes.wandb_log import wandb_module
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -56,6 +57,8 @@ def _loss(value: float | None) -> str:
 
 def _train(args: argparse.Namespace, node) -> int:
     cfg = config_from_swarm(args) if args.config_from_swarm else load_from_args(args)
+    if cfg.train.wandb_project:
+        wandb_module()  # a missing optional package stops the peer before it joins the swarm
     sw = cfg.swarm
     swarm = bool(args.swarm or sw.initial_peers)
     if node is not None:
@@ -94,6 +97,8 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)  # fail fast on a bad config, before starting any process
     if args.tensorboard or cfg.train.tensorboard:
         summary_writer()  # and on a missing optional package
+    if cfg.train.wandb_project:
+        wandb_module()
     swarm = LocalSwarm(
         args.config,
         args.overrides,
@@ -102,6 +107,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         threads=args.threads,
         tensorboard=args.tensorboard,
+        wandb_project=args.wandb_project,
     )
     print(f"starting {args.peers} peers on 127.0.0.1; logs in {args.run_dir}/peer*.log", flush=True)
     view = ProgressView(

@@ -201,6 +201,25 @@ class TrainConfig:
     tensorboard_dir: str = setting(
         "", scope="local", doc='Where the TensorBoard scalars go ("": the run directory\'s tensorboard/).'
     )
+    wandb_project: str = setting(
+        "", scope="local", doc='Weights & Biases project this peer logs its metrics to ("": no W&B; the wandb extra).'
+    )
+    wandb_entity: str = setting("", scope="local", doc='W&B entity (user or team) of the project ("": your default).')
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = setting(
+        "auto",
+        scope="local",
+        doc="W&B mode: offline writes the run to disk only (`wandb sync` uploads it later); auto: $WANDB_MODE, "
+        "else online.",
+    )
+    wandb_dir: str = setting(
+        "", scope="local", doc='Where W&B writes its files ("": $WANDB_DIR if set, else the run directory).'
+    )
+    wandb_group: str = setting("", scope="local", doc='W&B group of the run\'s peers ("": swarm.run_id).')
+    wandb_name: str = setting(
+        "",
+        scope="local",
+        doc="W&B run name, one run per peer (\"\": the run directory's name and, in a swarm, the peer id's end).",
+    )
     init_from: str | None = setting(
         None, doc="Checkpoint (or run directory) whose weights start this run, e.g. from `p2p-spes upcycle`."
     )

@@ -69,8 +69,10 @@ class LocalSwarm:
         place: Callable[[int], PeerPlace] | None = None,
         tensorboard: str | Path | None = None,
         bootstrap_port: int | None = None,
+        wandb_project: str | None = None,
     ) -> None:
         """``tensorboard``: a directory under which each peer writes TensorBoard scalars (``peerN``).
+        ``wandb_project``: each peer logs to its own W&B run in that project (``train.wandb_project``).
         ``bootstrap_port``: start a ``p2p-spes bootstrap`` on that loopback port first, and have every
         peer join through it (as a real run does), instead of through the first peer."""
         if peers < 1:
@@ -80,6 +82,7 @@ class LocalSwarm:
         self.run_id, self.threads = run_id, threads
         self.place = place or loopback
         self.tensorboard = tensorboard
+        self.wandb_project = wandb_project
         self.bootstrap_port = bootstrap_port
         self.bootstrap: subprocess.Popen | None = None
         self.procs: list[subprocess.Popen] = []
@@ -109,6 +112,8 @@ class LocalSwarm:
         ]
         if self.tensorboard:
             cmd += ["--tensorboard", str(Path(self.tensorboard) / f"peer{index}")]
+        if self.wandb_project:
+            cmd += ["--wandb-project", self.wandb_project]
         for item in self.overrides:
             cmd += ["--set", item]
         cmd += ["--initial-peers", *initial_peers] if initial_peers else ["--swarm"]

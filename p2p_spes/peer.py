@@ -280,7 +280,15 @@ def run_peer(
         swarm.serve_data(identity.train, identity.train_root, data.train_shards)
         if node is not None:
             node.send_json({"experts": experts, "partition": partition, "data": identity.fingerprint})
-        trainer = Trainer(cfg, run_dir=run_dir, local_experts=experts, data_partition=partition, node=node, data=data)
+        trainer = Trainer(
+            cfg,
+            run_dir=run_dir,
+            local_experts=experts,
+            data_partition=partition,
+            node=node,
+            data=data,
+            peer_id=swarm.peer_id,
+        )
         if checkpoint is not None:
             trainer.resume(checkpoint)
             print(f"resumed from {checkpoint} at step {trainer.step}", flush=True)

@@ -1,8 +1,8 @@
 """TensorBoard scalars of a peer's metrics (``train.tensorboard``): the numbers of ``metrics.jsonl``.
 
 A step record's numbers go under ``train/`` (``val_loss`` under ``val/loss``), a sync round's under
-``sync/``, each at the record's training step and wall time. Lists, digests and names stay in
-``metrics.jsonl`` only. The writer is torch's ``SummaryWriter``, which needs the ``tensorboard``
+``sync/`` (its bytes per kind of stream under ``sync/traffic/``), each at the record's training step and
+wall time. Lists, digests and names stay in ``metrics.jsonl`` only. The writer is torch's ``SummaryWriter``, which needs the ``tensorboard``
 package (the ``tensorboard`` extra); without it the run refuses to start and says how to install it.
 """
 
@@ -17,7 +17,7 @@ SKIPPED = {"step", "time", "sync_round"}
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The TensorBoard tags and values of one ``metrics.jsonl`` record."""
+    """The TensorBoard tags and values of one ``metrics.jsonl`` record (W&B's keys too, ``wandb_log.py``)."""
     prefix = "sync/" if "sync_round" in record else "train/"
     out = {}
     for key, value in record.items():
@@ -27,6 +27,10 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         out[tag] = float(value)
     if "sync_round" in record and isinstance(record.get("shared_ok"), bool):
         out["sync/shared_ok"] = float(record["shared_ok"])
+    traffic = record.get("traffic")
+    for kind, pair in traffic.items() if isinstance(traffic, dict) else ():
+        if isinstance(pair, list) and len(pair) == 2:  # bytes [sent, received] on this kind of stream
+            out[f"sync/traffic/{kind}_sent"], out[f"sync/traffic/{kind}_received"] = float(pair[0]), float(pair[1])
     return out
 
 

@@ -32,6 +32,7 @@ from p2p_spes.progress import ProgressView
 from p2p_spes.run_data import RunData, identify_data, prepare_data
 from p2p_spes.run_summary import summary_path, trainer_summary, write_report
 from p2p_spes.tensorboard_log import ScalarLog
+from p2p_spes.wandb_log import WandbLog, peer_target
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,9 @@ class Trainer:
         data_partition: int | None = None,
         node: Node | None = None,
         data: RunData | None = None,
+        peer_id: str | None = None,
     ) -> None:
+        """``peer_id``: the swarm peer's id, which names its W&B run (``train.wandb_project``)."""
         self.cfg = cfg
         self.node = node  # several processes per peer (distributed.py); rank 0 logs and saves
         self.is_main = node is None or node.main
@@ -140,8 +143,15 @@ class Trainer:
         self.tensorboard = (
             ScalarLog(tr.tensorboard_dir or self.run_dir / "tensorboard") if tr.tensorboard and self.is_main else None
         )
+        target = peer_target(cfg, self.run_dir, peer_id) if self.is_main else None
+        self.wandb = None if target is None else WandbLog(target, self.wandb_config(peer_id))
 
     # State -----------------------------------------------------------------------------------
+    def wandb_config(self, peer_id: str | None) -> dict[str, Any]:
+        """What the W&B run shows as its config: the resolved config, and who this peer is in the run."""
+        who = {"peer_id": peer_id, "local_experts": self.model.local_experts, "data_partition": self.partition}
+        return {**self.cfg.to_dict(), "this_peer": who}
+
     def trainer_state(self) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
@@ -301,6 +311,8 @@ class Trainer:
         record = self.metrics.append(record)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
+        if self.wandb is not None:
+            self.wandb.write(record)
         if self.view is not None and "loss" not in record:  # rounds and takeovers; the loop feeds the steps
             self.view.update(self.run_dir.name, record)
 
@@ -360,16 +372,22 @@ class Trainer:
                 hook.on_error(self, exc)
             except Exception as inner:  # the original error is the one to report
                 log.warning("%s.on_error failed: %s", type(hook).__name__, inner)
-        self._close()
+        self._close(failed=True)
         try:
             self.write_summary()
         except Exception as inner:
             log.warning("could not write summary.json after the failure: %s", inner)
 
-    def _close(self) -> None:
+    def _close(self, failed: bool = False) -> None:
         self.view = None
         if self.tensorboard is not None:
             self.tensorboard.flush()
+        if self.wandb is not None:
+            try:
+                self.wandb.close(failed=failed)
+            except Exception as exc:  # a W&B service that died loses its run, never the peer's summary
+                log.warning("could not finish the W&B run: %s", exc)
+            self.wandb = None
 
     def write_summary(self) -> dict[str, Any]:
         """``summary.json`` (rank 0 writes it; every rank of a node writes its own ``node-rank<r>.json``)."""

@@ -116,6 +116,8 @@ def test_scopes_live_on_the_fields_and_the_lists_derive_from_them():
         *("train.device", "train.dtype", "train.log_interval", "train.eval_interval", "train.eval_batches"),
         *("train.checkpoint_interval", "train.keep_checkpoints", "train.run_dir", "train.threads"),
         *("train.tensorboard", "train.tensorboard_dir"),
+        *("train.wandb_project", "train.wandb_entity", "train.wandb_mode", "train.wandb_dir", "train.wandb_group"),
+        "train.wandb_name",
         *("swarm.run_id", "swarm.initial_peers", "swarm.host_maddrs", "swarm.announce_maddrs"),
         *("swarm.identity_path", "swarm.client_mode", "swarm.use_relay", "swarm.use_auto_relay"),
         *("swarm.bootstrap_timeout", "swarm.residency", "swarm.max_experts_per_peer", "swarm.overlap"),
