@@ -14,6 +14,9 @@ others train on, a round whose transfers take longer than its compute, a peer on
   bridge port leads to the router's WAN side, the peer sits on a private /24 behind it;
 * ``tbf`` on both ends of each veth: egress of ``lab0`` is the peer's upload cap, egress of ``p<i>``
   (towards the peer) its download cap (see :func:`tbf_params` for the burst and queue sizes);
+* with ``LinkSpec(rtt_ms=...)``, a round trip on every TCP connection the peer dials, through a delaying
+  transparent proxy in its namespace (``delay_proxy.py`` says what that emulates and what not); give
+  every peer the same value and every connection has it, whoever dials;
 * a cgroup v1 ``cpu`` group per peer (``/sys/fs/cgroup/cpu/<lab>/peer<i>``) with
   ``cpu.cfs_quota_us`` = fraction x ``cpu.cfs_period_us`` for a peer given a CPU cap (unlimited
   otherwise: the group still tracks every process the peer starts, for cleanup).
@@ -32,9 +35,11 @@ caps). Used by ``benchmarks/wan.py`` and ``tests/test_wan.py``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -46,7 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.lab import home_router
+from benchmarks.lab import delay_proxy, home_router
 from p2p_spes.local_swarm import PeerPlace
 
 if TYPE_CHECKING:
@@ -54,6 +59,8 @@ if TYPE_CHECKING:
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 SUBNET = "10.47.0"  # /24; peer i is .i+1 (the lab's namespaces are private, so every lab may use it)
+PROXY_PORT = 7999  # the delay proxy's port on each peer's loopback
+REPO = Path(__file__).resolve().parents[2]  # where ``python -m benchmarks.lab.delay_proxy`` imports from
 MTU_FRAME = 1514  # bytes of a full Ethernet frame as tbf counts it
 CFS_PERIOD_US = 100_000
 
@@ -70,6 +77,7 @@ class LinkSpec:
     down_mbit: float | None = None
     cpu: float | None = None
     nat: bool = False  # behind its own home router (home_router.py): it can dial out, nobody can dial it
+    rtt_ms: float = 0.0  # round trip added to every connection this peer dials (delay_proxy.py)
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,7 @@ class Lab:
         self.cgroup = CPU_CGROUP / self.name
         self._created: list[str] = []  # namespaces made so far, in order (what close() removes)
         self._cgroups: list[Path] = []
+        self._proxies: list[subprocess.Popen] = []
         self._previous: dict[int, Any] = {}
         self._closing = False
         self._deferred: int | None = None  # a signal that arrived while closing, re-raised after
@@ -276,11 +285,35 @@ class Lab:
                 _run(["tc", "-n", ns, "qdisc", "add", "dev", "lab0", "root", *tbf_params(link.up_mbit).args()])
             if link.down_mbit is not None:
                 _run(["tc", "-n", self.hub, "qdisc", "add", "dev", f"p{i}", "root", *tbf_params(link.down_mbit).args()])
+            if link.rtt_ms > 0:
+                self._start_delay(i, link.rtt_ms)
             group = self.cgroup / f"peer{i}"
             group.mkdir()
             self._cgroups.append(group)
             (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(str(cpu_quota_us(link.cpu)))
+
+    def _start_delay(self, index: int, rtt_ms: float) -> None:
+        """Peer ``index``'s delay proxy and the rule that sends its dials through it; the proxy lives in
+        the namespace, so :meth:`close` kills it with the rest."""
+        ns = self.namespaces[index]
+        for rule in delay_proxy.redirect_rules(PROXY_PORT, f"{SUBNET}.0/24"):
+            _run(["ip", "netns", "exec", ns, *rule])
+        proxy = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.lab.delay_proxy"]
+            + ["--port", str(PROXY_PORT), "--one-way-ms", str(rtt_ms / 2)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._proxies.append(proxy)
+        ready, _, _ = select.select([proxy.stdout], [], [], 30.0)
+        if not ready or proxy.stdout.readline().strip() != "ready":
+            proxy.kill()
+            _, err = proxy.communicate(timeout=10)
+            raise LabError(f"the delay proxy of peer {index} did not start within 30 s: {err.strip()[-500:]}")
 
     def interface_counts(self, index: int) -> InterfaceCounts:
         """What went through peer ``index``'s network interface so far, as its kernel counted it."""
@@ -334,6 +367,10 @@ class Lab:
                 for pid in left:
                     _kill(pid)
                 time.sleep(0.1)
+            for proxy in self._proxies:  # killed with the rest of their namespace above: reaped here
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proxy.wait(5)
+            self._proxies = [p for p in self._proxies if p.poll() is None]
             for ns in reversed(list(self._created)):  # peers first: deleting one removes its veth pair
                 try:
                     _run(["ip", "netns", "del", ns])
@@ -384,20 +421,20 @@ class Lab:
 
     # Checks ------------------------------------------------------------------------------------------
     @staticmethod
-    def available(nat: bool = False) -> tuple[bool, str]:
-        """Whether a lab (with home routers, given ``nat``) can be built here, and if not, why (for a test's
-        skip reason or a CLI's error)."""
+    def available(nat: bool = False, rtt: bool = False) -> tuple[bool, str]:
+        """Whether a lab (with home routers, given ``nat``; with round trips, given ``rtt``) can be built
+        here, and if not, why (for a test's skip reason or a CLI's error)."""
         if os.geteuid() != 0:
             return False, "needs root (network namespaces, tc and cgroups)"
         for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
                 return False, f"needs `{tool}` (iproute2) on PATH"
-        if (missing := home_router.iptables_missing()) is not None and nat:
+        if (missing := home_router.iptables_missing()) is not None and (nat or rtt):
             return False, missing
         if not (CPU_CGROUP / "cgroup.procs").exists():
             return False, f"needs the cgroup v1 cpu controller at {CPU_CGROUP}"
         probe = Lab(
-            [LinkSpec(up_mbit=10, down_mbit=10, cpu=0.5, nat=nat)],
+            [LinkSpec(up_mbit=10, down_mbit=10, cpu=0.5, nat=nat, rtt_ms=10.0 if rtt else 0.0)],
             name=f"p2plab-{os.getpid()}-probe{secrets.token_hex(2)}",
         )
         try:
