@@ -181,6 +181,7 @@ def section(dom: str, element_id: str) -> str:
 
 
 def start_dashboard(tmp_path: Path, name: str, initial_peers: list[str], run_id: str) -> tuple[subprocess.Popen, str]:
+    """A dashboard process whose history goes to ``tmp_path/state`` (one file per run id)."""
     with open(tmp_path / f"{name}.log", "w") as log:
         proc = subprocess.Popen(
             [
@@ -196,6 +197,8 @@ def start_dashboard(tmp_path: Path, name: str, initial_peers: list[str], run_id:
                 "1",
                 "--bootstrap-timeout",
                 "5",
+                "--state-dir",
+                str(tmp_path / "state"),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -259,6 +262,16 @@ def test_the_dashboard_in_a_browser_shows_a_live_run_and_explains_a_wrong_addres
         browse(live_url, tmp_path / "profile", screenshot=shot)
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 30_000
 
+        # restarted mid-run, the dashboard shows what it saw before from its state directory at once
+        seen = state(live_url)
+        stop(live)
+        live, live_url = start_dashboard(tmp_path, "live-again", maddrs, "dash")
+        procs[0] = live
+        again = state(live_url)
+        assert {r["round"] for r in seen["rounds"]} <= {r["round"] for r in again["rounds"]}
+        for pid, points in seen["history"].items():
+            assert points[0] in again["history"][pid]  # the first point, read before the restart
+
         wait_for(lambda: state(wrong_url)["status"] == "empty", 60, "the wrong run id's message", wrong)
         page = browse(wrong_url, tmp_path / "profile")
         assert "no live peer publishes under run id 'not-this-run'" in page and "check --run-id" in page
@@ -271,5 +284,5 @@ def test_the_dashboard_in_a_browser_shows_a_live_run_and_explains_a_wrong_addres
             stop(proc)
         swarm.stop()
     assert not any(group_alive(p.pid) for p in procs)  # each dashboard stopped its DHT process too
-    for name in ("live", "wrong-id", "unreachable"):
+    for name in ("live", "live-again", "wrong-id", "unreachable"):
         assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
