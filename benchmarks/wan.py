@@ -2,11 +2,13 @@
 
     sudo .venv/bin/python -m benchmarks.wan --peers 4 --mbit 20 --steps 150 --variant 4x20
     sudo .venv/bin/python -m benchmarks.wan --peers 2 --up 20 2 --down 50 4 --slow-cpu 0.33 --slow-peers 1 --variant asym
+    sudo .venv/bin/python -m benchmarks.wan --peers 3 --nat-peers 2 --rtt-ms 100 --variant nat-1+2-100ms
 
 Loopback hides the costs a real swarm pays: a joiner's catch-up download takes seconds while the
 others train on, rounds move megabytes over a few Mbit/s, and peers compute at different speeds.
 Each peer runs in its own network namespace behind a veth with ``tbf`` upload and download caps and,
-optionally, a cgroup CPU cap (``benchmarks/lab/netlab.py``). After the run the script reads every peer's
+optionally, a cgroup CPU cap (``benchmarks/lab/netlab.py``); ``--nat-peers K`` puts the last K peers
+each behind its own home router, ``--rtt-ms`` gives every connection a round trip. After the run the script reads every peer's
 ``metrics.jsonl`` and ``summary.json`` (``benchmarks/lab/wan_report.py``) and reports, per peer and per
 round: members, outcome, seconds, bytes, tokens contributed, schedule jumps; per peer: steps
 computed, skipped and jumped, tokens processed and averaged, the share of wall time spent computing,
@@ -56,8 +58,16 @@ def links_from(args: argparse.Namespace) -> list[LinkSpec]:
     up = per_peer(args.up, mbit, args.peers, "up")
     down = per_peer(args.down, mbit, args.peers, "down")
     slow = set(range(args.peers - args.slow_peers, args.peers)) if args.slow_cpu else set()
+    natted = set(range(args.peers - args.nat_peers, args.peers))
     return [
-        LinkSpec(up_mbit=up[i], down_mbit=down[i], cpu=args.slow_cpu if i in slow else None) for i in range(args.peers)
+        LinkSpec(
+            up_mbit=up[i],
+            down_mbit=down[i],
+            cpu=args.slow_cpu if i in slow else None,
+            nat=i in natted,
+            rtt_ms=args.rtt_ms,
+        )
+        for i in range(args.peers)
     ]
 
 
@@ -108,6 +118,7 @@ def print_report(report: SwarmReport, links: list[LinkSpec], console: Console) -
     )
     for col in (
         "peer",
+        "role",
         "up/down Mbit",
         "cpu",
         "steps",
@@ -128,6 +139,7 @@ def print_report(report: SwarmReport, links: list[LinkSpec], console: Console) -
         averaged = sum(r.outcome == "averaged" for r in p.rounds)
         peers.add_row(
             str(p.peer),
+            p.role + (" (NAT)" if link.nat else ""),
             f"{link.up_mbit or '-'}/{link.down_mbit or '-'}",
             str(link.cpu or "-"),
             str(p.final_step),
@@ -172,6 +184,8 @@ def parser() -> argparse.ArgumentParser:
         help="cap the slow peers from their start (default: from their first training step, so "
         "they are slow at training, not at importing libraries)",
     )
+    ap.add_argument("--nat-peers", type=int, default=0, help="how many peers (the last ones) sit behind a home NAT")
+    ap.add_argument("--rtt-ms", type=float, default=0.0, help="round trip of every connection, ms (delay_proxy.py)")
     ap.add_argument("--config", help="config file or name (default: the built-in tiny config)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--steps", type=int, default=200, help="train.max_steps")
@@ -188,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.slow_peers <= args.peers:
         ap.error("--slow-peers must be between 1 and --peers")
+    if not 0 <= args.nat_peers < args.peers:
+        ap.error("--nat-peers must be between 0 and --peers - 1 (the first peer is the public one the others join)")
     writer = results.start("wan", args.variant, seeds=[args.seed], argv=argv)
-    ok, reason = Lab.available()
+    ok, reason = Lab.available(nat=args.nat_peers > 0, rtt=args.rtt_ms > 0)
     if not ok:
         print(f"benchmarks.wan: cannot build the network lab: {reason}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SMALL
 
 
 def _venv_with(tmp_path: Path, name: str, wheel: Path, installer: str) -> Path:
@@ -92,3 +92,16 @@ def test_a_wheel_installed_elsewhere_trains_the_tiny_config_from_any_directory(t
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
     summary = json.loads((work / "run" / "summary.json").read_text())
     assert summary["step"] == 3 and summary["data"]["origin"] == "embedded"
+    # the README's main job from the installed package: two peers of a small model, 10 steps, one round
+    small = [*SMALL, "train.max_steps=10", "train.eval_interval=10", "swarm.sync_steps=5"]
+    swarm = subprocess.run(
+        [cli, "swarm", "--no-progress", "--no-plot", "--run-dir", "swarm", *[a for i in small for a in ("--set", i)]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=work,
+        env=env,
+    )
+    assert swarm.returncode == 0, swarm.stdout[-2000:] + swarm.stderr[-2000:]
+    peers = [json.loads((work / "swarm" / f"peer{i}" / "summary.json").read_text()) for i in (0, 1)]
+    assert [p["step"] for p in peers] == [10, 10] and all(p["rounds_joined"] >= 1 for p in peers)

@@ -66,6 +66,7 @@ class PeerReport:
     bytes_sent: int
     bytes_received: int
     compression: str = "none"  # the run's codec (summary)
+    role: str = "public"  # whether others could dial it: public, or private (a client of the rounds)
 
     @property
     def averaged_share(self) -> float | None:
@@ -181,6 +182,7 @@ def read_peer(run_dir: Path, peer: int) -> PeerReport:
         bytes_sent=int(summary.get("bytes_sent", 0)),
         bytes_received=int(summary.get("bytes_received", 0)),
         compression=str(summary.get("compression") or "none"),
+        role=str((summary.get("reachability") or {}).get("role") or "public"),
     )
 
 
