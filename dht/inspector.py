@@ -22,6 +22,7 @@ from rich.table import Table
 from dht.auth import RunAuth
 from dht.keys import peers_key
 from dht.node import start_dht
+from dht.reachability import RECORD_FIELD
 from dht.records import PeerRecord, signed_values
 from dht.run_config import read_records
 
@@ -102,6 +103,8 @@ def collect(dht: DHT, run_id: str) -> dict[str, Any]:
                 "experts_taken_over": extra.get("experts_taken_over", 0),
                 "data": _data_fingerprint(extra),
                 "data_partition": extra.get("data_partition"),
+                # public: others dial it and it reduces; private: a client of its groups; None: an older peer
+                "reachability": extra.get(RECORD_FIELD) if extra.get(RECORD_FIELD) in ("public", "private") else None,
             }
         )
     num_experts = max((r.get("num_experts", 0) for r in raw.values() if isinstance(r, dict)), default=0)
@@ -136,6 +139,7 @@ def collect(dht: DHT, run_id: str) -> dict[str, Any]:
             "fingerprints": fingerprints,
             "data": sorted({p["data"] for p in peers if p["data"]}),
             "peers": len(peers),
+            "private_peers": sum(p["reachability"] == "private" for p in peers),
             "total_tokens": sum(p["tokens"] or 0 for p in peers),
             "tokens_per_s": round(sum(p["tokens_per_s"] or 0 for p in peers), 1),
             "bytes_sent": sum(p["bytes_sent"] or 0 for p in peers),
@@ -165,13 +169,14 @@ def render(snapshot: dict[str, Any], console: Console) -> None:
     run = snapshot["run"]
     hashes = ", ".join(f"{c['hash'][:16]} ({len(c['publishers'])} publisher(s))" for c in run["config_hashes"]) or "-"
     console.print(
-        f"run {snapshot['run_id']!r}: {run['peers']} live peers, model {', '.join(run['fingerprints']) or '-'}, "
+        f"run {snapshot['run_id']!r}: {run['peers']} live peers ({run.get('private_peers', 0)} private), model {', '.join(run['fingerprints']) or '-'}, "
         f"data {', '.join(d[:16] for d in run.get('data', [])) or '-'}, config {hashes}, {run['total_tokens']:,} tokens, {run['tokens_per_s']:,} tokens/s"
     )
     peers = Table(title="peers")
     columns = (
         "peer",
         "address",
+        "reach",
         "experts",
         "step",
         "round",
@@ -185,12 +190,13 @@ def render(snapshot: dict[str, Any], console: Console) -> None:
         "device",
     )
     for col in columns:
-        left = col in ("peer", "address", "experts", "version", "device")
+        left = col in ("peer", "address", "reach", "experts", "version", "device")
         peers.add_column(col, justify="left" if left else "right")
     for p in snapshot["peers"]:
         peers.add_row(
             p["peer_id"][-10:],
             _address(p["maddrs"]),
+            p.get("reachability") or "-",
             _experts(p),
             str(p["step"]),
             str(p["round"]),

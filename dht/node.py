@@ -50,16 +50,18 @@ def start_dht(
     """A hivemind DHT whose peer id is ``identity_path``'s key and which signs and checks records.
 
     Returns ``(dht, identity)``; ``dht_kwargs`` go to ``hivemind.DHT`` (initial_peers, host_maddrs,
-    client_mode, use_relay, ...).
+    client_mode, use_relay, ...). An existing identity is checked to be unused by a live peer, unless
+    ``check_if_identity_free=False`` (a restart of our own node, which we have just stopped).
     """
     check_listen_ports(dht_kwargs.get("host_maddrs") or [])
     identity = load_identity(identity_path)
+    check_free = dht_kwargs.pop("check_if_identity_free", True) and not identity.created
     try:
         dht = hivemind.DHT(
             start=True,
             identity_path=identity.path,
             record_validators=run_validators(identity, run_ids, auth),
-            check_if_identity_free=not identity.created,
+            check_if_identity_free=check_free,
             **dht_kwargs,
         )
     finally:

@@ -27,6 +27,25 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+REACHABILITY_HELP = (
+    "whether other peers can dial this one: auto (default) asks peers of the run to dial it back; private (behind "
+    "a NAT or firewall) averages as a client, reducing nothing; public reduces (swarm.reachability)"
+)
+ROLES = ("auto", "public", "private")
+
+
+class SetConfig(argparse.Action):
+    """A flag that sets config value ``key``, as one more ``--set`` (so ``swarm`` passes it to every peer)."""
+
+    def __init__(self, option_strings: list[str], dest: str, key: str, **kwargs) -> None:
+        self.key = key
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        value = "true" if self.nargs == 0 else values
+        namespace.overrides = [*(getattr(namespace, "overrides", None) or []), f"{self.key}={value}"]
+
+
 def _add_fetch_args(p, flag: bool = True) -> None:
     if flag:
         p.add_argument(
@@ -79,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     net.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial (behind NAT)")
     net.add_argument("--identity", help="private key file; keeps this peer's id and multiaddr across restarts")
+    net.add_argument(
+        "--reachability", choices=ROLES, action=SetConfig, key="swarm.reachability", help=REACHABILITY_HELP
+    )
+    net.add_argument(
+        "--use-auto-relay",
+        nargs=0,
+        action=SetConfig,
+        key="swarm.use_auto_relay",
+        help="behind NAT: look for a relay to become reachable through (swarm.use_auto_relay)",
+    )
     _add_fetch_args(net)
     train.set_defaults(command="train")
 
@@ -102,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     local.add_argument("--wandb-project", metavar="PROJECT", help=WANDB_HELP + ", one W&B run per peer")
     local.add_argument("--no-plot", action="store_true", help="do not write RUN_DIR/curves.png at the end")
+    local.add_argument(
+        "--reachability", choices=ROLES, action=SetConfig, key="swarm.reachability", help=REACHABILITY_HELP
+    )
     local.set_defaults(command="swarm")
 
     insp = sub.add_parser("inspect", help="show a run's peers, expert coverage and rounds from the DHT (read-only)")
@@ -168,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--no-relay", action="store_true", help="disable libp2p circuit relay (on by default)")
     boot.add_argument(
         "--use-auto-relay", action="store_true", help="behind NAT yourself: look for relays to become reachable"
+    )
+    boot.add_argument(
+        "--reachability",
+        choices=ROLES,
+        default="auto",
+        help="auto (default): public unless the --initial-peers cannot dial it back; private: a DHT client that "
+        "others cannot join through; public: no check",
     )
     boot.add_argument("--run-id", help="the run whose records this peer checks (and whose config --config publishes)")
     boot.add_argument("--write-maddrs", metavar="FILE", help="also write the peer id and multiaddrs here as JSON")

@@ -42,6 +42,13 @@ class SwarmConfig:
     )
     use_relay: bool = setting(True, scope="local", doc="libp2p circuit relay: reach peers behind NAT through others")
     use_auto_relay: bool = setting(False, scope="local", doc="Behind NAT yourself: become reachable through a relay")
+    reachability: Literal["auto", "public", "private"] = setting(
+        "auto",
+        scope="local",
+        doc='Whether other peers can dial this one (--reachability): "auto" asks one or two peers of the run to '
+        'dial it back at start (dht/reachability.py); "private" (behind a NAT or firewall) contributes to its '
+        'groups and fetches their results but reduces nothing, and joins the DHT as a client; "public" reduces',
+    )
     bootstrap_timeout: float = setting(
         15.0, scope="local", doc="Seconds to wait for the DHT to start and reach the initial peers."
     )

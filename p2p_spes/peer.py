@@ -66,6 +66,7 @@ class SwarmSync(TrainerHook):
         sw, swarm = trainer.cfg.swarm, self.swarm
         return {
             "peer_id": swarm.peer_id,
+            "reachability": swarm.runtime.reachability.as_dict(),  # its role: public reduces, private only contributes
             **swarm.stats.as_dict(),
             "traffic": swarm.stats.traffic(),
             "rounds": swarm.stats.rounds(),

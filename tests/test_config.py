@@ -121,7 +121,7 @@ def test_scopes_live_on_the_fields_and_the_lists_derive_from_them():
         *("swarm.run_id", "swarm.initial_peers", "swarm.host_maddrs", "swarm.announce_maddrs"),
         *("swarm.identity_path", "swarm.client_mode", "swarm.use_relay", "swarm.use_auto_relay"),
         *("swarm.bootstrap_timeout", "swarm.residency", "swarm.max_experts_per_peer", "swarm.overlap"),
-        "swarm.secret_file",
+        *("swarm.secret_file", "swarm.reachability"),
     }
     # a local setting changes neither the fingerprint nor the published config's hash; a run-wide one does
     from dht.run_config import run_config_record

@@ -57,7 +57,7 @@ function renderSummary(snap) {
   const run = snap.run;
   const hashes = run.config_hashes.map((c) => c.hash.slice(0, 16)).join(", ") || "-";
   const cards = [
-    ["live peers", run.peers], ["tokens", run.total_tokens.toLocaleString()],
+    ["live peers", run.private_peers ? `${run.peers} (${run.private_peers} private)` : run.peers], ["tokens", run.total_tokens.toLocaleString()],
     ["tokens/s", Math.round(run.tokens_per_s).toLocaleString()],
     ["sent / received MB", `${mb(run.bytes_sent)} / ${mb(run.bytes_received)}`],
     ["model", run.fingerprints.join(", ") || "-"], ["config hash", hashes],
@@ -88,10 +88,11 @@ function renderPeers(snap) {
     replace("peers", el("p", { class: "empty" }, "no live peers"));
     return;
   }
-  const headers = [{ name: "peer", left: true, mono: true }, { name: "experts", left: true }, { name: "step" },
+  const headers = [{ name: "peer", left: true, mono: true }, { name: "reach", left: true }, { name: "experts", left: true }, { name: "step" },
     { name: "round" }, { name: "loss" }, { name: "tokens/s" }, { name: "sent MB" }, { name: "recv MB" },
     { name: "rounds averaged / adopted / alone / failed" }, { name: "last seen s" }, { name: "version", left: true }, { name: "device", left: true }];
-  const rows = snap.peers.map((p) => [short(p.peer_id), JSON.stringify(p.experts) + (p.residency === "partial" ? " partial" : ""),
+  // reach: public peers can be dialled and reduce; private ones (behind a NAT) contribute and fetch only
+  const rows = snap.peers.map((p) => [short(p.peer_id), p.reachability || "-", JSON.stringify(p.experts) + (p.residency === "partial" ? " partial" : ""),
     p.step, p.round, num(p.loss), Math.round(p.tokens_per_s || 0), mb(p.bytes_sent), mb(p.bytes_received),
     `${p.rounds_joined} / ${p.rounds_adopted || 0} / ${p.rounds_alone || 0} / ${p.rounds_failed}`, p.last_seen_s === null ? "-" : p.last_seen_s, p.version || "-", p.device || "-"]);
   replace("peers", table(headers, rows));

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from dht.auth import load_auth
+from dht.reachability import RECORD_FIELD, private_of, reachable_of
 from dht.records import PeerRecord
 from p2p_spes.averaging import Codec, GroupAllReduce, build_aggregator, tensor_digest
 from p2p_spes.config import Config
@@ -61,6 +63,7 @@ class Swarm:
         self._model: MoETransformer | None = None
         self.rounds: list[RoundReport] = []
         self.membership = Membership(self.runtime, cfg, self.stats, experts=self._local_experts)
+        self.update_status(**{RECORD_FIELD: self.runtime.reachability.role})  # nobody dials a private peer
         self.outer = OuterOptimizer(sw)
         self.server = StateServer(
             self.runtime,
@@ -71,7 +74,13 @@ class Swarm:
             public=self.outer.public_values,
         )
         self.deadlines = Deadlines(sw)
-        self.downloader = Downloader(self.runtime, self.stats, timeout=sw.averaging_timeout, deadlines=self.deadlines)
+        self.downloader = Downloader(
+            self.runtime,
+            self.stats,
+            timeout=sw.averaging_timeout,
+            deadlines=self.deadlines,
+            private=lambda: private_of(self.membership.live_peers(math.inf)),  # our last read: no DHT request
+        )
         self.watch = RoundWatch(self.runtime, poll=min(1.0, sw.matchmaking_time / 4))
         self.reducer = GroupAllReduce(
             self.runtime.dht,
@@ -85,12 +94,17 @@ class Swarm:
             aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),
             retries=sw.group_retries,
             group_size=sw.group_size,
+            reachable=self.runtime.reachability.reachable,
+            # read on the loop's thread, when a group has no reachable member: our last read, never a DHT request
+            helpers=lambda: reachable_of(self.membership.live_peers(math.inf)),
         )
         self.data_server = DataServer(self.runtime, self.auth, self.membership.refresh_members)
         self.runtime.call(self.reducer.start())
         self.runtime.call(self.server.start())
         self.runtime.call(self.data_server.start())
-        self.refresher = Refresher(self.peer_id, self.downloader, self.stats, self.outer, self.reducer.codec.result)
+        self.refresher = Refresher(
+            self.peer_id, self.downloader, self.stats, self.outer, self.reducer.codec.result, self.reducer.reachable
+        )
         self.runner = RoundRunner(
             sw,
             self.runtime,
@@ -223,7 +237,10 @@ class Swarm:
             return None
         like = [p.detach() for _, p in model.shared_parameters()]
         errors: list[str] = []
-        order = sorted(peers, key=lambda p: (-peers[p].round, -peers[p].step, p))
+        # the newest first, among the peers that can be dialled: a joiner's dials to a private one fail
+        private = private_of(peers)
+        order = sorted(peers, key=lambda p: (p in private, -peers[p].round, -peers[p].step, p))
+        peers = {p: peers[p] for p in order}  # the experts' holders are asked in this order too
         if self._same_start(order[0], peers[order[0]].experts, like):
             return None  # nothing to take: we already hold what the run serves
         found = self.downloader.first_of(order, "shared", like, errors, attempts=4)

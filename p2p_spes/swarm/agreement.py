@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dht.keys import version_key
+from dht.reachability import private_of, reachable_first
 from dht.records import PeerRecord, VersionRecord
 from p2p_spes.averaging import Codec, TransportError, tensor_digest
 from p2p_spes.model import MoETransformer
@@ -106,6 +107,9 @@ def wait_versions(
         time.sleep(0.2)
 
 
+COPY_WAITS = (1.0, 2.0, 4.0)  # seconds before asking reachable peers again for a copy they may not have refreshed yet
+
+
 class Refresher:
     """Brings the experts this peer does not train to the agreed version, downloading each once."""
 
@@ -116,10 +120,36 @@ class Refresher:
         stats: SwarmCounters,
         outer: OuterOptimizer | None = None,
         codec: Codec | None = None,
+        reachable: bool = True,
     ) -> None:
-        """With ``outer`` and ``codec``, experts at a group's anchor are refreshed by its encoded average."""
+        """With ``outer`` and ``codec``, experts at a group's anchor are refreshed by its encoded average.
+        ``reachable``: others can dial us; a private peer (False) never dials another private one."""
         self.peer_id, self.downloader, self.stats = peer_id, downloader, stats
-        self.outer, self.codec = outer, codec
+        self.outer, self.codec, self.reachable = outer, codec, reachable
+
+    def _order(self, holders: list[str], private: set[str]) -> list[str]:
+        """``holders`` to ask, in order: those others can dial first; private ones last, and only by a
+        reachable peer (a connection they opened to it carries the request), never by a private one."""
+        return [h for h in reachable_first(holders, private) if self.reachable or h not in private]
+
+    def _fetch(self, model: MoETransformer, e: int, uid: str, sources: list[str], unreachable: set[str]) -> bool:
+        """Download ``uid`` into expert ``e`` from the first of ``sources`` that serves it; whether one did."""
+        like = [t.detach() for t in model.expert_tensors(e)]
+        for holder in (h for h in sources if h not in unreachable):
+            try:
+                _, tensors = self.downloader.download(holder, uid, like, attempts=2)
+            except TransportError as exc:
+                log.warning("could not fetch expert %d from %s: %s", e, holder, exc)
+                continue
+            except Exception as exc:
+                log.warning("could not reach %s for expert %d: %s", holder, e, exc)
+                unreachable.add(holder)
+                continue
+            model.write_expert(e, tensors)
+            if self.outer is not None and self.outer.stateful:  # our outer steps on it must match its holders'
+                self.outer.fetch_momentum(self.downloader, holder, f"expert:{e}", sum(t.numel() for t in like))
+            return True
+        return False
 
     def _by_delta(self, model: MoETransformer, e: int, digest: str, holders: list[str]) -> bool:
         """Bring expert ``e`` to ``digest`` from its group's encoded average; False when that cannot be
@@ -175,11 +205,13 @@ class Refresher:
         """
         fetched = missed = 0
         unreachable: set[str] = set()
+        private = private_of(peers)
+        later: list[tuple[int, str, list[str]]] = []  # experts whose agreed copy reachable peers may serve soon
         for e in experts:
             holders = [p for p, r in peers.items() if e in r.experts and p != self.peer_id]
             if any_copy:  # holders first, then anyone's frozen copy
                 holders += sorted(p for p in peers if p != self.peer_id and p not in holders)
-            uid = f"expert:{e}"
+            uid, copies = f"expert:{e}", []
             if versions is not None:
                 best = None
                 for pool in (preferred or {}, versions):  # holders as the versions name them: the same for everyone
@@ -193,27 +225,26 @@ class Refresher:
                 uid = f"expert:{e}@{best}"
                 if tensor_digest(model.expert_tensors(e)) == best:
                     continue  # already the agreed version
-                if self._by_delta(model, e, best, holders):
+                if self._by_delta(model, e, best, self._order(holders, private)):
                     fetched += 1
                     continue
-            like = [t.detach() for t in model.expert_tensors(e)]
-            for holder in (h for h in holders if h not in unreachable):
-                try:
-                    _, tensors = self.downloader.download(holder, uid, like, attempts=2)
-                except TransportError as exc:
-                    log.warning("could not fetch expert %d from %s: %s", e, holder, exc)
-                    continue
-                except Exception as exc:
-                    log.warning("could not reach %s for expert %d: %s", holder, e, exc)
-                    unreachable.add(holder)
-                    continue
-                model.write_expert(e, tensors)
-                if self.outer is not None and self.outer.stateful:  # our outer steps on it must match its holders'
-                    self.outer.fetch_momentum(self.downloader, holder, f"expert:{e}", sum(t.numel() for t in like))
+                if not self.reachable or all(h in private for h in holders):
+                    # its holders are out of our reach: a reachable peer serves its frozen copy once it has
+                    # refreshed it to the agreed digest (it dials them, or they opened a connection to it)
+                    copies = sorted(p for p in peers if p != self.peer_id and p not in holders and p not in private)
+            if self._fetch(model, e, uid, self._order(holders, private), unreachable):
                 fetched += 1
-                break
+            elif copies:
+                later.append((e, uid, copies))
             else:
                 missed += bool(holders)
+        for wait in COPY_WAITS:
+            if not later:
+                break
+            time.sleep(wait)
+            left = [(e, uid, copies) for e, uid, copies in later if not self._fetch(model, e, uid, copies, unreachable)]
+            fetched, later = fetched + len(later) - len(left), left
+        missed += len(later)
         self.stats.refresh_missed += missed
         return fetched, missed
 

@@ -21,6 +21,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from dht.auth import RunAuth
+from dht.reachability import is_private
 from dht.records import PeerRecord
 from p2p_spes.averaging import pack, unpack
 from p2p_spes.data_manifest import MANIFEST_NAME, FileEntry, Manifest
@@ -179,7 +180,7 @@ def peer_sources(
     runtime: Runtime, records: dict[str, PeerRecord], fingerprint: str, me: str, shard: int | None = None
 ) -> list[PeerSource]:
     """Peers that hold data ``fingerprint`` (and, given ``shard``, that train shard), in random order, so
-    that newcomers spread over them."""
+    that newcomers spread over them; holders nobody can dial only when no other holds it."""
     peers = []
     for peer, record in records.items():
         held = Holding.of(record)
@@ -191,7 +192,10 @@ def peer_sources(
         ):
             peers.append(peer)
     random.shuffle(peers)
-    return [PeerSource(runtime, p, fingerprint) for p in peers]
+    # a dial to a private peer fails (after a timeout, behind a firewall that drops it) unless a connection
+    # it opened to us carries it: worth a try only when nobody else holds the file
+    reachable = [p for p in peers if not is_private(records[p].extra)]
+    return [PeerSource(runtime, p, fingerprint) for p in reachable or peers]
 
 
 def holders_of(

@@ -62,11 +62,11 @@ class Membership:
 
     # Views of the others ---------------------------------------------------------------------
     def live_peers(self, max_age: float = 0.0) -> dict[str, PeerRecord]:
-        """Peers with a current record for this model that have not announced leaving (us included);
-        with ``max_age``, our last read if it is that recent (each read costs a DHT lookup)."""
+        """Peers with a current record for this model that have not announced leaving (us included); with ``max_age``,
+        our last read if it is that recent (a read costs a DHT lookup; ``inf``: none, ever, so safe on the loop)."""
         last = self._last_read
-        if max_age > 0 and last is not None and time.monotonic() - last[0] < max_age:
-            return dict(last[1])
+        if max_age == float("inf") or (max_age > 0 and last is not None and time.monotonic() - last[0] < max_age):
+            return dict(last[1]) if last is not None else {}
         records = self.runtime.call(self.runtime.get(peers_key(self.runtime.run_id)))
         out = {}
         for peer, value in records.items():

@@ -13,6 +13,7 @@ import asyncio.subprocess as aio_subprocess
 import ctypes
 import logging
 import os
+import random
 import signal
 import threading
 from collections.abc import Coroutine
@@ -23,7 +24,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from dht.auth import RunAuth
+from dht.keys import peers_key
 from dht.node import Redial, peer_id_of, start_dht
+from dht.reachability import ASKED, DialbackServer, Reachability, ask_all, askable, decide, forced, is_private
 from dht.records import signed_values
 from p2p_spes.averaging.wire_meter import MeteredP2P, WireMeter
 from p2p_spes.config import SwarmConfig
@@ -83,18 +86,47 @@ class Runtime:
         if not _FORK_HOOK_INSTALLED:
             os.register_at_fork(after_in_child=_patch_child_spawns)
             _FORK_HOOK_INSTALLED = True
+        self._sw = sw
+        self.dht, self.identity = self._start(client_mode=sw.client_mode or sw.reachability == "private")
+        self.initial_peer_ids = [p for p in map(peer_id_of, sw.initial_peers) if p and p != self.identity.peer_id]
+        self.meter = WireMeter()  # every byte on our streams, by purpose (averaging/wire_meter.py)
         try:
-            self.dht, self.identity = start_dht(
+            self.p2p = MeteredP2P(self.call(self.dht.replicate_p2p()), self.meter)
+            self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+            self.reachability = self._find_role()
+            if not self.reachability.reachable and not (sw.client_mode or sw.reachability == "private"):
+                # a DHT in server mode puts our address into others' routing tables, where nobody can dial it
+                self.call(self._close_replica())
+                self.dht.shutdown()
+                self.dht, self.identity = self._start(client_mode=True, restart=True)
+                self.p2p = MeteredP2P(self.call(self.dht.replicate_p2p()), self.meter)
+                self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+            log.info(self.reachability.describe())
+            self.peer_id: str = self.identity.peer_id
+            self.dialback = DialbackServer(self.p2p)  # every peer answers others' probes (the rate is bounded)
+            self.call(self.dialback.start())
+        except BaseException:
+            self.dht.shutdown()
+            self._stop_loop()
+            raise
+
+    def _start(self, client_mode: bool, restart: bool = False) -> tuple[Any, Any]:
+        """Start our DHT node (and its libp2p daemon); a failure is a :class:`SwarmError` naming the cause.
+        A ``restart`` of the node we just stopped skips the check that no live peer uses our identity."""
+        sw = self._sw
+        try:
+            return start_dht(
                 sw.identity_path,
                 [self.run_id],
-                auth=auth,
+                auth=self.auth,
                 initial_peers=list(sw.initial_peers) or None,
                 host_maddrs=list(sw.host_maddrs),
                 announce_maddrs=list(sw.announce_maddrs) or None,
-                client_mode=sw.client_mode,
+                client_mode=client_mode,
                 use_relay=sw.use_relay,
                 use_auto_relay=sw.use_auto_relay,
                 startup_timeout=sw.bootstrap_timeout,
+                check_if_identity_free=not restart,
             )
         except SwarmError:
             self._stop_loop()
@@ -107,11 +139,45 @@ class Runtime:
                 "complete (/ip4/HOST/tcp/PORT/p2p/PEER_ID), that a peer of the run is listening there, and that no "
                 "firewall blocks the port"
             ) from None
-        self.peer_id: str = self.identity.peer_id
-        self.initial_peer_ids = [p for p in map(peer_id_of, sw.initial_peers) if p and p != self.peer_id]
-        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
-        self.meter = WireMeter()  # every byte on our streams, by purpose (averaging/wire_meter.py)
-        self.p2p = MeteredP2P(self.call(self.dht.replicate_p2p()), self.meter)
+
+    async def _close_replica(self) -> None:
+        """Stop our handle on the daemon before the daemon goes (its tasks must end on this loop, not be
+        collected while pending)."""
+        await self.p2p.shutdown()
+        await asyncio.sleep(0.1)
+
+    def _find_role(self) -> Reachability:
+        """Our role: the one ``swarm.reachability`` forces, else the dial-back probe's (``dht/reachability.py``):
+        one or two of our initial peers are asked, then, if none of them answered, peers of the run's records."""
+        sw = self._sw
+        if sw.reachability != "auto":
+            return forced(sw.reachability, f"set by swarm.reachability={sw.reachability}")
+        if sw.client_mode:
+            return forced("private", "set by swarm.client_mode")
+        me = self.identity.peer_id
+        asked = askable(sw.initial_peers, me)
+        if not asked:
+            return decide([])  # the run's first peer: nobody to ask
+        answers = self.call(ask_all(self.p2p, self.maddrs, asked))
+        if not any(a.conclusive for a in answers):
+            others = self._reachable_records(exclude={me, *(p for p, _ in asked)})
+            answers += self.call(ask_all(self.p2p, self.maddrs, others[:ASKED])) if others else []
+        return decide(answers)
+
+    def _reachable_records(self, exclude: set[str]) -> list[tuple[str, str]]:
+        """Peers of the run whose records say they can be dialled, as ``(peer id, how the log names it)``."""
+        try:
+            records = self.call(self.get(peers_key(self.run_id)))
+        except Exception as exc:  # a DHT that does not answer: nobody more to ask
+            log.info("could not read the run's peers to ask for a dial-back: %s", exc)
+            return []
+        found = [
+            (peer, f"peer {peer[:12]}")
+            for peer, value in records.items()
+            if peer not in exclude and isinstance(value, dict) and not value.get("left") and not is_private(value)
+        ]
+        random.shuffle(found)
+        return found
 
     def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
         """Run ``coro`` on the loop and wait for its result (from any thread but the loop's)."""

@@ -21,6 +21,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from dht.auth import RunAuth
+from dht.reachability import reachable_first
 from p2p_spes.averaging import (
     TransportError,
     TruncatedStream,
@@ -63,6 +64,7 @@ class StateServer:
         self.model: MoETransformer | None = None
         self._snapshot: dict[str, list[Entry]] = {}
         self._updates: dict[str, list[Entry]] = {}  # uid -> [(meta: digest, base; encoded parts)], newest last
+        self._kept: tuple[int, dict[str, Entry]] = (-1, {})  # (round, frozen copies as they were before a merge)
 
     async def start(self) -> None:
         await self.runtime.p2p.add_protobuf_handler(
@@ -88,6 +90,17 @@ class StateServer:
             previous = [v for v in self._snapshot.get(uid, [])[-1:] if v[0]["digest"] != meta["digest"]]
             snapshot[uid] = previous + [(meta, tensors)]
         self._snapshot = snapshot
+        if self._kept[0] < round_no:
+            self._kept = (-1, {})
+
+    def keep_copies(self, round_no: int) -> None:
+        """Serve our frozen copies as they are now (the agreed versions) until the next round's snapshot:
+        a warm-up merge is about to change them, and a private peer refreshing an expert only private
+        peers train can take the agreed version from no one but a reachable peer's copy."""
+        model = self.model
+        held = [e for e in model.held_experts() if e not in model.local_experts]
+        copies = {f"expert:{e}": self._frozen_copy(f"expert:{e}") for e in held}
+        self._kept = (round_no, {uid: entry for uid, entry in copies.items() if entry is not None})
 
     def keep_update(self, uid: str, base: str, digest: str, messages: list[torch.Tensor]) -> None:
         """Serve the encoded average that took ``uid`` from the anchor ``base`` (a flat digest) to the
@@ -129,7 +142,8 @@ class StateServer:
         if entry is None and uid.startswith("expert:"):
             entry = self._frozen_copy(uid)
             if entry is not None and digest and entry[0]["digest"] != digest:
-                entry = None
+                kept = self._kept[1].get(uid)
+                entry = kept if kept is not None and kept[0]["digest"] == digest else None
         return entry
 
     async def _rpc_state(self, request: runtime_pb2.ExpertUID, context):
@@ -160,11 +174,18 @@ class Downloader:
     """Fetches served entries from other peers, checking each against the digest it was served under."""
 
     def __init__(
-        self, runtime: Runtime, stats: SwarmCounters, timeout: float, deadlines: Deadlines | None = None
+        self,
+        runtime: Runtime,
+        stats: SwarmCounters,
+        timeout: float,
+        deadlines: Deadlines | None = None,
+        private: Callable[[], set[str]] = set,
     ) -> None:
         """``timeout`` bounds every download; with ``deadlines`` a download's deadline is its size over
-        the rate observed so far (at most ``timeout``), and each finished download is measured."""
+        the rate observed so far (at most ``timeout``), and each finished download is measured.
+        ``private`` names the peers nobody can dial: :meth:`first_of` asks them last."""
         self.runtime, self.stats, self.timeout, self.deadlines = runtime, stats, timeout, deadlines
+        self.private = private
 
     def _deadline(self, like: Sequence[torch.Tensor]) -> float:
         if self.deadlines is None:
@@ -262,8 +283,10 @@ class Downloader:
         errors: list[str] | None = None,
         attempts: int = 2,
     ) -> tuple[str, Entry] | None:
-        """The first of ``peers`` that serves ``uid`` (digest checked), with what it served; None if none did."""
-        for peer in peers:
+        """The first of ``peers`` that serves ``uid`` (digest checked), with what it served; None if none did.
+        Peers that can be dialled are asked first, in their order: a dial to a private peer fails (after
+        a timeout, behind a firewall that drops it) unless a connection it opened to us carries it."""
+        for peer in reachable_first(peers, self.private()):
             try:
                 return peer, self.download(peer, uid, like, attempts=attempts)
             except Exception as exc:

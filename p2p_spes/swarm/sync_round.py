@@ -288,6 +288,8 @@ class RoundRunner:
         if sw.merge_interval and step % sw.merge_interval == 0:
             alpha = merge_alpha(step, sw.merge_alpha_start, sw.merge_decay_steps)
             if alpha > 0:
+                if self.runtime.reachability.reachable:  # private peers may still be refreshing from our copies
+                    self.server.keep_copies(round_no)
                 self.applier.merge(model, alpha)
                 self.server.take_snapshot(round_no, step, self.outer.momentum)
                 report.merge_alpha = alpha

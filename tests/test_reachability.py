@@ -1,0 +1,183 @@
+"""The dial-back probe (dht/reachability.py): which addresses a prober dials, a plain TCP connect on
+loopback (a listening port accepts, a closed one fails), the rate bound, the role the answers give,
+and the handler between two libp2p daemons on loopback; and what the roles change in downloads: a
+private peer never dials another, a reachable one asks private holders last, data comes from
+reachable holders."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+from helpers import SMALL_MODEL
+from hivemind.p2p import P2P
+
+from dht.reachability import (
+    MAX_TARGETS,
+    Answer,
+    Dial,
+    DialbackServer,
+    RateLimit,
+    ask,
+    askable,
+    decide,
+    dial_targets,
+    reachable_first,
+    tcp_address,
+    try_connect,
+)
+from dht.records import PeerRecord, VersionRecord
+from p2p_spes.averaging import TransportError, tensor_digest
+from p2p_spes.config import load_config
+from p2p_spes.model import MoETransformer
+from p2p_spes.swarm.agreement import Refresher
+from p2p_spes.swarm.counters import SwarmCounters
+from p2p_spes.swarm.data_server import peer_sources
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_addresses_and_what_a_prober_dials():
+    assert tcp_address("/ip4/10.0.0.2/tcp/31337/p2p/QmPeer") == ("10.0.0.2", 31337)
+    assert tcp_address("/ip6/::1/tcp/5/p2p/QmPeer") == ("::1", 5)
+    assert tcp_address("/ip4/10.0.0.2/udp/1/quic") is None and tcp_address("/dns4/x.org/tcp/1") is None
+    assert tcp_address("/ip4/300.0.0.1/tcp/1") is None and tcp_address("/ip4/1.2.3.4/tcp/0") is None
+    # behind a NAT: its private address is not dialled (on our side it is a machine of our own network),
+    # its port is, at the address its connection came from (the router's)
+    assert dial_targets(["/ip4/192.168.2.2/tcp/4000/p2p/Qm"], ["10.47.0.2"]) == [("10.47.0.2", 4000)]
+    # a public peer: its own address, once
+    assert dial_targets(["/ip4/10.47.0.1/tcp/4000"], ["10.47.0.1"]) == [("10.47.0.1", 4000)]
+    # loopback only when it came from loopback: never our own services for someone elsewhere
+    assert dial_targets(["/ip4/127.0.0.1/tcp/4000"], ["10.0.0.9"]) == [("10.0.0.9", 4000)]
+    assert dial_targets(["/ip4/127.0.0.1/tcp/4000"], ["127.0.0.1"]) == [("127.0.0.1", 4000)]
+    # a globally routable announced address is dialled as announced; nothing but TCP; at most MAX_TARGETS
+    assert dial_targets(["/ip4/8.8.8.8/tcp/1", "/ip4/10.1.1.1/udp/2"], []) == [("8.8.8.8", 1)]
+    many = [f"/ip4/8.8.8.{i}/tcp/{1000 + i}" for i in range(10)]
+    assert len(dial_targets(many, ["9.9.9.9"])) == MAX_TARGETS
+    assert askable(["/ip4/1.2.3.4/tcp/5/p2p/QmA", "/ip4/1.2.3.5/tcp/5/p2p/QmMe", "/ip4/x/tcp/1"], "QmMe") == [
+        ("QmA", "the initial peer at /ip4/1.2.3.4/tcp/5")
+    ]
+    assert reachable_first(["a", "b", "c", "d"], {"a", "c"}) == ["b", "d", "a", "c"]
+
+
+def test_a_listening_port_accepts_and_a_closed_one_fails():
+    async def dials() -> tuple[Dial, Dial]:
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await try_connect("127.0.0.1", port), await try_connect("127.0.0.1", closed_port())
+
+    accepted, refused = asyncio.run(dials())
+    assert accepted.ok and accepted.maddr.startswith("/ip4/127.0.0.1/tcp/")
+    assert not refused.ok and "refused" in refused.error.lower()
+
+
+def test_a_requester_gets_a_few_probes_a_minute():
+    limit = RateLimit(per_peer=3, total=5, window=60.0)
+    assert [limit.admit("a", now=t) for t in (0, 1, 2, 3)] == [True, True, True, False]
+    assert limit.admit("b", now=4) and limit.admit("b", now=5)
+    assert not limit.admit("c", now=6), "all requesters together: at most 5 a minute"
+    assert limit.admit("a", now=60.5), "a minute after its first probe, one more"
+
+
+def test_the_role_the_answers_give():
+    ok, refused = Dial("/ip4/10.47.0.1/tcp/4", True), Dial("/ip4/10.47.0.2/tcp/4", False, "Connection refused")
+    public = decide([Answer("A", "the initial peer at X", (refused, ok))])
+    assert public.role == "public" and "dialled /ip4/10.47.0.1/tcp/4 back" in public.reason
+    private = decide([Answer("A", "the initial peer at X", (refused,)), Answer("B", "peer B", error="timeout")])
+    assert private.role == "private" and private.source == "probe"
+    assert "the initial peer at X could not dial /ip4/10.47.0.2/tcp/4 (Connection refused)" in private.reason
+    assert private.describe().endswith("averaging as a client: contributing and fetching, reducing nothing")
+    assert decide([]).role == "public" and decide([]).source == "alone"
+    old = decide([Answer("A", "the initial peer at X", error="protocol not supported")])
+    assert old.role == "public" and old.source == "assumed" and "protocol not supported" in old.reason
+
+
+@pytest.mark.slow
+def test_the_dialback_handler_between_two_daemons_on_loopback():
+    """A requester asks a prober to dial its own listening address (accepted) and a closed port
+    (failed); the fourth request within a minute is refused by the rate bound."""
+
+    async def run() -> list[Answer]:
+        prober = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        requester = await P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await prober.get_visible_maddrs()
+        )
+        try:
+            await DialbackServer(prober).start()
+            peer = prober.peer_id.to_base58()
+            mine = [str(m) for m in await requester.get_visible_maddrs()]
+            closed = [f"/ip4/127.0.0.1/tcp/{closed_port()}"]
+            return [
+                await ask(requester, peer, "the prober", mine),
+                await ask(requester, peer, "the prober", closed),
+                await ask(requester, peer, "the prober", mine),
+                await ask(requester, peer, "the prober", mine),
+            ]
+        finally:
+            await requester.shutdown()
+            await prober.shutdown()
+
+    reachable, closed, _, limited = asyncio.run(run())
+    assert reachable.conclusive and reachable.accepted, reachable
+    assert closed.conclusive and not closed.accepted and "refused" in closed.dials[0].error.lower(), closed
+    assert decide([reachable]).role == "public" and decide([closed]).role == "private"
+    assert not limited.conclusive and "rate limited" in limited.error
+    assert decide([limited]).role == "public"  # no answer: assumed public
+
+
+class CopyServer:
+    """Serves expert ``uid``s by peer: ``serves`` maps a peer to the attempt from which it serves (it
+    refreshed its copy then); every other download is refused."""
+
+    def __init__(self, tensors: list[torch.Tensor], serves: dict[str, int]) -> None:
+        self.tensors, self.serves, self.calls = tensors, serves, []
+
+    def download(self, peer: str, uid: str, like, attempts: int = 4):
+        self.calls.append(peer)
+        if len(self.calls) > self.serves.get(peer, 10**9):
+            return {"digest": tensor_digest(self.tensors)}, [t.clone() for t in self.tensors]
+        raise TransportError(f"{peer} does not serve {uid}")
+
+
+def test_a_private_peer_never_dials_a_private_holder_and_takes_a_reachable_copy(monkeypatch):
+    monkeypatch.setattr("p2p_spes.swarm.agreement.time.sleep", lambda seconds: None)
+    cfg = load_config(None, SMALL_MODEL)
+    model = MoETransformer(cfg.model, cfg.moe, local_experts=[0])
+    agreed = [t.detach() + 1 for t in model.expert_tensors(1)]
+    digest = tensor_digest(agreed)
+    peers = {
+        "natted": PeerRecord("natted", [1], 10, 1, "fp", [], {"reachability": "private"}),
+        "public": PeerRecord("public", [2], 10, 1, "fp", [], {"reachability": "public"}),
+    }
+    versions = {"natted": VersionRecord("natted", True, "s", {1: digest})}
+    # the public peer's copy is the agreed one from its second ask on (it was still refreshing it)
+    server = CopyServer(agreed, {"public": 1})
+    natted_too = Refresher("me", server, SwarmCounters(), reachable=False)
+    assert natted_too.refresh(model, peers, [1], versions, versions) == (1, 0)
+    assert server.calls == ["public", "public"] and tensor_digest(model.expert_tensors(1)) == digest
+    # a reachable peer asks a private holder too (a connection it opened to us carries it), but last
+    model = MoETransformer(cfg.model, cfg.moe, local_experts=[0])
+    peers["other"] = PeerRecord("other", [1], 10, 1, "fp", [], {})  # an older peer: says nothing, reachable
+    versions["other"] = VersionRecord("other", True, "s", {1: digest})
+    server = CopyServer(agreed, {"natted": 1})
+    assert Refresher("me", server, SwarmCounters()).refresh(model, peers, [1], versions, versions) == (1, 0)
+    assert server.calls == ["other", "natted"]
+
+
+def test_data_comes_from_reachable_holders_when_there_are_any():
+    manifest_holding = {"data": {"fingerprint": "f", "shards": [0]}}
+    records = {
+        p: PeerRecord(p, [], 0, 0, "fp", [], {**manifest_holding, "reachability": role})
+        for p, role in (("a", "private"), ("b", "public"), ("c", "private"))
+    }
+    assert [s.peer for s in peer_sources(None, records, "f", "me", 0)] == ["b"]
+    del records["b"]
+    assert sorted(s.peer for s in peer_sources(None, records, "f", "me", 0)) == ["a", "c"]  # better than nothing
