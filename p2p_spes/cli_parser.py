@@ -250,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vol.add_argument("--max-restarts", type=int, default=5, help="restarts after crashes in a row before giving up")
     vol.add_argument("--memory-fraction", type=float, default=0.8, help="share of free device memory to plan for")
+    vol.add_argument("--reachability", choices=ROLES, default=None, help=REACHABILITY_HELP)
     _add_fetch_args(vol, flag=False)
     vol.add_argument(
         "train_args",

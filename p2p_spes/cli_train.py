@@ -142,6 +142,17 @@ def _plot_swarm(run_dir: Path) -> None:
     print(f"curves: {out}")
 
 
+def volunteer_train_command(args: argparse.Namespace, directory: Path, config: Path) -> list[str]:
+    """The ``p2p-spes train`` command line a volunteer's supervised peer runs (the same at every restart)."""
+    secret = ["--secret-file", args.secret_file] if args.secret_file else []
+    train = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--config", str(config)]
+    train += ["--run-id", args.run_id, "--initial-peers", *args.initial_peers, *secret]
+    train += ["--identity", str(directory / "peer.key"), "--run-dir", str(directory / "run")]
+    train += ["--reachability", args.reachability] if args.reachability else []
+    train += ["--resume", "auto", *args.train_args]  # a restarted peer goes on from its newest checkpoint
+    return train
+
+
 def cmd_volunteer(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts takes a whole number >= 0, got {args.max_restarts}")
@@ -165,10 +176,7 @@ def cmd_volunteer(args: argparse.Namespace) -> int:
     fetch += ["--config-hash", args.config_hash] if args.config_hash else []
     cmd_fetch_config(build_parser().parse_args(fetch))
 
-    train = [sys.executable, "-m", "p2p_spes", "train", "--no-progress", "--config", str(config)]
-    train += ["--run-id", args.run_id, "--initial-peers", *args.initial_peers, *secret]
-    train += ["--identity", str(directory / "peer.key"), "--run-dir", str(directory / "run")]
-    train += ["--resume", "auto", *args.train_args]  # a restarted peer goes on from its newest checkpoint
+    train = volunteer_train_command(args, directory, config)
     supervisor = Supervisor(
         lambda start: train, directory / "peer.log", Restarts(limit=args.max_restarts), directory / "peer.pid"
     )

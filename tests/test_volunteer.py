@@ -12,6 +12,8 @@ from pathlib import Path
 
 from helpers import P2P, ROOT
 
+from p2p_spes.cli_parser import build_parser
+from p2p_spes.cli_train import volunteer_train_command
 from p2p_spes.volunteer import REFUSED, Restarts, Supervisor, check_machine
 
 FAST = Restarts(limit=2, first_delay=0.05, max_delay=0.1)
@@ -150,3 +152,21 @@ def test_an_unreachable_run_is_refused_with_a_message(tmp_path):
     assert proc.returncode == 2, out
     assert "fetching the config of run 'p2p-spes'" in out and "error:" in out
     assert "Traceback" not in out
+
+
+def test_the_supervised_peer_resumes_and_takes_the_forced_role_and_the_train_arguments(tmp_path):
+    args = build_parser().parse_args(
+        ["volunteer", "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/QmA", "--run-id", "r", "--reachability", "private"]
+        + ["--", "--announce-maddrs", "/ip4/5.6.7.8/tcp/1"]
+    )
+    train = volunteer_train_command(args, tmp_path, tmp_path / "run-config.yaml")
+    assert train[1:4] == ["-m", "p2p_spes", "train"]
+    joined = " ".join(train)
+    assert (
+        f"--config {tmp_path / 'run-config.yaml'}" in joined and "--initial-peers /ip4/1.2.3.4/tcp/1/p2p/QmA" in joined
+    )
+    assert f"--identity {tmp_path / 'peer.key'}" in joined and f"--run-dir {tmp_path / 'run'}" in joined
+    assert "--reachability private" in joined and "--resume auto" in joined
+    assert train[-2:] == ["--announce-maddrs", "/ip4/5.6.7.8/tcp/1"]
+    parsed = build_parser().parse_args(train[3:])  # what the peer's own parser makes of it
+    assert "swarm.reachability=private" in parsed.overrides and parsed.resume == "auto"
