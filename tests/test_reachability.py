@@ -14,6 +14,7 @@ import torch
 from helpers import SMALL_MODEL
 from hivemind.p2p import P2P
 
+from dht.bootstrap import Bootstrap, BootstrapOptions
 from dht.reachability import (
     MAX_TARGETS,
     Answer,
@@ -30,6 +31,8 @@ from dht.reachability import (
 )
 from dht.records import PeerRecord, VersionRecord
 from p2p_spes.averaging import TransportError, tensor_digest
+from p2p_spes.cli_config import load_from_args
+from p2p_spes.cli_parser import build_parser
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.agreement import Refresher
@@ -181,3 +184,33 @@ def test_data_comes_from_reachable_holders_when_there_are_any():
     assert [s.peer for s in peer_sources(None, records, "f", "me", 0)] == ["b"]
     del records["b"]
     assert sorted(s.peer for s in peer_sources(None, records, "f", "me", 0)) == ["a", "c"]  # better than nothing
+
+
+def test_flags_force_a_role_on_train_swarm_and_bootstrap():
+    parser = build_parser()
+    train = parser.parse_args(["train", "--reachability", "private", "--use-auto-relay", "--set", "train.lr=0.01"])
+    cfg = load_from_args(train)
+    assert (cfg.swarm.reachability, cfg.swarm.use_auto_relay, cfg.train.lr) == ("private", True, 0.01)
+    # the local swarm passes it to every peer as one more --set
+    assert parser.parse_args(["swarm", "--reachability", "public"]).overrides == ["swarm.reachability=public"]
+    assert parser.parse_args(["bootstrap"]).reachability == "auto"
+    assert parser.parse_args(["train"]).overrides == [] and load_config(None, []).swarm.reachability == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--reachability", "sometimes"])
+
+
+@pytest.mark.slow
+def test_a_bootstrap_serves_the_dialback_and_asks_its_initial_peers(tmp_path):
+    first = Bootstrap(BootstrapOptions(str(tmp_path / "a.key"), ["/ip4/127.0.0.1/tcp/0"]))
+    second: Bootstrap | None = None
+    try:
+        options = BootstrapOptions(str(tmp_path / "b.key"), ["/ip4/127.0.0.1/tcp/0"], initial_peers=first.start())
+        second = Bootstrap(options)
+        second.start()
+        assert first.reachability.source == "alone" and first.reachability.reachable
+        assert second.reachability.source == "probe" and second.reachability.reachable, second.reachability
+        assert "the initial peer at /ip4/127.0.0.1/tcp/" in second.reachability.reason
+    finally:
+        if second is not None:
+            second.shutdown()
+        first.shutdown()
