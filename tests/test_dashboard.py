@@ -257,6 +257,7 @@ def test_the_dashboard_in_a_browser_shows_a_live_run_and_explains_a_wrong_addres
             len(e) for e in peers.values()
         )  # one cell per expert a peer trains
         assert "live: 2 peer(s)" in dom and "run dash" in dom
+        assert table.count(">public</td>") == 2  # loopback peers: each can be dialled (its reach column)
         assert re.search(r"<td>\d+</td><td>\d+</td><td>2</td>", section(dom, "rounds"))  # a round with 2 participants
         shot = run_dir / "dashboard.png"
         browse(live_url, tmp_path / "profile", screenshot=shot)
