@@ -20,6 +20,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from dht.keys import config_key, peers_key, run_config_key
+from dht.reachability import private_of
 from dht.records import PeerRecord
 from dht.run_config import run_config_record
 from p2p_spes import __version__
@@ -283,10 +284,11 @@ class Membership:
 
         Without this a peer cut off for a while (stopped, or its link down) that the others dropped in
         turn would read no records again: it would see itself alone and take over every expert."""
-        if not self.seen and not self.runtime.initial_peer_ids:
-            return  # the run's first peer, before anyone joined: there is nobody to reach
+        private = private_of(self.live_peers(float("inf")))  # DHT clients: they answer no ping (dht/reachability.py)
         with self._lock:
-            known = list(self.seen)
+            known = [p for p in self.seen if p not in private]
+        if not known and not self.runtime.initial_peer_ids:
+            return  # the run's first peer, before a reachable peer joined: there is nobody to reach
         random.shuffle(known)  # the probes take turns
         try:
             before, after = await self.runtime.redial(known, probe=PROBES)
