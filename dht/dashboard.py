@@ -29,14 +29,23 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from dht.auth import RunAuth
 from dht.dashboard_store import HistoryStore, curves_csv, store_path
 from dht.inspector import collect, open_dht
-from p2p_spes.wandb_log import RunViewLog
 
 log = logging.getLogger(__name__)
+
+
+class ViewLog(Protocol):
+    """Somewhere each read of the run also goes (the trainer's W&B ``RunViewLog``): given by the caller,
+    so the DHT side does not depend on the trainer's loggers."""
+
+    def write(self, snapshot: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
 
 STATIC = {
     "/": ("dashboard.html", "text/html"),
@@ -84,7 +93,7 @@ class RunWatch(threading.Thread):
         startup_timeout: float = 15.0,
         label: str | None = None,
         state_dir: str | Path | None = None,
-        wandb_log: RunViewLog | None = None,
+        wandb_log: ViewLog | None = None,
     ) -> None:
         """With ``state_dir`` what the watch sees is also kept on disk (``dashboard_store.py``) and what an
         earlier dashboard of the same run kept there is shown from the start. With ``wandb_log`` every read

@@ -31,8 +31,7 @@ from p2p_spes.optim import MuonAdamW, build_optimizer, lr_at, set_lr, trainable_
 from p2p_spes.progress import ProgressView
 from p2p_spes.run_data import RunData, identify_data, prepare_data
 from p2p_spes.run_summary import summary_path, trainer_summary, write_report
-from p2p_spes.tensorboard_log import ScalarLog
-from p2p_spes.wandb_log import WandbLog, peer_target
+from p2p_spes.scalar_sinks import ScalarSinks
 
 log = logging.getLogger(__name__)
 
@@ -140,18 +139,10 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir)
         self.first_loss: float | None = None  # of this process's first step, for the summary
         self.view: ProgressView | None = None  # the live view, while run() shows one
-        self.tensorboard = (
-            ScalarLog(tr.tensorboard_dir or self.run_dir / "tensorboard") if tr.tensorboard and self.is_main else None
-        )
-        target = peer_target(cfg, self.run_dir, peer_id) if self.is_main else None
-        self.wandb = None if target is None else WandbLog(target, self.wandb_config(peer_id))
+        who = {"peer_id": peer_id, "local_experts": self.model.local_experts, "data_partition": partition}
+        self.sinks = ScalarSinks.open(cfg, self.run_dir, peer_id, who) if self.is_main else ScalarSinks()
 
     # State -----------------------------------------------------------------------------------
-    def wandb_config(self, peer_id: str | None) -> dict[str, Any]:
-        """What the W&B run shows as its config: the resolved config, and who this peer is in the run."""
-        who = {"peer_id": peer_id, "local_experts": self.model.local_experts, "data_partition": self.partition}
-        return {**self.cfg.to_dict(), "this_peer": who}
-
     def trainer_state(self) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
@@ -308,11 +299,7 @@ class Trainer:
         """Append one line to ``metrics.jsonl`` (steps, and sync rounds from the swarm), wall-clock stamped."""
         if not self.is_main:
             return
-        record = self.metrics.append(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
-        if self.wandb is not None:
-            self.wandb.write(record)
+        self.sinks.write(self.metrics.append(record))
         if self.view is not None and "loss" not in record:  # rounds and takeovers; the loop feeds the steps
             self.view.update(self.run_dir.name, record)
 
@@ -380,14 +367,7 @@ class Trainer:
 
     def _close(self, failed: bool = False) -> None:
         self.view = None
-        if self.tensorboard is not None:
-            self.tensorboard.flush()
-        if self.wandb is not None:
-            try:
-                self.wandb.close(failed=failed)
-            except Exception as exc:  # a W&B service that died loses its run, never the peer's summary
-                log.warning("could not finish the W&B run: %s", exc)
-            self.wandb = None
+        self.sinks.close(failed=failed)
 
     def write_summary(self) -> dict[str, Any]:
         """``summary.json`` (rank 0 writes it; every rank of a node writes its own ``node-rank<r>.json``)."""
