@@ -28,23 +28,34 @@ def parameter_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+# the ``train.optimizer`` values that step with MuonAdamW; muon_attention leaves the experts to AdamW
+MUON_OPTIMIZERS = ("muon", "muon_attention")
+
+
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, *, ns_steps: int | None = None, muon_experts: bool | None = None
+) -> torch.optim.Optimizer:
     """``train.optimizer``: AdamW with weight decay on matrices and none on norm weights, or
-    :class:`MuonAdamW` (Muon on the hidden matrices, the same AdamW on the rest)."""
-    if cfg.optimizer == "muon":
+    :class:`MuonAdamW` (Muon on the hidden matrices, the same AdamW on the rest; ``muon_attention``:
+    Muon on the attention matrices only). ``ns_steps`` and ``muon_experts`` override the Newton-Schulz
+    iterations and whether the experts take Muon (benchmarks compare them)."""
+    if cfg.optimizer in MUON_OPTIMIZERS:
+        experts = cfg.optimizer == "muon" if muon_experts is None else muon_experts
         return MuonAdamW(
-            muon_parameter_groups(model, cfg),
+            muon_parameter_groups(model, cfg, experts=experts),
             lr=cfg.lr,
             betas=tuple(cfg.betas),
             eps=cfg.eps,
             adamw_lr_scale=cfg.muon_adamw_lr_scale,
+            ns_steps=5 if ns_steps is None else ns_steps,
         )
     return torch.optim.AdamW(parameter_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def optimizer_moments(name: str, param: nn.Parameter, cfg: TrainConfig) -> int:
     """fp32 tensors the optimizer keeps for ``param``: AdamW two moments, Muon one momentum."""
-    return 1 if cfg.optimizer == "muon" and is_hidden_matrix(name, param) else 2
+    muon = cfg.optimizer == "muon" or (cfg.optimizer == "muon_attention" and not is_expert(name))
+    return 1 if muon and is_hidden_matrix(name, param) else 2
 
 
 def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
@@ -68,18 +79,36 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-# Newton-Schulz quintic coefficients (Muon's): a steep slope at zero, so 5 steps bring every singular
-# value near 1 (roughly into [0.7, 1.2]), which is all the update needs.
+# Newton-Schulz quintic coefficients (Keller Jordan's, from Muon's reference): a steep slope at zero,
+# so 5 steps bring every singular value above about 1e-3 of the Frobenius norm into roughly [0.7, 1.2],
+# which is all the update needs. Each step costs a Gram matrix, its square and one product with the
+# matrix: ``4 m^2 n + 2 m^3`` FLOPs for an m x n matrix (m <= n).
 _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # (device, matrix shape) whose bf16 iteration failed MuonAdamW.self_check in this process: fp32 there
 _BF16_REFUSED: set[tuple[str, tuple[int, ...]]] = set()
+
+
+def ns_flops(shape: tuple[int, ...], steps: int) -> int:
+    """Matmul FLOPs of :func:`orthogonalize` with ``steps`` iterations on a tensor of ``shape`` (a stack
+    of matrices counts each): what the optimizer adds to a step, whatever the batch."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * steps * (4 * m * m * n + 2 * m**3)
 
 
 def orthogonalize(update: torch.Tensor, bf16: bool = False, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """Each matrix of ``update`` (its last two dimensions; a stack of experts is a batch) with its
     singular values pushed towards 1 by a Newton-Schulz iteration: Muon's step direction. ``bf16`` is
     how torch's and Muon's reference implementations run it on a GPU (the iteration tolerates it and
-    the matmuls are the optimizer's whole cost); fp32 otherwise."""
+    the matmuls are the optimizer's whole cost); fp32 otherwise.
+
+    Fewer ``steps`` (``MuonAdamW(ns_steps=...)``) keep Jordan's coefficients: with 3 they still bring
+    singular values above about 1.5e-2 of the norm into the band and leave the smaller ones short of
+    it. The published sets tuned for few steps were weighed and not taken: Polar Express's
+    per-iteration coefficients (Amsel et al., arXiv 2505.16932, Algorithm 1) are greedy minimax steps
+    for singular values down to 1e-3, optimal at every depth but centred on 1 only from about 5 steps
+    on (their first 3 map [1e-3, 1] to [0.13, 1.87]); You Jiacheng's set has 6 steps. Either way the
+    iteration's cost falls only with its steps, and ``benchmarks/step_time.py`` shows that at the
+    main job's 1,024 tokens a step the experts' share of it matters more than the steps."""
     a, b, c = _NS_COEFFICIENTS
     x = update.bfloat16() if bf16 else update.float()
     wide = x.shape[-2] <= x.shape[-1]
@@ -108,7 +137,8 @@ class MuonAdamW(torch.optim.Optimizer):
     Moonlight's rule), so one schedule serves both. Why here: MuLoCo (arXiv 2505.23725) finds Muon's
     normalized steps give pseudo-gradients that average better across workers than AdamW's. torch's
     own ``Muon`` takes 2-D parameters only; a peer's local experts are one 3-D stack, so the iteration
-    runs batched over experts. AdamW groups go through torch's functional Adam with the same state
+    runs batched over experts. ``ns_steps``: the Newton-Schulz iterations (:func:`orthogonalize`).
+    AdamW groups go through torch's functional Adam with the same state
     names (``exp_avg``, ``exp_avg_sq``, ``step``) as ``torch.optim.AdamW``.
     """
 
@@ -121,6 +151,7 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum: float = 0.95,
         update_rms: float = 0.2,
         adamw_lr_scale: float = 1.0,
+        ns_steps: int = 5,
     ) -> None:
         super().__init__(
             groups,
@@ -133,6 +164,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 "momentum": momentum,
                 "update_rms": update_rms,
                 "adamw_lr_scale": adamw_lr_scale,
+                "ns_steps": ns_steps,
             },
         )
 
@@ -179,7 +211,7 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             bf16 = p.is_cuda and (str(p.device), tuple(p.shape[-2:])) not in _BF16_REFUSED
-            direction = orthogonalize(p.grad.lerp(buf, mu), bf16=bf16)
+            direction = orthogonalize(p.grad.lerp(buf, mu), bf16=bf16, steps=group["ns_steps"])
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(direction, alpha=-lr * group["update_rms"] * math.sqrt(max(p.shape[-2:])))
 
@@ -224,13 +256,25 @@ def state_names(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> frozen
     return ADAMW_STATE if isinstance(optimizer, torch.optim.AdamW) else None
 
 
-def muon_parameter_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
+def is_expert(name: str) -> bool:
+    """An expert stack (``...mlp.experts.mlp.local_w1``): a matrix that sees only top-k/E of the tokens."""
+    return ".experts." in name
+
+
+def muon_parameter_groups(model: nn.Module, cfg: TrainConfig, experts: bool = True) -> list[dict]:
     """Muon for the hidden matrices (:func:`is_hidden_matrix`); AdamW for the other matrices with
-    weight decay and for norm weights without."""
+    weight decay and for norm weights without. ``experts=False``: the expert stacks on AdamW at the
+    plain ``lr`` (not ``muon_adamw_lr_scale`` times it), as ``train.optimizer=adamw`` steps them."""
     params = trainable_parameters(model)
+    muon = [(n, p) for n, p in params if is_hidden_matrix(n, p) and (experts or not is_expert(n))]
+    taken = {id(p) for _, p in muon}
+    own = [p for n, p in params if id(p) not in taken and is_hidden_matrix(n, p)]
     other = [p for n, p in params if not is_hidden_matrix(n, p)]
-    return [
-        {"params": [p for n, p in params if is_hidden_matrix(n, p)], "weight_decay": cfg.weight_decay, "muon": True},
+    groups = [
+        {"params": [p for _, p in muon], "weight_decay": cfg.weight_decay, "muon": True},
         {"params": [p for p in other if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in other if p.ndim < 2], "weight_decay": 0.0},
     ]
+    if own:
+        groups.append({"params": own, "weight_decay": cfg.weight_decay, "adamw_lr_scale": 1.0})
+    return groups
