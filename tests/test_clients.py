@@ -16,12 +16,13 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.proto import averaging_pb2
 
 from dht.keys import group_key
-from p2p_spes.averaging.allreduce import GroupAllReduce, flat_group
+from p2p_spes.averaging.allreduce import GroupAllReduce
 from p2p_spes.averaging.compression import Codec, message_numel
 from p2p_spes.averaging.flat_allreduce import FlatGroup, exchange_bytes
 from p2p_spes.averaging.grid import make_grid
-from p2p_spes.averaging.matchmaking import Joined, adopted, choose_outsider, decide, decision
+from p2p_spes.averaging.membership import Joined, adopted, decide, decision
 from p2p_spes.averaging.reducer import PartServer, PartSpec, describe, described, group_id
+from p2p_spes.averaging.roles import choose_outsider, flat_group
 from p2p_spes.averaging.transport import TransportError, pack, tensor_digest
 from p2p_spes.averaging.wire_meter import MeteredP2P, WireMeter
 

@@ -13,17 +13,15 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from dht.identity import peer_id_of_owner
 from dht.keys import group_key
 from p2p_spes.averaging import matchmaking
-from p2p_spes.averaging.matchmaking import (
-    ABORT_HOLD,
+from p2p_spes.averaging.matchmaking import ABORT_HOLD, aborted, join_group
+from p2p_spes.averaging.membership import (
     Base,
     Joined,
-    aborted,
     adopted,
     arrival_delays,
     closing_time,
     decide,
     decision,
-    join_group,
     longest_wait,
 )
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import SMALL
 
 from benchmarks.convergence import lockstep_place  # holds peers at each boundary until all reach it)
-from p2p_spes.averaging.matchmaking import agreed_window
+from p2p_spes.averaging.membership import agreed_window
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.peer import SwarmSync

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.lab.simulation import SimConfig, simulate
 from p2p_spes.averaging.compression import Codec
-from p2p_spes.averaging.matchmaking import decide
+from p2p_spes.averaging.membership import decide
 from p2p_spes.config import SwarmConfig
 
 SMALL = SimConfig(

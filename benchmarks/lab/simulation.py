@@ -1,7 +1,7 @@
 """A discrete-event model of sync rounds at sizes one machine cannot run (100 to 1,000 peers).
 
 **The project's own code** decides what it decides in a real run: who is in a group
-(``matchmaking.decide`` on the arrival records peers would write, with the join window each peer's
+(``membership.decide`` on the arrival records peers would write, with the join window each peer's
 ``pacing.Deadlines`` proposes from the arrivals it saw), the group's transfer deadline (the longest its
 members propose, each ``Deadlines.transfer_timeout`` from the rates it observed), the size of every message
 (``compression.Codec.wire_bytes``), where experts go (``placement.spes_block``; a restarted peer
@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from p2p_spes.averaging.allreduce import HOLD, relaxed_timeout
 from p2p_spes.averaging.compression import Codec
 from p2p_spes.averaging.grid import Grid, column_bounds, make_grid
-from p2p_spes.averaging.matchmaking import ABORT_HOLD, DECISION_LAG, decide
+from p2p_spes.averaging.matchmaking import ABORT_HOLD, DECISION_LAG
+from p2p_spes.averaging.membership import decide
 from p2p_spes.config import SwarmConfig
 from p2p_spes.healing import plan_takeover
 from p2p_spes.placement import spes_block

@@ -1,8 +1,9 @@
 """Group averaging: deadline-bounded all-reduce among the peers that show up, over hivemind's DHT and
 libp2p streams.
 
-One module per layer, as in hivemind's own ``averaging`` package: ``matchmaking`` forms a group,
-``allreduce`` runs an attempt and its retries (``grid_allreduce`` and ``grid`` for large groups),
+One module per layer, as in hivemind's own ``averaging`` package: ``matchmaking`` forms a group
+(``membership`` computes it from the records, ``roles`` says who reduces for it), ``allreduce`` runs an
+attempt and its retries (``grid_allreduce`` and ``grid`` for large groups),
 ``reducer`` and ``part_client`` are the two sides of a part's exchange, ``transport`` frames tensors on a
 stream, ``compression`` encodes them and ``aggregation`` combines contributions. Nothing here knows about
 the model, the trainer or the swarm's rounds; the swarm drives it through the names below.
@@ -11,7 +12,8 @@ the model, the trainer or the swarm's rounds; the swarm drives it through the na
 from p2p_spes.averaging.aggregation import Aggregator, build_aggregator, weighted_mean
 from p2p_spes.averaging.allreduce import HOLD, Attempt, GroupAllReduce, GroupResult
 from p2p_spes.averaging.compression import Codec, ErrorFeedback
-from p2p_spes.averaging.matchmaking import DECISION_LAG, Base, arrival_delays, longest_wait
+from p2p_spes.averaging.matchmaking import DECISION_LAG
+from p2p_spes.averaging.membership import Base, arrival_delays, longest_wait
 from p2p_spes.averaging.transport import (
     TransportError,
     TruncatedStream,

@@ -10,7 +10,7 @@ loop:
    under the group's DHT key. The group is everyone who arrived within the first arrival's proposed
    window (at most ``matchmaking_time``) of it; a member stops waiting early once every peer it expects
    has arrived, and every member adopts the membership and transfer deadline (the longest any member
-   proposed) the first arrival published (``matchmaking.py``).
+   proposed) the first arrival published (``matchmaking.py``, computed by ``membership.py``).
    The sorted member list hashes to a group id (with who reduces and their bandwidths, when not every
    member reduces an equal part). The *base* is the digest (and round) of the value the
    tensor is relative to (a pseudo-gradient's anchor): the group agrees on the newest one its members
@@ -20,18 +20,10 @@ loop:
    (``flat_allreduce.py``); a bounded group larger than ``group_size`` runs in rows and columns
    (``grid_allreduce.py``). Every member that succeeds decodes bit-identical values.
 
-**Reducers and clients.** Only the members that can be dialled reduce: the tensor is split among them
-(in proportion to their declared bandwidths, hivemind's ``load_balance_peers``; else in equal parts). A
-member that cannot be dialled (``reachable=False``, behind a NAT) is a *client*: it sends its encoded
-part to every reducer and fetches every averaged part (P parts out, all parts in), reduces and serves
-nothing, and nobody ever opens a stream to it. Every reducer's part waits for every member's
-contribution, clients' included, so a lost client fails the attempt at its deadline like any member and
-the retry forms without it. A group with no reachable member is reduced by a reachable *outsider*: the
-first arrival picks one of the peers ``helpers`` names (``matchmaking.choose_outsider``, by the hash of
-the attempt's key) and publishes it in its decision; the members send it their parts with the part's
-description and it creates the part on demand, adding nothing of its own (``reducer.PartSpec``). An
-outsider that fails is avoided by the retry. In a grid, a row's columns go to its reachable members only;
-a group whose reachable members cannot fill every row runs flat (``grid.make_grid``).
+**Reducers and clients** (``roles.py``). Only the members that can be dialled reduce, each a part of the
+tensor; a member that cannot (``reachable=False``, behind a NAT) is a *client*: it sends its part to every
+reducer and fetches every averaged part, and nobody opens a stream to it. A group with no reachable member
+is reduced by a reachable *outsider*, one of the peers ``helpers`` names, which its first arrival picks.
 
 Any missing contribution or part before the deadline fails the attempt *for the whole group*: a
 reducer either serves one result to everybody or none, and a member applies nothing unless it has
@@ -68,36 +60,21 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from dht.keys import group_key
-from dht.records import signed_values
 from p2p_spes.averaging.aggregation import Aggregator, weighted_mean
 from p2p_spes.averaging.attempt import HOLD, Attempt, Contribution, GroupResult, Rebase, based_tensor, relaxed_timeout
 from p2p_spes.averaging.compression import Codec
-from p2p_spes.averaging.flat_allreduce import FlatGroup, FlatRound
+from p2p_spes.averaging.flat_allreduce import FlatRound
 from p2p_spes.averaging.grid import Grid, make_grid
 from p2p_spes.averaging.grid_allreduce import ColumnResult, GridRound
-from p2p_spes.averaging.matchmaking import DECISION_LAG, Base, Joined, agreed_base, announce_done, join_group
+from p2p_spes.averaging.matchmaking import DECISION_LAG, announce_done, arrivals, join_group
+from p2p_spes.averaging.membership import Base, Joined, agreed_base
 from p2p_spes.averaging.part_client import PartClient
 from p2p_spes.averaging.reducer import PartServer
+from p2p_spes.averaging.roles import flat_group, outsider_candidates
 
 __all__ = ["HOLD", "Attempt", "GroupAllReduce", "GroupResult", "relaxed_timeout"]
 
 log = logging.getLogger(__name__)
-
-
-def flat_group(joined: Joined, timeout: float, deadline: float) -> FlatGroup:
-    """The flat group ``joined`` decided: its reducers (when not every member) and their bandwidths
-    (when any declared one), as every member derives them from the same decision."""
-    members, reducers = tuple(joined.members), tuple(joined.reducers)
-    bandwidths = tuple(joined.bandwidths.get(p, 0.0) for p in reducers)
-    bandwidths = bandwidths if any(bandwidths) else ()
-    return FlatGroup(
-        members,
-        joined.bases,
-        timeout,
-        deadline,
-        reducers=() if reducers == members else reducers,
-        bandwidths=bandwidths,
-    )
 
 
 def stands_aside(
@@ -381,20 +358,8 @@ class GroupAllReduce:
             abort=attempt.abort,
             reachable=self.reachable,
             bandwidth=self.bandwidth,
-            helpers=self._helpers(attempt),
+            helpers=outsider_candidates(self.helpers, attempt.avoid, self.peer_id),
         )
-
-    def _helpers(self, attempt: Attempt) -> list[str]:
-        """The reachable peers we know that may reduce for a group of clients (not those that failed
-        this round's earlier attempt)."""
-        if self.helpers is None:
-            return []
-        try:
-            known = list(self.helpers())
-        except Exception as exc:  # a membership read that failed leaves us without outsiders, not the round
-            log.warning("could not list reachable peers to reduce for a group of clients: %r", exc)
-            return []
-        return [p for p in known if p not in attempt.avoid and p != self.peer_id]
 
     async def _grid(
         self,
@@ -422,13 +387,7 @@ class GroupAllReduce:
             return ColumnResult(res.messages if res.ok else None, res.sent, res.bytes_sent, res.bytes_received)
 
         async def column_members(uid: str) -> list[str]:
-            found = await asyncio.wait_for(
-                self.dht.get(group_key(self.run_id, round_no, uid), latest=True, return_future=True),
-                self.matchmaking_time,
-            )
-            return sorted(
-                p for p, v in signed_values(found).items() if isinstance(v, dict) and isinstance(v.get("t"), float)
-            )
+            return await arrivals(self.dht, group_key(self.run_id, round_no, uid), self.matchmaking_time)
 
         out = await self.grid.run(
             round_no, attempt.group, grid, flat, attempt.weight, column_run, row_deadline, deadline, column_members

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p_spes.averaging.matchmaking import Base
+from p2p_spes.averaging.membership import Base
 from p2p_spes.averaging.transport import TransportError
 
 HOLD = 1.0  # seconds past a failed attempt's deadline before the next forms: members that finished say so by then

@@ -27,7 +27,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 
 from p2p_spes.averaging.attempt import Attempt, GroupResult, based_tensor
 from p2p_spes.averaging.compression import Codec
-from p2p_spes.averaging.matchmaking import Base
+from p2p_spes.averaging.membership import Base
 from p2p_spes.averaging.part_client import PartClient, PartMissing, Undelivered
 from p2p_spes.averaging.reducer import Part, PartServer, PartSpec, describe, group_id
 from p2p_spes.averaging.transport import TransportError, TruncatedStream, gather_or_cancel, pack
