@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python -m benchmarks.wan --peers 4 --mbit 20 --steps 150 --variant 4x20
     sudo .venv/bin/python -m benchmarks.wan --peers 2 --up 20 2 --down 50 4 --slow-cpu 0.33 --slow-peers 1 --variant asym
-    sudo .venv/bin/python -m benchmarks.wan --peers 3 --nat-peers 2 --rtt-ms 100 --variant nat-1+2-100ms
+    sudo .venv/bin/python -m benchmarks.wan --peers 3 --nat-peers 2 --rtt-ms 100 --variant nat-1-2-100ms
 
 Loopback hides the costs a real swarm pays: a joiner's catch-up download takes seconds while the
 others train on, rounds move megabytes over a few Mbit/s, and peers compute at different speeds.

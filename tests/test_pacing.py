@@ -66,6 +66,19 @@ def test_transfer_deadline_scales_with_the_payload_and_the_observed_rate():
     assert d.transfer_timeout(25_000_000) == pytest.approx(32.0)
 
 
+def test_a_group_with_clients_gets_a_longer_deadline_even_before_any_measurement():
+    """Three members and one reducer: its link carries two contributions in and two results out, where
+    every member reducing would carry two thirds of one each way; the cap scales by members / reducers."""
+    sw = load_config(None, ["swarm.averaging_timeout=30"]).swarm
+    d = Deadlines(sw)
+    assert d.proposed_timeout(10**9, scale=3.0) == 90.0, "unmeasured: the scaled configured timeout"
+    for _ in range(3):
+        d.observe_transfer(2_500_000, 1.0)  # 20 Mbit/s
+    assert d.proposed_timeout(100_000_000, scale=3.0) == pytest.approx(90.0)  # 122 s wanted: the scaled cap
+    assert d.proposed_timeout(50_000_000, scale=3.0) == pytest.approx(3 * 20 + 2)
+    assert d.proposed_timeout(50_000_000) == 30.0, "all reducing: the configured cap"
+
+
 def test_the_first_arrivals_window_is_the_groups():
     records = {"b": {"t": 5.0, "m": 2.0}, "a": {"t": 5.0, "m": 3.0}, "c": {"t": 4.0, "m": 20.0}}
     assert agreed_window(records, 8.0) == 8.0, "the earliest proposes; capped at matchmaking_time"

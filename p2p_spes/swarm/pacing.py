@@ -71,18 +71,24 @@ class Deadlines:
         mid, mad = median_and_mad(list(self._lateness))
         return min(max(mid + 4 * mad + 1.0, 1.0), self.sw.matchmaking_time)
 
-    def transfer_timeout(self, nbytes: int) -> float:
-        """The deadline for moving ``nbytes`` at the rate observed so far (3x the median time, + 2 s)."""
+    def transfer_timeout(self, nbytes: int, scale: float = 1.0) -> float:
+        """The deadline for moving ``nbytes`` at the rate observed so far (3x the median time, + 2 s), at
+        most ``scale`` x ``averaging_timeout`` (``scale`` > 1: a group whose few reducers carry more than
+        every member reducing would)."""
+        cap = self.sw.averaging_timeout * scale
         if len(self._rates) < self.min_samples:
-            return self.sw.averaging_timeout
+            return cap
         rate, _ = median_and_mad(list(self._rates))
-        return min(max(3 * nbytes / rate + 2.0, self.floor), self.sw.averaging_timeout)
+        return min(max(3 * nbytes / rate + 2.0, self.floor), cap)
 
-    def proposed_timeout(self, nbytes: int) -> float | None:
+    def proposed_timeout(self, nbytes: int, scale: float = 1.0) -> float | None:
         """The deadline to propose to a group (it keeps the longest proposed): None until our links are
         measured, so that a peer that knows nothing of them yet (a joiner, a restart) does not stretch
-        every group it joins to the configured ``averaging_timeout``; it keeps the group's."""
-        return None if len(self._rates) < self.min_samples else self.transfer_timeout(nbytes)
+        every group it joins to the configured ``averaging_timeout``; it keeps the group's. A group with
+        clients (``scale`` > 1) gets the scaled cap even then: the configured one is for all reducing."""
+        if len(self._rates) < self.min_samples and scale <= 1.0:
+            return None
+        return self.transfer_timeout(nbytes, scale)
 
     def describe(self) -> dict[str, float]:
         """What the inspector and metrics show: the window and the median observed rate."""

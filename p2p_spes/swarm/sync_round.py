@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dht.keys import group_key, peers_key, version_key
+from dht.reachability import private_of
 from dht.records import PeerRecord, VersionRecord
 from p2p_spes.averaging import (
     Base,
@@ -161,7 +162,7 @@ class RoundRunner:
                 weight,
                 set(peers),
                 window=window,
-                timeout=self._group_timeout(flat, len(peers)),
+                timeout=self._group_timeout(flat, peers, peers),
                 base=self.outer.base("shared"),
                 rebase=self._rebase("shared", flat.numel()),
                 bounded=True,
@@ -206,7 +207,7 @@ class RoundRunner:
                         weight,
                         groups[e],
                         window=window,
-                        timeout=self._group_timeout(payload, max(len(groups[e]), 2)),
+                        timeout=self._group_timeout(payload, groups[e], shared.peers),
                         base=self.outer.base(f"expert:{e}"),
                         rebase=self._rebase(f"expert:{e}", flats[e].numel()),
                     )
@@ -307,13 +308,19 @@ class RoundRunner:
         }
         self.stats.count_round(report.outcome)
 
-    def _group_timeout(self, flat: torch.Tensor, members: int) -> float | None:
+    def _group_timeout(self, flat: torch.Tensor, members: Iterable[str], peers: dict[str, PeerRecord]) -> float | None:
         """The transfer deadline we propose for an all-reduce of ``flat`` among ``members`` (None: not
-        measured yet): each member sends and receives about (members - 1) / members of it, twice
-        (contributions, then averaged parts)."""
-        members, codec = max(members, 2), self.reducer.codec
+        measured yet), for its busiest link: a reducer's. With every member reducing each moves about
+        (m - 1) / m of a contribution and of an averaged part each way; with only R of them reachable (the
+        others are clients; an outsider reduces for a group of clients) a reducer moves (m - 1) / R."""
+        members = set(members) | {self.peer_id}
+        private = private_of({p: r for p, r in peers.items() if p in members and p != self.peer_id})
+        private |= set() if self.reducer.reachable else {self.peer_id}
+        m = max(len(members), 2)
+        reducers = max(m - len(private), 1)
+        codec = self.reducer.codec
         wire = codec.wire_bytes(flat.numel()) + codec.result.wire_bytes(flat.numel())
-        return self.deadlines.proposed_timeout(int(wire * (members - 1) / members))
+        return self.deadlines.proposed_timeout(int(wire * (m - 1) / reducers), scale=m / reducers if private else 1.0)
 
     def _contribution(self, uid: str, current: torch.Tensor, sending: dict[str, torch.Tensor]):
         """What we send for ``uid``, computed once the group's anchor is ours (after any rebase)."""
