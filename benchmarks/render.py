@@ -335,6 +335,117 @@ def head_gpu_throughput() -> str:
     return "not measured: no GPU has been available"
 
 
+# -- the optimizers' cost per step and loss per second (step_time, equal_time) ------------------------
+
+OPTIMIZERS = {
+    "adamw": "AdamW",
+    "muon": "Muon, 5 Newton-Schulz steps, experts too",
+    "muon-4": "Muon, 4 steps",
+    "muon-3": "Muon, 3 steps",
+    "muon-attn": "Muon on attention only, experts on AdamW",
+}
+
+
+def _ratio(arm: dict) -> str:
+    r = arm.get("step_ratio_to_adamw")
+    return "" if not r else f" ({r['median']:.2f}x; {span([r['min'], r['max']], '.2f', 'repeat')})"
+
+
+def _loss(s: dict, at: str, r: Result) -> str:
+    gap = s[f"gap_{at}"]
+    return f"{s[f'val_{at}']['mean']:.3f} ({gap['mean']:+.1%}; {span([gap['min'], gap['max']], '+.1%')})"
+
+
+def performance_table() -> str:
+    """Per optimizer: seconds per step and MFU against the matmul rate measured in the same run, for one
+    peer of the main job and a spes-1b-shaped stack; validation loss at equal tokens and at equal time."""
+    st = load("step_time")
+    try:
+        et: Result | None = load("equal_time")
+    except OSError:  # not run yet
+        et = None
+    tiny, stack = st.payload["shapes"]["tiny"], st.payload["shapes"]["spes-1b-stack"]
+    summary, rate = et.payload["summary"] if et else {}, st.payload["matmul"]["median"]
+    header = (
+        f"| optimizer | s/step, tiny peer (x AdamW) | MFU | optimizer share | s/step, spes-1b stack (x AdamW) | MFU "
+        f"| optimizer share at {stack['real_tokens_per_step']:,} tokens (projected) | val loss at equal tokens "
+        f"({et.payload['steps'] if et else '-'} steps; vs AdamW) | steps at equal time | val loss at equal time "
+        "(vs AdamW) |"
+    )
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for arm, t in tiny["arms"].items():
+        b, e = stack["arms"].get(arm), summary.get(arm)
+        cells = [
+            OPTIMIZERS.get(arm, arm),
+            f"{t['step_s']:.2f}{_ratio(t)}",
+            f"{t['mfu']:.0%}",
+            f"{t['parts_s']['optimizer'] / t['step_s']:.0%}",
+            f"{b['step_s']:.1f}{_ratio(b)}" if b else "not run",
+            f"{b['mfu']:.0%}" if b else "",
+            f"{b['projected']['optimizer_share']:.1%}" if b else "",
+            _loss(e, "equal_tokens", et) if e else "not run",
+            span([e["steps_equal_time"]["min"], e["steps_equal_time"]["max"]], ".0f") if e else "",
+            _loss(e, "equal_time", et) if e else "not run",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    t, s = tiny["config"], stack["config"]
+    clock = (
+        "CPU seconds of one thread (the process's CPU time, which a crowded machine's descheduling does not inflate)"
+        if st.payload.get("clock") == "cpu"
+        else "wall seconds"
+    )
+    note = (
+        f"Seconds per step are {clock}, medians over {st.payload['steps']['tiny']['repeats']} interleaved repeats "
+        f"(tiny) and {st.payload['steps']['spes-1b-stack']['repeats']} (stack), the ratios paired per repeat (min "
+        f"to max); MFU is the model's matmul FLOP/s (6 x active parameters x tokens, plus attention) over the fp32 "
+        f"rate of a {st.payload['matmul']['n']}-square matmul timed the same way in the same run ({rate / 1e9:.0f} "
+        f"GFLOP/s, {st.payload['device_name']}, {st.payload['threads']} thread(s); {cite([st], False)}). Tiny peer: "
+        f"one peer of the main job, {t['experts_trained']} of {t['experts']} experts, {tiny['tokens_per_step']:,} "
+        f"tokens a step. Stack: {s['layers']} layers of spes-1b's shapes (d_model {s['d_model']}, "
+        f"{s['experts_trained']} of {s['experts']} experts of FFN {s['ffn_dim']}, vocabulary {s['vocab_size']:,}), "
+        f"{stack['tokens_per_step']:,} tokens a step; its last column puts the measured optimizer time against "
+        "spes-1b's own batch."
+    )
+    if et is None:
+        verdict = f"Losses not measured yet (benchmarks/equal_time.py). {note}"
+    else:
+        best = min(summary, key=lambda a: summary[a]["val_equal_time"]["mean"])
+        wins = [a for a in summary if a != "adamw" and summary[a]["gap_equal_time"]["max"] <= 0]
+        verdict = (
+            f"{note} Losses: the tiny config as one peer alone (all experts), {seeds(et, et.payload['seeds'])} "
+            "(mean; min to max of the per-seed gaps); at equal time an arm slower than AdamW runs the steps "
+            f"AdamW's time buys it by the ratio measured interleaved in that run, with its schedule finished "
+            f"({cite([et], False)}). Lowest at equal time: {OPTIMIZERS.get(best, best)} "
+            f"({summary[best]['val_equal_time']['mean']:.3f}); below AdamW at equal time on every seed: "
+            f"{', '.join(OPTIMIZERS.get(a, a) for a in wins) or 'none'}."
+        )
+    wrapped = textwrap.fill(verdict, 100, break_on_hyphens=False, break_long_words=False)
+    return "\n".join([*lines, "", wrapped])
+
+
+def head_step_time() -> str:
+    r = load("step_time")
+    tiny = r.payload["shapes"]["tiny"]["arms"]
+    muon, adamw = tiny["muon"], tiny["adamw"]
+    return (
+        f"one peer of the main job: Muon's step {muon['step_ratio_to_adamw']['median']:.2f}x AdamW's, "
+        f"{muon['parts_s']['orthogonalize'] / muon['step_s']:.0%} of it Newton-Schulz; MFU {adamw['mfu']:.0%} "
+        f"(AdamW) and {muon['mfu']:.0%} (Muon) of the fp32 matmul rate measured in the run ({seeds(r)})"
+    )
+
+
+def head_equal_time() -> str:
+    r = load("equal_time")
+    s = r.payload["summary"]
+    parts = [
+        f"{name} {s[name]['gap_equal_tokens']['mean']:+.1%} at equal tokens, {s[name]['gap_equal_time']['mean']:+.1%} "
+        "at equal time"
+        for name in s
+        if name != "adamw"
+    ]
+    return f"vs AdamW: {'; '.join(parts)} ({seeds(r, r.payload['seeds'])})"
+
+
 # each line's headline: a README result's second text, else head_<script>()
 TOPICS: dict[str, Callable[[], tuple[str, str]]] = {
     "memory": memory,
@@ -364,6 +475,8 @@ scale | 8 / 16 / 24 loopback peers with a kill, or 24 under churn | .venv/bin/py
 simulate | the round protocol at 100 and 1,000 peers, simulated with the project's own code | .venv/bin/python -m benchmarks.simulate | 3.5 | main
 chaos | a loopback swarm under kills, freezes, restarts, bootstrap kills and full disks (root for disks) | sudo .venv/bin/python -m benchmarks.chaos --minutes 30 --interval 5 15 --disk-full | 33 | main
 tokenize_throughput | `p2p-spes data tokenize` of a synthetic JSONL corpus cut from the embedded documents, 2 workers: speed and the resident memory of every process | .venv/bin/python -m benchmarks.tokenize_throughput | 6 | main
+step_time | a step split into data, forward, backward, optimizer (Newton-Schulz within it) and logging per optimizer, and MFU against a matmul rate measured in the same run; tiny and a spes-1b-shaped stack | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.step_time --clock cpu --steps 2 --repeats 3 --stack-steps 1 --stack-repeats 1 | 15 | main
+equal_time | validation loss at equal tokens and at equal wall time per optimizer, tiny config, 3 seeds | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.equal_time --arms adamw muon muon-attn --steps 60 | 40 | main
 gpu_throughput | one peer's tokens/s, MFU and peak memory on a CUDA GPU, per MoE backend | .venv/bin/python -m benchmarks.gpu_throughput | 5 (GPU) |
 """
 
@@ -383,7 +496,7 @@ def scripts_table() -> str:
 
 TARGETS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"numbers": numbers},
-    "benchmarks/README.md": {"scripts": scripts_table},
+    "benchmarks/README.md": {"scripts": scripts_table, "performance": performance_table},
 }
 
 
