@@ -357,3 +357,17 @@ def test_an_outsider_that_refuses_costs_a_retry_through_another(four):
     torch.testing.assert_close(results[0].tensor, weighted(tensors, weights, [0, 1]))
     assert meters[3].by_purpose["reducing"].received > 0
     assert_untouched(reducers, meters, {0, 1})
+
+
+def test_a_group_with_few_reducers_may_run_longer_than_the_configured_deadline():
+    """The configured deadline is for every member reducing; one reducer for three members carries every
+    client's contribution and result, so the cap grows by members / reducers, and only with clients."""
+    everyone = Joined(["a", "b", "c"], timeout=80.0)
+    assert everyone.deadline(30.0) == 30.0
+    one_reducer = Joined(["a", "b", "c"], timeout=80.0, clients={"b", "c"})
+    assert one_reducer.deadline(30.0) == 80.0 and Joined(["a", "b", "c"], timeout=200.0, clients={"b", "c"}).deadline(
+        30.0
+    ) == pytest.approx(90.0)
+    outsider = Joined(["a", "b"], timeout=500.0, clients={"a", "b"}, outsiders=["z"])
+    assert outsider.deadline(30.0) == pytest.approx(60.0)
+    assert Joined(["a", "b"], clients={"b"}).deadline(30.0) == 30.0, "nobody proposed one: the configured one"

@@ -353,7 +353,9 @@ class GroupAllReduce:
             matchmaking_time=self.matchmaking_time,
             ttl=self.records_ttl,
             hold_until=attempt.hold_until,
-            timeout=None if attempt.timeout is None else min(attempt.timeout, self.timeout),
+            timeout=None
+            if attempt.timeout is None
+            else min(attempt.timeout, self.timeout * max(len(attempt.expected), 1)),
             quorum=attempt.quorum,
             abort=attempt.abort,
             reachable=self.reachable,

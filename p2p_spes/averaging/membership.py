@@ -122,9 +122,11 @@ class Joined:
         return [p for p in self.members if p not in self.clients] or list(self.outsiders)
 
     def deadline(self, configured: float) -> float:
-        """The transfer deadline the group runs with: the agreed one, at most ``configured``; the
-        configured one when no member proposed any."""
-        return min(self.timeout, configured) if self.timeout > 0 else configured
+        """The transfer deadline the group runs with: the agreed one, at most the cap; the configured one
+        when no member proposed any. The cap is ``configured`` scaled by members / reducers: few reducers
+        carry every client's contribution and result, where ``configured`` is for every member reducing."""
+        cap = configured * len(self.members) / max(len(self.reducers), 1) if self.clients else configured
+        return min(self.timeout, cap) if self.timeout > 0 else configured
 
 
 def decide(records: dict[str, dict], matchmaking_time: float) -> Joined:

@@ -189,7 +189,7 @@ class PartServer:
             or sender not in spec.contributors
             or list(spec.contributors) != sorted(set(spec.contributors))
             or spec.gid != group_id(list(spec.contributors), list(spec.reducers), list(spec.bandwidths))
-            or not 0 < spec.seconds <= self.wait
+            or not 0 < spec.seconds <= self.wait * len(spec.contributors)  # one reducer carries them all
             or spec.size > MAX_ADOPTED_VALUES
             or len(self.adopted) >= MAX_ADOPTED
         ):
