@@ -20,7 +20,7 @@ import pytest
 from helpers import SMALL
 
 from benchmarks.lab.netlab import Lab, LinkSpec
-from benchmarks.lab.wan_report import SwarmReport, read_swarm
+from benchmarks.lab.wan_report import read_swarm
 from p2p_spes.local_swarm import LocalSwarm
 
 MBIT = 20.0
@@ -35,16 +35,6 @@ RUN = [
     "swarm.matchmaking_time=4",
     "swarm.averaging_timeout=30",
 ]
-
-
-def describe(report: SwarmReport) -> str:
-    return "; ".join(
-        f"peer {p.peer} (from step {p.start_step}, skipped {p.steps_skipped}): "
-        + " ".join(
-            f"r{r.round}:{r.members}/{r.outcome}" + (f" ({r.shared_error})" if r.shared_error else "") for r in p.rounds
-        )
-        for p in report.peers
-    )
 
 
 @pytest.mark.slow
@@ -75,9 +65,9 @@ def test_natted_peers_find_they_are_private_and_average_every_round(tmp_path: Pa
         assert "reducing nothing" in line
     report = read_swarm(tmp_path, 3)
     after = report.rounds_after_join()
-    assert all(len(rows) >= 3 for rows in after.values()), f"too few rounds after the join: {describe(report)}"
+    assert all(len(rows) >= 3 for rows in after.values()), f"too few rounds after the join: {report.describe_rounds()}"
     for peer, rows in after.items():
         missed = [(r.round, r.members, r.outcome) for r in rows if r.members != 3 or r.outcome != "averaged"]
-        assert not missed, f"peer {peer} missed rounds after the join {missed}: {describe(report)}"
-    assert [p.steps_skipped for p in report.peers] == [0, 0, 0], describe(report)
+        assert not missed, f"peer {peer} missed rounds after the join {missed}: {report.describe_rounds()}"
+    assert [p.steps_skipped for p in report.peers] == [0, 0, 0], report.describe_rounds()
     assert report.identical, report.differences

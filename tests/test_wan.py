@@ -266,16 +266,6 @@ def run_in_lab(run_dir: Path) -> tuple[SwarmReport, Lab, LocalSwarm]:
     return read_swarm(run_dir, 2), lab, swarm
 
 
-def describe(report: SwarmReport) -> str:
-    return "; ".join(
-        f"peer {p.peer} (from step {p.start_step}, skipped {p.steps_skipped}): "
-        + " ".join(
-            f"r{r.round}:{r.members}/{r.outcome}" + (f" ({r.shared_error})" if r.shared_error else "") for r in p.rounds
-        )
-        for p in report.peers
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.long
 def test_two_peers_on_slow_links_average_every_round_after_the_join(tmp_path):
@@ -289,11 +279,11 @@ def test_two_peers_on_slow_links_average_every_round_after_the_join(tmp_path):
     assert _root_links() <= links_before, "the lab left an interface in the root namespace"
     assert not any(group_alive(p.pid) for p in swarm.procs), "a peer's process group outlived the run"
     after = report.rounds_after_join()
-    assert all(len(rows) >= 3 for rows in after.values()), f"too few rounds after the join: {describe(report)}"
+    assert all(len(rows) >= 3 for rows in after.values()), f"too few rounds after the join: {report.describe_rounds()}"
     for peer, rows in after.items():
         missed = [(r.round, r.members, r.outcome) for r in rows if r.members != 2 or r.outcome != "averaged"]
-        assert not missed, f"peer {peer} missed rounds after the join {missed}: {describe(report)}"
-    assert [p.steps_skipped for p in report.peers] == [0, 0], describe(report)
+        assert not missed, f"peer {peer} missed rounds after the join {missed}: {report.describe_rounds()}"
+    assert [p.steps_skipped for p in report.peers] == [0, 0], report.describe_rounds()
     assert report.identical, report.differences
 
 

@@ -115,6 +115,18 @@ class SwarmReport:
             began[row.round] = min(began.get(row.round, row.began), row.began)
         return {p.peer: [r for r in p.rounds if began[r.round] >= joined] for p in self.peers}
 
+    def describe_rounds(self) -> str:
+        """Each peer's rounds in one line (members/outcome, and why its shared group failed): what a test
+        prints when a round went wrong."""
+        return "; ".join(
+            f"peer {p.peer} (from step {p.start_step}, skipped {p.steps_skipped}): "
+            + " ".join(
+                f"r{r.round}:{r.members}/{r.outcome}" + (f" ({r.shared_error})" if r.shared_error else "")
+                for r in p.rounds
+            )
+            for p in self.peers
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "last_common_round": self.last_common_round,
