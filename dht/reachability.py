@@ -4,10 +4,11 @@ A peer behind a home router or a firewall can dial out but nobody can dial it. I
 every member to accept streams it fails every round (issue 43), and its DHT record advertises addresses
 nobody outside its network reaches. So at start a peer asks one or two peers of the run (its initial
 peers: a bootstrap, or any live peer) to dial it back: each answers which of the addresses we listen on
-accepted a plain TCP connection. None accepted: the peer is ``private``, takes the client role (it
-contributes to its groups and fetches their results but reduces nothing, and its DHT runs in client
-mode); otherwise it is ``public``. A run's first peer has nobody to ask and is public; a peer whose
-probes get no answer at all (older peers serve no dial-back) assumes public and says so.
+answered as a libp2p host does (a TCP connection that greets with multistream-select). None did: the
+peer is ``private``, takes the client role (it contributes to its groups and fetches their results but
+reduces nothing, and its DHT runs in client mode); otherwise it is ``public``. A run's first peer has
+nobody to ask and is public; a peer whose probes get no answer at all (older peers serve no dial-back)
+assumes public and says so.
 
 Every peer and every bootstrap serves the dial-back handler, :data:`HANDLER`. Its name is not scoped
 by run: a bootstrap may serve no run or several, and a private run's key space is derived from a
@@ -42,7 +43,8 @@ Setting = Literal["auto", "public", "private"]
 HANDLER = "p2p-spes.dialback"
 RECORD_FIELD = "reachability"  # a peer's role in its DHT record
 MAX_TARGETS = 4  # addresses dialled per request
-DIAL_TIMEOUT = 3.0  # seconds one TCP connect may take
+DIAL_TIMEOUT = 3.0  # seconds one TCP connect may take, and then its greeting
+GREETING = b"\x13/multistream/1.0.0\n"  # what a libp2p listener sends first on every connection
 ANSWER_TIMEOUT = 12.0  # seconds a requester waits for one answer (the dials run in parallel)
 PER_PEER = 3  # probes a requester gets per WINDOW
 PER_MINUTE = 30  # probes all requesters together get per WINDOW
@@ -146,20 +148,30 @@ def dial_targets(announced: Iterable[str], observed: Iterable[str]) -> list[tupl
 
 
 async def try_connect(host: str, port: int, timeout: float = DIAL_TIMEOUT) -> Dial:
-    """A plain TCP connect to ``host:port``: accepted, or the reason it was not (refused, timed out, ...)."""
+    """Dial ``host:port`` and wait for a libp2p host's greeting: a listener opens every connection by
+    announcing multistream-select (:data:`GREETING`). A bare TCP accept is not enough: a transparent
+    proxy on the way (a firewall, or the lab's delay proxy) accepts every connection itself and closes it
+    when its own dial onward fails. Returns accepted, or the reason it was not (refused, timed out, ...)."""
     maddr = as_maddr(host, port)
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except asyncio.TimeoutError:
         return Dial(maddr, False, f"no answer in {timeout:.0f} s")
     except OSError as exc:
         return Dial(maddr, False, os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__)
+    try:
+        greeting = await asyncio.wait_for(reader.readexactly(len(GREETING)), timeout)
+        why = None if greeting == GREETING else "answered, but not as a libp2p host"
+    except asyncio.IncompleteReadError:
+        why = "accepted, then closed without a libp2p greeting"
+    except (asyncio.TimeoutError, OSError):
+        why = f"accepted, but no libp2p greeting in {timeout:.0f} s"
     writer.close()
     try:
         await writer.wait_closed()
     except OSError:
         pass
-    return Dial(maddr, True)
+    return Dial(maddr, why is None, why or "")
 
 
 @dataclass

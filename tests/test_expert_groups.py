@@ -9,7 +9,7 @@ alone and kept its own. Both reported a clean round with different versions of t
 from __future__ import annotations
 
 from dht.records import PeerRecord
-from p2p_spes.swarm.sync_round import holder_groups, with_current_records
+from p2p_spes.swarm.membership import holder_groups, with_current_records
 
 
 def record(peer: str, experts: list[int], step: int = 520) -> PeerRecord:

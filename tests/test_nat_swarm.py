@@ -13,6 +13,7 @@ namespaces, iptables); skipped with the reason elsewhere.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 from helpers import SMALL
 
 from benchmarks.lab.netlab import Lab, LinkSpec
-from benchmarks.lab.wan_report import read_swarm
+from benchmarks.lab.wan_report import SwarmReport, read_swarm
 from p2p_spes.local_swarm import LocalSwarm
 
 MBIT = 20.0
@@ -37,37 +38,92 @@ RUN = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.long
-def test_natted_peers_find_they_are_private_and_average_every_round(tmp_path: Path):
+def run_lab_swarm(tmp_path: Path, links: list[LinkSpec], run: list[str], timeout: float) -> LocalSwarm:
+    """A swarm of ``len(links)`` peers in the lab, run to its end; fails naming the exit codes."""
     if os.geteuid() != 0:
         pytest.skip("needs root: the lab builds network namespaces and home routers")
     ok, reason = Lab.available(nat=True)
     if not ok:
         pytest.skip(reason)
-    links = [LinkSpec(up_mbit=MBIT, down_mbit=MBIT)] + [LinkSpec(up_mbit=MBIT, down_mbit=MBIT, nat=True)] * 2
     with Lab(links) as lab:
-        swarm = LocalSwarm(None, RUN, peers=3, run_dir=tmp_path, run_id="nat-test", place=lab.place)
+        swarm = LocalSwarm(None, run, peers=len(links), run_dir=tmp_path, run_id="nat-test", place=lab.place)
         try:
             swarm.start(stagger=1.0)
-            codes = swarm.wait(timeout=420)
+            codes = swarm.wait(timeout=timeout)
         finally:
             swarm.stop()
+        swarm.lab_public = [lab.public_address(i) for i in range(len(links))]
     assert lab.leftovers() == []
-    assert codes == [0, 0, 0], f"exit codes {codes}; logs in {tmp_path}"
+    assert codes == [0] * len(links), f"exit codes {codes}; logs in {tmp_path}"
+    return swarm
+
+
+def assert_every_round_averaged_and_identical(tmp_path: Path, peers: int) -> SwarmReport:
+    """Every peer in every round after the joiners' catch-up, averaged with all; none skipped a step;
+    identical weights (shared and every expert) at the last common round and at the end."""
+    report = read_swarm(tmp_path, peers)
+    after = report.rounds_after_join()
+    assert all(len(rows) >= 3 for rows in after.values()), f"too few rounds after the join: {report.describe_rounds()}"
+    for peer, rows in after.items():
+        missed = [(r.round, r.members, r.outcome) for r in rows if r.members != peers or r.outcome != "averaged"]
+        assert not missed, f"peer {peer} missed rounds after the join {missed}: {report.describe_rounds()}"
+    assert [p.steps_skipped for p in report.peers] == [0] * peers, report.describe_rounds()
+    assert report.identical, report.differences
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_natted_peers_find_they_are_private_and_average_every_round(tmp_path: Path):
+    links = [LinkSpec(up_mbit=MBIT, down_mbit=MBIT)] + [LinkSpec(up_mbit=MBIT, down_mbit=MBIT, nat=True)] * 2
+    swarm = run_lab_swarm(tmp_path, links, RUN, timeout=420)
     roles = [s.get("reachability", {}) for s in swarm.summaries()]
     assert [r.get("role") for r in roles] == ["public", "private", "private"], roles
     assert roles[0]["source"] == "alone" and {r["source"] for r in roles[1:]} == {"probe"}, roles
     for i in (1, 2):
         log = (tmp_path / f"peer{i}.log").read_text()
         line = next((x for x in log.splitlines() if "reachability: private" in x), "")
-        assert f"the initial peer at /ip4/{lab.public_address(0)}/tcp/" in line, line or log[-2000:]
+        assert f"the initial peer at /ip4/{swarm.lab_public[0]}/tcp/" in line, line or log[-2000:]
         assert "reducing nothing" in line
-    report = read_swarm(tmp_path, 3)
-    after = report.rounds_after_join()
-    assert all(len(rows) >= 3 for rows in after.values()), f"too few rounds after the join: {report.describe_rounds()}"
-    for peer, rows in after.items():
-        missed = [(r.round, r.members, r.outcome) for r in rows if r.members != 3 or r.outcome != "averaged"]
-        assert not missed, f"peer {peer} missed rounds after the join {missed}: {report.describe_rounds()}"
-    assert [p.steps_skipped for p in report.peers] == [0, 0, 0], report.describe_rounds()
-    assert report.identical, report.differences
+    assert_every_round_averaged_and_identical(tmp_path, 3)
+
+
+def expert_groups(run_dir: Path, peer: int) -> dict[int, dict[int, dict]]:
+    """Per round, the expert groups ``peer`` trained in it (its metrics' round records)."""
+    out: dict[int, dict[int, dict]] = {}
+    for line in (run_dir / f"peer{peer}" / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "sync_round" in rec:
+            groups = rec.get("groups", {})
+            out[rec["sync_round"]] = {int(k[6:]): v for k, v in groups.items() if k.startswith("expert")}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_experts_only_natted_peers_hold_are_averaged_and_reach_everyone(tmp_path: Path):
+    """One public peer and three NATed ones, two holders per expert: some experts are held by NATed
+    peers only. Each such group (all clients) is reduced by the public peer as an outsider and must
+    apply every round; every expert's new version must reach every peer (the public one fetches a
+    private holder's over the connection the holder opened; the private ones take its copy), so all
+    four end identical. On the code before issue 43's last fixes the public peer stopped waiting for
+    the NATed holders' digests before they had their shared result, and never refreshed their experts."""
+    run = [*RUN, "moe.num_experts=8", "moe.ffn_dim=256", "swarm.replicas=2", "train.max_steps=140"]
+    links = [LinkSpec(up_mbit=MBIT, down_mbit=MBIT)] + [LinkSpec(up_mbit=MBIT, down_mbit=MBIT, nat=True)] * 3
+    swarm = run_lab_swarm(tmp_path, links, run, timeout=600)
+    assert [s.get("reachability", {}).get("role") for s in swarm.summaries()] == ["public"] + ["private"] * 3
+    report = assert_every_round_averaged_and_identical(tmp_path, 4)
+    rounds = {r.round for rows in report.rounds_after_join().values() for r in rows}
+    by_peer = {i: expert_groups(tmp_path, i) for i in range(4)}
+    natted_only = set()
+    for r in sorted(rounds):
+        held = {i: set(by_peer[i].get(r, {})) for i in range(4)}
+        for e in set().union(*held.values()):
+            holders = {i for i in range(4) if e in held[i]}
+            if 0 in holders:
+                continue
+            natted_only.add(e)
+            for i in holders:
+                group = by_peer[i][r][e]
+                assert group["ok"] and group["members"] == len(holders), (r, e, i, group)
+    assert natted_only, f"no expert was held by NATed peers only: {by_peer}"

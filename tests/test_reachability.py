@@ -1,5 +1,5 @@
-"""The dial-back probe (dht/reachability.py): which addresses a prober dials, a plain TCP connect on
-loopback (a listening port accepts, a closed one fails), the rate bound, the role the answers give,
+"""The dial-back probe (dht/reachability.py): which addresses a prober dials, a connect on loopback
+(a libp2p greeting accepts; a bare accept or a closed port fails), the rate bound, the role the answers give,
 and the handler between two libp2p daemons on loopback; and what the roles change in downloads: a
 private peer never dials another, a reachable one asks private holders last, data comes from
 reachable holders."""
@@ -16,6 +16,7 @@ from hivemind.p2p import P2P
 
 from dht.bootstrap import Bootstrap, BootstrapOptions
 from dht.reachability import (
+    GREETING,
     MAX_TARGETS,
     Answer,
     Dial,
@@ -70,15 +71,29 @@ def test_addresses_and_what_a_prober_dials():
     assert reachable_first(["a", "b", "c", "d"], {"a", "c"}) == ["b", "d", "a", "c"]
 
 
-def test_a_listening_port_accepts_and_a_closed_one_fails():
-    async def dials() -> tuple[Dial, Dial]:
-        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        async with server:
-            return await try_connect("127.0.0.1", port), await try_connect("127.0.0.1", closed_port())
+def test_a_libp2p_listener_answers_and_a_bare_accept_or_a_closed_port_does_not():
+    """Only a listener that greets like libp2p counts: a transparent proxy (a firewall, the lab's delay
+    proxy) accepts every connection itself and closes it when its dial onward fails, and a plain TCP
+    probe took that for a reachable peer."""
 
-    accepted, refused = asyncio.run(dials())
-    assert accepted.ok and accepted.maddr.startswith("/ip4/127.0.0.1/tcp/")
+    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(GREETING)
+        await writer.drain()
+        writer.close()
+
+    async def dials() -> list[Dial]:
+        libp2p = await asyncio.start_server(greet, "127.0.0.1", 0)
+        proxy = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        async with libp2p, proxy:
+            return [
+                await try_connect("127.0.0.1", libp2p.sockets[0].getsockname()[1]),
+                await try_connect("127.0.0.1", proxy.sockets[0].getsockname()[1]),
+                await try_connect("127.0.0.1", closed_port()),
+            ]
+
+    greeted, bare, refused = asyncio.run(dials())
+    assert greeted.ok and greeted.maddr.startswith("/ip4/127.0.0.1/tcp/")
+    assert not bare.ok and "without a libp2p greeting" in bare.error
     assert not refused.ok and "refused" in refused.error.lower()
 
 
@@ -143,6 +158,9 @@ class CopyServer:
     def __init__(self, tensors: list[torch.Tensor], serves: dict[str, int]) -> None:
         self.tensors, self.serves, self.calls = tensors, serves, []
 
+    def deadline(self, like) -> float:
+        return 1.0  # seconds a download may take: the wait for a reachable copy stays at its least
+
     def download(self, peer: str, uid: str, like, attempts: int = 4):
         self.calls.append(peer)
         if len(self.calls) > self.serves.get(peer, 10**9):
@@ -173,6 +191,40 @@ def test_a_private_peer_never_dials_a_private_holder_and_takes_a_reachable_copy(
     server = CopyServer(agreed, {"natted": 1})
     assert Refresher("me", server, SwarmCounters()).refresh(model, peers, [1], versions, versions) == (1, 0)
     assert server.calls == ["other", "natted"]
+
+
+def test_a_private_holder_whose_group_missed_the_other_holder_takes_the_agreed_version(monkeypatch):
+    """Two private holders of expert 0 each applied their own update (one was late for the round): the
+    round agrees on one version (ties to the larger digest, the same for everyone), and the holder whose
+    copy lost takes it from a reachable peer's copy, so next round their group has one anchor; the
+    holder whose copy won keeps its own and downloads nothing."""
+    monkeypatch.setattr("p2p_spes.swarm.agreement.time.sleep", lambda seconds: None)
+    cfg = load_config(None, SMALL_MODEL)
+    ours = MoETransformer(cfg.model, cfg.moe, local_experts=[0])
+    theirs = [t.detach() + 1 for t in ours.expert_tensors(0)]
+    mine, other = tensor_digest(ours.expert_tensors(0)), tensor_digest(theirs)
+    peers = {
+        "me": PeerRecord("me", [0], 10, 1, "fp", [], {"reachability": "private"}),
+        "natted": PeerRecord("natted", [0], 10, 1, "fp", [], {"reachability": "private"}),
+        "public": PeerRecord("public", [1], 10, 1, "fp", [], {"reachability": "public"}),
+    }
+    versions = {p: VersionRecord(p, True, "s", {0: d}) for p, d in (("me", mine), ("natted", other))}
+    server = CopyServer(theirs, {"public": 0})  # the public peer serves the other holder's version
+    refresher = Refresher("me", server, SwarmCounters(), reachable=False)
+    taken = refresher.take_agreed(ours, peers, [0], versions, versions)
+    if max(mine, other) == mine:
+        assert taken == [] and server.calls == [], "our own version won: nothing to take"
+    else:
+        assert taken == [0] and server.calls == ["public"], server.calls
+        assert tensor_digest(ours.expert_tensors(0)) == other
+    # the same records seen from the other holder: exactly one of the two takes the other's version
+    flipped = MoETransformer(cfg.model, cfg.moe, local_experts=[0])
+    flipped.write_expert(0, theirs)
+    server = CopyServer([t.detach() for t in MoETransformer(cfg.model, cfg.moe).expert_tensors(0)], {"public": 0})
+    again = Refresher("natted", server, SwarmCounters(), reachable=False).take_agreed(
+        flipped, peers, [0], versions, versions
+    )
+    assert len(taken) + len(again) == 1, (taken, again)
 
 
 def test_data_comes_from_reachable_holders_when_there_are_any():

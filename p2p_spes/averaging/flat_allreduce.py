@@ -124,6 +124,8 @@ class FlatRound:
             if mine in active:
                 exchange.received[mine] = exchange.part.message
             result.messages = [exchange.received[i] for i in active]
+            if exchange.part is not None and exchange.part.clients:
+                await exchange.clients_fetched()
         except Exception as exc:  # a failed attempt is discarded whatever went wrong
             if isinstance(exc, asyncio.TimeoutError):  # those that had not taken our contribution by the
                 # deadline (a reducer that has not served its part may be waiting for someone else's)
@@ -176,10 +178,32 @@ class _Exchange:
         if self.mine in self.active():
             start = sum(self.sizes[: self.mine])
             self.part = Part(
-                self.members, group.gid, (self.sizes[self.mine],), group.deadline, name=self.attempt.group, start=start
+                self.members,
+                group.gid,
+                (self.sizes[self.mine],),
+                group.deadline,
+                name=self.attempt.group,
+                start=start,
+                clients=frozenset(self.members) - set(group.reducing),
             )
             server.register(self.keys[self.mine], self.part)
         self.messages_out = [codec.encode(c.contiguous()) for c in chunks]
+
+    async def clients_fetched(self) -> None:
+        """Wait (to the deadline) until every client has fetched our part. A reducer's part is done when
+        the contributions are in, but its clients fetch every part after that, through its link: ending
+        our round first would open our next groups (expert groups, the digests' wait) before them, and
+        they would find those closed."""
+        try:
+            await asyncio.wait_for(self.part.clients_served.wait(), _left(self.group.deadline))
+        except asyncio.TimeoutError:
+            late = sorted(self.part.clients - self.part.fetched)
+            log.info(
+                "round %d group %s: %d client(s) had not fetched our part by the deadline",
+                self.attempt.round_no,
+                self.attempt.key,
+                len(late),
+            )
 
     def active(self) -> list[int]:
         """The parts exchanged: all of them, but a reducer the load balance gave nothing gets no streams

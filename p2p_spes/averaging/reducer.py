@@ -132,6 +132,15 @@ class Part:
     result: torch.Tensor | None = None
     weight: float = 0.0  # of the contributions combined into the result
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    clients: frozenset[str] = frozenset()  # members that reduce nothing: the reducer waits for their fetches
+    fetched: set[str] = field(default_factory=set)  # members the whole result was streamed to
+    clients_served: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def served(self, peer: str) -> None:
+        """``peer`` has been streamed the whole result; once every client has, ``clients_served`` is set."""
+        self.fetched.add(peer)
+        if self.clients <= self.fetched:
+            self.clients_served.set()
 
 
 class PartServer:
@@ -313,6 +322,7 @@ class PartServer:
             return
         for chunk in part.result_parts:
             yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
+        part.served(context.remote_id.to_base58())
 
     def add(self, part: Part, peer: str, weight: float, tensor: torch.Tensor) -> None:
         """Take ``peer``'s decoded contribution; with the last one, compute and encode the result."""

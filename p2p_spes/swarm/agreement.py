@@ -107,7 +107,7 @@ def wait_versions(
         time.sleep(0.2)
 
 
-COPY_WAITS = (1.0, 2.0, 4.0)  # seconds before asking reachable peers again for a copy they may not have refreshed yet
+COPY_WAIT = 7.0  # seconds at least to wait for a reachable peer's copy of an expert only private peers hold
 
 
 class Refresher:
@@ -194,12 +194,15 @@ class Refresher:
         versions: Mapping[str, VersionRecord] | None = None,
         preferred: Mapping[str, VersionRecord] | None = None,
         any_copy: bool = False,
+        own: bool = False,
     ) -> tuple[int, int]:
         """Download each of ``experts`` once from a holder; with ``versions`` only the agreed digest,
         counted among the ``preferred`` versions when any of them has the expert.
 
         With ``any_copy`` (joining), an expert nobody holds any more is taken from another peer's
-        frozen copy, so an expert is not lost while any copy exists. Returns (fetched, missed): missed
+        frozen copy, so an expert is not lost while any copy exists. With ``own`` the experts are ones
+        we train: our own record counts in choosing the agreed version (we keep ours when it is that one).
+        Returns (fetched, missed): missed
         counts experts that have a holder but could not be fetched (an expert with no holder left
         keeps the copy every peer already has).
         """
@@ -215,7 +218,7 @@ class Refresher:
             if versions is not None:
                 best = None
                 for pool in (preferred or {}, versions):  # holders as the versions name them: the same for everyone
-                    best = expert_version(pool, e, self.peer_id)
+                    best = expert_version(pool, e, None if own else self.peer_id)
                     if best is not None:
                         break
                 if best is None:
@@ -238,15 +241,33 @@ class Refresher:
                 later.append((e, uid, copies))
             else:
                 missed += bool(holders)
-        for wait in COPY_WAITS:
-            if not later:
-                break
-            time.sleep(wait)
+        # a reachable peer serves a copy once it has fetched it from its holder: give it the time of two
+        # downloads of them all (it fetches them, then we do), asking again after 1, 2, 4, ... s
+        budget = max(COPY_WAIT, 2 * self.downloader.deadline([t for e, _, _ in later for t in model.expert_tensors(e)]))
+        waited, wait = 0.0, 1.0
+        while later and waited < budget:  # at most log2(budget) + 1 asks
+            time.sleep(min(wait, budget - waited))
+            waited, wait = waited + min(wait, budget - waited), wait * 2
             left = [(e, uid, copies) for e, uid, copies in later if not self._fetch(model, e, uid, copies, unreachable)]
             fetched, later = fetched + len(later) - len(left), left
         missed += len(later)
         self.stats.refresh_missed += missed
         return fetched, missed
+
+    def take_agreed(
+        self,
+        model: MoETransformer,
+        peers: Mapping[str, PeerRecord],
+        experts: Iterable[int],
+        versions: Mapping[str, VersionRecord],
+        agreed: Mapping[str, VersionRecord],
+    ) -> list[int]:
+        """Bring each of ``experts`` (ones we train) to the version the round agreed on, our own record
+        counted; the ones that changed."""
+        before = {e: tensor_digest(model.expert_tensors(e)) for e in experts}
+        if before:
+            self.refresh(model, peers, list(before), versions, agreed, own=True)
+        return [e for e, d in before.items() if tensor_digest(model.expert_tensors(e)) != d]
 
     def agree_on_copies(
         self, model: MoETransformer, orphaned: Iterable[int], versions: Mapping[str, VersionRecord]

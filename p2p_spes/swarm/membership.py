@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hivemind.utils import get_dht_time
@@ -338,3 +338,25 @@ class Membership:
             )
         except Exception as exc:
             log.warning("could not announce leaving: %s", exc)
+
+
+def with_current_records(peers: dict[str, PeerRecord], membership: Membership, me: str) -> dict[str, PeerRecord]:
+    """``peers`` (read at our boundary) updated with the records as they are once the shared group is
+    decided. A peer that ended the last round after we began this one, and took over an expert then,
+    announced it before it joined the shared group; read at our boundary, it is not yet a holder, and
+    each of us would average that expert alone, leaving its holders with different versions for a
+    round. Our own record stays ours; if the DHT does not answer, the boundary's view stands."""
+    try:
+        current = membership.live_peers()
+    except Exception as exc:
+        log.info("could not re-read the peers' records (%s): the expert groups follow our boundary's", exc)
+        return peers
+    return {**peers, **{p: r for p, r in current.items() if p != me}}
+
+
+def holder_groups(
+    peers: dict[str, PeerRecord], present: set[str], me: str, experts: Iterable[int]
+) -> dict[int, set[str]]:
+    """Whom we average each of our ``experts`` with: the peers of ``present`` whose record says they
+    train it, and us."""
+    return {e: {p for p, r in peers.items() if e in r.experts and p in present} | {me} for e in experts}

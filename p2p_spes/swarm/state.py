@@ -187,7 +187,8 @@ class Downloader:
         self.runtime, self.stats, self.timeout, self.deadlines = runtime, stats, timeout, deadlines
         self.private = private
 
-    def _deadline(self, like: Sequence[torch.Tensor]) -> float:
+    def deadline(self, like: Sequence[torch.Tensor]) -> float:
+        """Seconds one download of tensors shaped like ``like`` may take."""
         if self.deadlines is None:
             return self.timeout
         return min(self.deadlines.transfer_timeout(sum(t.numel() * t.element_size() for t in like)), self.timeout)
@@ -232,7 +233,7 @@ class Downloader:
         for attempt in range(attempts):
             try:
                 t0 = time.monotonic()
-                entry = self.runtime.call(asyncio.wait_for(self.fetch(peer, uid, like), self._deadline(like)))
+                entry = self.runtime.call(asyncio.wait_for(self.fetch(peer, uid, like), self.deadline(like)))
                 if self.deadlines is not None:
                     self.deadlines.observe_transfer(
                         sum(t.numel() * t.element_size() for t in entry[1]), time.monotonic() - t0

@@ -29,7 +29,6 @@ from dht.keys import group_key, peers_key, version_key
 from dht.reachability import private_of
 from dht.records import PeerRecord, VersionRecord
 from p2p_spes.averaging import (
-    Base,
     GroupAllReduce,
     GroupResult,
     arrival_delays,
@@ -38,10 +37,11 @@ from p2p_spes.averaging import (
 from p2p_spes.config import SwarmConfig
 from p2p_spes.merging import merge_alpha
 from p2p_spes.model import MoETransformer
-from p2p_spes.swarm.agreement import Refresher, adoptable, all_published, majority, wait_versions
+from p2p_spes.swarm.adoption import Adopter
+from p2p_spes.swarm.agreement import Refresher, adoptable, all_published, wait_versions
 from p2p_spes.swarm.apply import GroupApplier
 from p2p_spes.swarm.counters import SwarmCounters
-from p2p_spes.swarm.membership import FRESH, Membership
+from p2p_spes.swarm.membership import FRESH, Membership, holder_groups, with_current_records
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten
 from p2p_spes.swarm.pacing import Deadlines, adopt_window, version_ttl, version_window
 from p2p_spes.swarm.report import RoundReport
@@ -49,28 +49,6 @@ from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
 
 log = logging.getLogger(__name__)
-
-
-def with_current_records(peers: dict[str, PeerRecord], membership: Membership, me: str) -> dict[str, PeerRecord]:
-    """``peers`` (read at our boundary) updated with the records as they are once the shared group is
-    decided. A peer that ended the last round after we began this one, and took over an expert then,
-    announced it before it joined the shared group; read at our boundary, it is not yet a holder, and
-    each of us would average that expert alone, leaving its holders with different versions for a
-    round. Our own record stays ours; if the DHT does not answer, the boundary's view stands."""
-    try:
-        current = membership.live_peers()
-    except Exception as exc:
-        log.info("could not re-read the peers' records (%s): the expert groups follow our boundary's", exc)
-        return peers
-    return {**peers, **{p: r for p, r in current.items() if p != me}}
-
-
-def holder_groups(
-    peers: dict[str, PeerRecord], present: set[str], me: str, experts: Iterable[int]
-) -> dict[int, set[str]]:
-    """Whom we average each of our ``experts`` with: the peers of ``present`` whose record says they
-    train it, and us."""
-    return {e: {p for p, r in peers.items() if e in r.experts and p in present} | {me} for e in experts}
 
 
 @dataclass(frozen=True)
@@ -114,6 +92,7 @@ class RoundRunner:
         self.outer, self.deadlines, self.stats = outer, deadlines, stats
         self.peer_id = runtime.peer_id
         self.applier = GroupApplier(reducer, server, outer, guard, deadlines, stats)
+        self.adopter = Adopter(self.peer_id, server, downloader, refresher, outer, self.applier.feedback, stats)
         self.last_versions: dict[str, VersionRecord] = {}  # the digests published in our last round, by peer
 
     def run(
@@ -164,7 +143,7 @@ class RoundRunner:
                 window=window,
                 timeout=self._group_timeout(flat, peers, peers),
                 base=self.outer.base("shared"),
-                rebase=self._rebase("shared", flat.numel()),
+                rebase=self.adopter.rebase("shared", flat.numel()),
                 bounded=True,
                 quorum=self.sw.quorum,
             )
@@ -209,7 +188,7 @@ class RoundRunner:
                         window=window,
                         timeout=self._group_timeout(payload, groups[e], shared.peers),
                         base=self.outer.base(f"expert:{e}"),
-                        rebase=self._rebase(f"expert:{e}", flats[e].numel()),
+                        rebase=self.adopter.rebase(f"expert:{e}", flats[e].numel()),
                     )
                     for e in pooled
                 )
@@ -260,7 +239,7 @@ class RoundRunner:
         )
         report.versions_missing = len(shared.members - set(versions))
         if adopting:
-            report.adopted_shared_from = self._adopt_shared(model, round_no, versions, candidates)
+            report.adopted_shared_from = self.adopter.adopt_shared(model, round_no, versions, candidates)
         # the next join window counts every arrival in the group's key, the late ones included: a window
         # fitted to the members alone shrinks to the fast peers' spread and shuts the slower ones out
         # for good (each of them adopts, late, every round; its tokens are lost every time)
@@ -274,6 +253,8 @@ class RoundRunner:
         frozen = [e for e in held if e not in model.local_experts]  # none in partial residency
         by_delta = self.stats.delta_refreshes
         report.refreshed, report.refresh_missed = self.refresher.refresh(model, peers, frozen, versions, agreed)
+        if not self.reducer.reachable:
+            report.refreshed += self.adopter.take_agreed_own(model, round_no, peers, versions, agreed, report)
         report.refreshed_by_delta = self.stats.delta_refreshes - by_delta
         report.orphaned = orphaned
         # an expert a peer trained this round is not orphaned, even if its record came too late for
@@ -321,61 +302,6 @@ class RoundRunner:
         codec = self.reducer.codec
         wire = codec.wire_bytes(flat.numel()) + codec.result.wire_bytes(flat.numel())
         return self.deadlines.proposed_timeout(int(wire * (m - 1) / reducers), scale=m / reducers if private else 1.0)
-
-    def _contribution(self, uid: str, current: torch.Tensor, sending: dict[str, torch.Tensor]):
-        """What we send for ``uid``, computed once the group's anchor is ours (after any rebase)."""
-
-        def make() -> torch.Tensor:
-            sending[uid] = self.feedback.compensate(uid, self.outer.pseudo_gradient(uid, current))
-            return sending[uid]
-
-        return make
-
-    def _rebase(self, uid: str, numel: int):
-        """Take the anchor a group agreed on from one of its members that holds it (and, for the
-        Nesterov step, its momentum): our own is stale (we missed a round, restarted, or joined)."""
-
-        async def rebase(base: Base, holders: list[str]) -> None:
-            for peer in holders:
-                try:
-                    _, (anchor,) = await self.downloader.fetch(
-                        peer, f"anchor:{uid}@{base.digest}", [torch.empty(numel)]
-                    )
-                    if self.outer.stateful:
-                        _, (momentum,) = await self.downloader.fetch(peer, f"momentum:{uid}", [torch.empty(numel)])
-                        self.outer.momentum[uid] = momentum
-                except Exception as exc:
-                    log.info("could not take the anchor of %s from %s: %s", uid, peer, exc)
-                    continue
-                self.outer.set_anchor(uid, anchor, base.round)
-                self.applier.feedback.drop(uid)  # it was relative to our old anchor
-                self.stats.anchors_rebased += 1
-                log.info("took the agreed anchor of %s (round %d) from %s", uid, base.round, peer)
-                return
-            raise RuntimeError(f"no member served the agreed anchor of {uid}")
-
-        return rebase
-
-    def _adopt_shared(
-        self, model: MoETransformer, round_no: int, versions: dict[str, VersionRecord], among: set[str] | None = None
-    ) -> str | None:
-        """After missing the shared group, take the result the others (of ``among``) agreed on (as a joiner would)."""
-        results = adoptable(versions, self.peer_id, among)
-        best = majority(v.shared for v in results.values())
-        if best is None:
-            return None
-        like = [p.detach() for _, p in model.shared_parameters()]
-        sources = sorted(p for p, v in results.items() if v.shared == best)
-        found = self.downloader.first_of(sources, f"shared@{best}", like)
-        if found is None:
-            return None
-        peer, (_, tensors) = found
-        model.write_shared(tensors)
-        self.outer.fetch_momentum(self.downloader, peer, "shared", sum(t.numel() for t in like))
-        self.outer.set_anchor("shared", flatten(tensors), round_no)
-        self.applier.feedback.drop("shared")
-        self.server.take_snapshot(round_no, self.server.current("shared")["step"], self.outer.momentum)
-        return peer
 
     def publish_record(self) -> None:
         """Renew our record at once with this round in it (not waiting for the heartbeat)."""
