@@ -15,7 +15,9 @@ step than AdamW trained again for ``--steps`` / (its step time over AdamW's) ste
 scaled to those, so it is scored with the tokens AdamW's wall time buys it and a finished schedule,
 not cut mid-schedule. The step-time ratios are measured first, with the arms interleaved on this
 run's shape (``benchmarks.step_time.measure_shape``, 3 repeats of 2 steps): on a shared machine, runs minutes
-apart see different loads, steps a few seconds apart about the same. The arms' order rotates per seed.
+apart see different loads, steps a few seconds apart about the same (``--clock cpu`` reads this process's
+CPU time instead of the wall clock: with one thread, the compute's time even on a busy machine). The arms'
+order rotates per seed.
 Validation: mean cross-entropy over ``--eval-batches`` batches of the embedded validation split, the
 same for every arm and seed. Gaps to AdamW are paired per seed (mean, min-max). Writes
 ``benchmarks/results/equal_time/<variant>.json`` after every seed.
@@ -34,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.lab import results
-from benchmarks.step_time import ARMS, Arm, measure_shape
+from benchmarks.step_time import ARMS, CLOCK, Arm, measure_shape, use_clock
 from p2p_spes.config import load_config
 from p2p_spes.optim import build_optimizer
 from p2p_spes.train import Trainer
@@ -129,6 +131,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--merge", nargs="+", metavar="VARIANT", help="combine these variants' runs into --variant; trains nothing"
     )
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCK),
+        default="wall",
+        help="what the step-time ratios are read on: wall (default) or cpu (this process's CPU time, which a "
+        "crowded machine's descheduling does not inflate; with OMP_NUM_THREADS=1 the compute's time)",
+    )
     results.add_variant(parser)
     args = parser.parse_args(argv)
     if "adamw" not in args.arms:
@@ -136,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.merge:
         return merge(args.merge, args.variant, argv)
     writer = results.start("equal_time", args.variant, seeds=args.seeds, argv=argv)
+    use_clock(args.clock)
     console = Console(width=140)
     ratios = step_ratios(args.arms, args.set)
     console.print(f"step time / AdamW's, interleaved: {ratios}")
@@ -166,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "overrides": args.set,
             "arms": {a: vars(ARMS[a]) for a in args.arms},
             "step_ratios": ratios,
+            "clock": args.clock,
             "seeds": done,
             "runs": runs,
             "summary": summary,
@@ -196,7 +207,9 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> dict[str
     summary = summarise(runs, arms, seeds, ratios)
     print_table(Console(width=140), summary, first["steps"], seeds)
     ratios_by_seed = {seed: r.payload["step_ratios"] for r in parts for seed in r.payload["runs"]}
+    clocks = {seed: r.payload.get("clock", "wall") for r in parts for seed in r.payload["runs"]}
     payload = {**first, "step_ratios": ratios, "step_ratios_by_seed": ratios_by_seed, "seeds": seeds}
+    payload["clock_by_seed"] = clocks
     payload |= {"runs": runs, "summary": summary}
     writer = results.start("equal_time", variant, seeds=seeds, argv=argv)
     print(f"wrote {writer.write(payload, merged=parts)}")

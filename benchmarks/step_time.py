@@ -61,6 +61,12 @@ CLOCK: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.
 now = CLOCK["wall"]
 
 
+def use_clock(name: str) -> None:
+    """Read ``name``'s clock (:data:`CLOCK`) from now on, in this benchmark and in those that use its steps."""
+    global now
+    now = CLOCK[name]
+
+
 @dataclass(frozen=True)
 class Arm:
     """An optimizer as ``train.optimizer`` and ``train.muon_steps`` would set it."""
@@ -372,8 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     if args.clock == "cpu" and device.type != "cpu":
         parser.error("--clock cpu times CPU work only")
-    global now
-    now = CLOCK[args.clock]
+    use_clock(args.clock)
     writer = results.start("step_time", args.variant, seeds=[args.seed], argv=argv)
     n = args.matmul or (8192 if device.type == "cuda" else 2048)
     arms = [ARMS[a] for a in args.arms]
