@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,9 +37,11 @@ from p2p_spes.cli_config import load_from_args
 from p2p_spes.cli_parser import build_parser
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
+from p2p_spes.swarm import Swarm
 from p2p_spes.swarm.agreement import Refresher
 from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.data_server import peer_sources
+from p2p_spes.swarm.pacing import sync_deadline
 
 
 def closed_port() -> int:
@@ -266,3 +269,47 @@ def test_a_bootstrap_serves_the_dialback_and_asks_its_initial_peers(tmp_path):
         if second is not None:
             second.shutdown()
         first.shutdown()
+
+
+class Clock:
+    """A fake monotonic clock that ``sleep`` advances."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Behind:
+    """``others()``: one peer still in round ``last - 1`` until ``until`` (fake) seconds, then done."""
+
+    def __init__(self, clock: Clock, role: str, until: float, last: int) -> None:
+        self.clock, self.role, self.until, self.last = clock, role, until, last
+
+    def others(self) -> dict[str, PeerRecord]:
+        r = self.last if self.clock.now >= self.until else self.last - 1
+        return {"p": PeerRecord("p", [1], 10, r, "fp", [], {"reachability": self.role})}
+
+
+@pytest.mark.parametrize("role", ["private", "public"])
+def test_a_reachable_peer_lingers_for_a_private_peer_still_in_the_last_round(monkeypatch, role):
+    """A private peer takes the experts only private peers train from a reachable peer's copy: a
+    reachable peer that left 15 s after its last round left it without them (lab run, 1 public + 2
+    NATed, the last round). It now waits for a private peer up to a whole round; for a public one the
+    bound stays 15 s."""
+    clock = Clock()
+    monkeypatch.setattr("p2p_spes.swarm.time.monotonic", lambda: clock.now)
+    monkeypatch.setattr("p2p_spes.swarm.time.sleep", clock.sleep)
+    cfg = load_config(None, [])
+    swarm = Swarm.__new__(Swarm)
+    swarm.cfg, swarm.rounds = cfg, [SimpleNamespace(round=3)]
+    swarm.runtime = SimpleNamespace(reachability=SimpleNamespace(reachable=True))
+    swarm.membership = Behind(clock, role, until=60.0, last=3)
+    swarm.linger()
+    old_bound = cfg.swarm.matchmaking_time + cfg.swarm.averaging_timeout / 3
+    assert sync_deadline(cfg.swarm, 2) > 60.0 > old_bound
+    if role == "private":
+        assert 60.0 <= clock.now < 61.0, clock.now
+    else:
+        assert old_bound <= clock.now < old_bound + 1.0, clock.now

@@ -330,15 +330,21 @@ class Swarm:
 
     # Leaving -------------------------------------------------------------------------------------
     def linger(self) -> None:
-        """Keep serving after our last round until the others have refreshed from it (bounded)."""
+        """Keep serving after our last round until the others have refreshed from it (bounded). While a
+        private peer is still in its last round, a reachable one waits up to a whole round for it: it
+        takes the experts only private peers train from our copies, and from nobody else."""
         if not self.rounds:
             return
         last = self.rounds[-1].round
         sw = self.cfg.swarm
-        deadline = time.monotonic() + sw.matchmaking_time + sw.averaging_timeout / 3
-        while time.monotonic() < deadline:
-            if not [p for p, r in self.membership.others().items() if r.round < last]:
+        start = time.monotonic()
+        bound = sw.matchmaking_time + sw.averaging_timeout / 3
+        while time.monotonic() - start < bound:
+            behind = {p: r for p, r in self.membership.others().items() if r.round < last}
+            if not behind:
                 break
+            if self.runtime.reachability.reachable and private_of(behind):
+                bound = max(bound, sync_deadline(sw, len(self.membership.others()) + 1))
             time.sleep(0.5)
 
     def leave(self) -> None:
