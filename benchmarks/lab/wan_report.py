@@ -127,6 +127,17 @@ class SwarmReport:
             for p in self.peers
         )
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SwarmReport:
+        """A report as :meth:`to_dict` wrote it (in a ``benchmarks.wan`` result file)."""
+        compression = d.get("config", {}).get("swarm", {}).get("compression")
+        return cls(
+            [PeerReport.from_dict(p, compression) for p in d["peers"]],
+            d["last_common_round"],
+            d["identical"],
+            list(d.get("differences", [])),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "last_common_round": self.last_common_round,
