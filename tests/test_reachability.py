@@ -299,8 +299,8 @@ def test_a_reachable_peer_lingers_for_a_private_peer_still_in_the_last_round(mon
     NATed, the last round). It now waits for a private peer up to a whole round; for a public one the
     bound stays 15 s."""
     clock = Clock()
-    monkeypatch.setattr("p2p_spes.swarm.time.monotonic", lambda: clock.now)
-    monkeypatch.setattr("p2p_spes.swarm.time.sleep", clock.sleep)
+    monkeypatch.setattr("p2p_spes.swarm.pacing.time.monotonic", lambda: clock.now)
+    monkeypatch.setattr("p2p_spes.swarm.pacing.time.sleep", clock.sleep)
     cfg = load_config(None, [])
     swarm = Swarm.__new__(Swarm)
     swarm.cfg, swarm.rounds = cfg, [SimpleNamespace(round=3)]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -40,7 +39,7 @@ from p2p_spes.swarm.coverage import Coverage
 from p2p_spes.swarm.data_server import DataServer, Holding, PeerSource, holders_of, holding, peer_sources
 from p2p_spes.swarm.membership import FRESH, Membership
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard
-from p2p_spes.swarm.pacing import Deadlines, RoundWatch, sync_deadline, version_window
+from p2p_spes.swarm.pacing import Deadlines, RoundWatch, linger, sync_deadline, version_window
 from p2p_spes.swarm.report import GroupReport, RoundReport
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
@@ -330,22 +329,9 @@ class Swarm:
 
     # Leaving -------------------------------------------------------------------------------------
     def linger(self) -> None:
-        """Keep serving after our last round until the others have refreshed from it (bounded). While a
-        private peer is still in its last round, a reachable one waits up to a whole round for it: it
-        takes the experts only private peers train from our copies, and from nobody else."""
-        if not self.rounds:
-            return
-        last = self.rounds[-1].round
-        sw = self.cfg.swarm
-        start = time.monotonic()
-        bound = sw.matchmaking_time + sw.averaging_timeout / 3
-        while time.monotonic() - start < bound:
-            behind = {p: r for p, r in self.membership.others().items() if r.round < last}
-            if not behind:
-                break
-            if self.runtime.reachability.reachable and private_of(behind):
-                bound = max(bound, sync_deadline(sw, len(self.membership.others()) + 1))
-            time.sleep(0.5)
+        """Keep serving after our last round until the others have refreshed from it (bounded)."""
+        if self.rounds:
+            linger(self.cfg.swarm, self.rounds[-1].round, self.membership.others, self.runtime.reachability.reachable)
 
     def leave(self) -> None:
         """Tell the others we are gone (our experts' coverage drops at once) and stop everything."""

@@ -243,7 +243,8 @@ class Refresher:
                 missed += bool(holders)
         # a reachable peer serves a copy once it has fetched it from its holder: give it the time of two
         # downloads of them all (it fetches them, then we do), asking again after 1, 2, 4, ... s
-        budget = max(COPY_WAIT, 2 * self.downloader.deadline([t for e, _, _ in later for t in model.expert_tensors(e)]))
+        tensors = [t for e, _, _ in later for t in model.expert_tensors(e)]
+        budget = max(COPY_WAIT, 2 * self.downloader.deadline(tensors)) if later else 0.0
         waited, wait = 0.0, 1.0
         while later and waited < budget:  # at most log2(budget) + 1 asks
             time.sleep(min(wait, budget - waited))

@@ -21,9 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 
 from dht.keys import group_key
+from dht.reachability import private_of
+from dht.records import PeerRecord
 from p2p_spes.averaging import DECISION_LAG, HOLD, longest_wait
 from p2p_spes.config import SwarmConfig
 from p2p_spes.swarm.runtime import Runtime
@@ -166,3 +170,19 @@ def sync_deadline(sw: SwarmConfig, peers: int | None = None) -> float:
     if sw.group_size and (peers is None or peers > sw.group_size):
         flat += 2 * sw.averaging_timeout + sw.matchmaking_time
     return flat + adopt_window(sw)
+
+
+def linger(sw: SwarmConfig, last: int, others: Callable[[], dict[str, PeerRecord]], reachable: bool) -> None:
+    """After our ``last`` round, wait while other peers (their records from ``others()``) are still in an
+    earlier one: they may be refreshing from our copies. A join window and a third of a timeout at most;
+    a reachable peer waits for a private one up to a whole round (:func:`sync_deadline`): a private peer
+    takes the experts only private peers train from a reachable peer's copy, and from nobody else."""
+    start, bound = time.monotonic(), sw.matchmaking_time + sw.averaging_timeout / 3
+    while time.monotonic() - start < bound:
+        peers = others()
+        behind = {p: r for p, r in peers.items() if r.round < last}
+        if not behind:
+            return
+        if reachable and private_of(behind):
+            bound = max(bound, sync_deadline(sw, len(peers) + 1))
+        time.sleep(0.5)
