@@ -132,14 +132,17 @@ class Refresher:
         reachable peer (a connection they opened to it carries the request), never by a private one."""
         return [h for h in reachable_first(holders, private) if self.reachable or h not in private]
 
-    def _fetch(self, model: MoETransformer, e: int, uid: str, sources: list[str], unreachable: set[str]) -> bool:
-        """Download ``uid`` into expert ``e`` from the first of ``sources`` that serves it; whether one did."""
+    def _fetch(
+        self, model: MoETransformer, e: int, uid: str, sources: list[str], unreachable: set[str], polling: bool = False
+    ) -> bool:
+        """Download ``uid`` into expert ``e`` from the first of ``sources`` that serves it; whether one did.
+        ``polling``: asking reachable peers for a copy they may not have refreshed yet (a refusal is expected)."""
         like = [t.detach() for t in model.expert_tensors(e)]
         for holder in (h for h in sources if h not in unreachable):
             try:
                 _, tensors = self.downloader.download(holder, uid, like, attempts=2)
             except TransportError as exc:
-                log.warning("could not fetch expert %d from %s: %s", e, holder, exc)
+                (log.info if polling else log.warning)("could not fetch expert %d from %s: %s", e, holder, exc)
                 continue
             except Exception as exc:
                 log.warning("could not reach %s for expert %d: %s", holder, e, exc)
@@ -249,8 +252,14 @@ class Refresher:
         while later and waited < budget:  # at most log2(budget) + 1 asks
             time.sleep(min(wait, budget - waited))
             waited, wait = waited + min(wait, budget - waited), wait * 2
-            left = [(e, uid, copies) for e, uid, copies in later if not self._fetch(model, e, uid, copies, unreachable)]
+            left = [
+                (e, uid, copies)
+                for e, uid, copies in later
+                if not self._fetch(model, e, uid, copies, unreachable, True)
+            ]
             fetched, later = fetched + len(later) - len(left), left
+        for e, uid, _ in later:
+            log.warning("no reachable peer served %s in %.0f s: expert %d stays as it was", uid, budget, e)
         missed += len(later)
         self.stats.refresh_missed += missed
         return fetched, missed
