@@ -232,6 +232,13 @@ def test_an_outsider_takes_a_part_only_when_its_description_checks_out():
         assert part is not None and part.members == ["a", "b"] and part.shape == (100,)
         assert server.adopt(key, spec, "b") is part
         assert server.adopt(key, PartSpec(members, reducers, (), gid, 0, 99, 0, 5.0, "g"), "b") is None
+        # its contributors publish their digests only after it: the outsider waits for them until its
+        # deadline, or until both were streamed their result
+        assert server.adopted_until(1) == 0.0 and server.adopted_until(0) == part.deadline
+        part.served("a")
+        assert server.adopted_until(0) == part.deadline
+        part.served("b")
+        assert server.adopted_until(0) == 0.0
 
     asyncio.run(main())
 

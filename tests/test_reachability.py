@@ -38,7 +38,7 @@ from p2p_spes.cli_parser import build_parser
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm import Swarm
-from p2p_spes.swarm.agreement import Refresher
+from p2p_spes.swarm.agreement import Refresher, wait_versions
 from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.data_server import peer_sources
 from p2p_spes.swarm.pacing import sync_deadline
@@ -313,3 +313,35 @@ def test_a_reachable_peer_lingers_for_a_private_peer_still_in_the_last_round(mon
         assert 60.0 <= clock.now < 61.0, clock.now
     else:
         assert old_bound <= clock.now < old_bound + 1.0, clock.now
+
+
+class VersionsLater:
+    """A runtime whose DHT holds peer "b"'s version record from fake second ``at`` on."""
+
+    run_id = "r"
+
+    def __init__(self, clock: Clock, at: float) -> None:
+        self.clock, self.at = clock, at
+
+    def get(self, key):
+        return {"b": VersionRecord("b", True, "s", {}).to_value()} if self.clock.now >= self.at else {}
+
+    def call(self, value):
+        return value
+
+
+def test_a_reducer_for_clients_waits_for_their_digests_while_it_reduces_their_groups(monkeypatch):
+    """The outsider of the clients' expert groups finished its own groups first and stopped waiting for
+    their digests a version window later (lab: 1 public + 3 NATed, the last round): it never refreshed
+    the experts only they train. It now waits while a group it reduces for them is open."""
+    clock = Clock()
+    monkeypatch.setattr("p2p_spes.swarm.agreement.time.monotonic", lambda: clock.now)
+    monkeypatch.setattr("p2p_spes.swarm.agreement.time.sleep", clock.sleep)
+    runtime = VersionsLater(clock, at=30.0)
+    assert wait_versions(runtime, 1, {"b"}, window=7.0) == {}
+    clock.now = 0.0
+    got = wait_versions(runtime, 1, {"b"}, window=7.0, hold=lambda: 60.0)
+    assert set(got) == {"b"} and 30.0 <= clock.now < 31.0
+    clock.now = 0.0
+    runtime.at = 100.0  # a client that never publishes: the wait ends with the outsider's deadline
+    assert wait_versions(runtime, 1, {"b"}, window=7.0, hold=lambda: 60.0) == {} and 60.0 <= clock.now < 61.0

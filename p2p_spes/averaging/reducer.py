@@ -210,6 +210,7 @@ class PartServer:
             time.monotonic() + spec.seconds,
             name=spec.name,
             start=spec.start,
+            clients=frozenset(spec.contributors),
         )
         self.register(key, part)
         self.adopted.add(key)
@@ -217,6 +218,18 @@ class PartServer:
         asyncio.get_running_loop().call_later(spec.seconds + self.wait, self.adopted.discard, key)
         log.info("reducing part %d of %s for a group we are not in (%d members)", index, group, len(part.members))
         return part
+
+    def adopted_until(self, round_no: int) -> float:
+        """When the last part of ``round_no`` we reduce for a group we are not in has its deadline
+        (monotonic; 0.0: none), and earlier once each of its contributors has fetched its result."""
+        ends = [
+            part.deadline
+            for key in self.adopted
+            if (part := self.parts.get(key)) is not None
+            and unpack(key)[0] == round_no
+            and not part.clients_served.is_set()
+        ]
+        return max(ends, default=0.0)
 
     async def wait_part(self, key: bytes) -> Part | None:
         """Our part for ``key``, waiting while we have not reached that round yet."""

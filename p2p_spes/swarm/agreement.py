@@ -84,13 +84,16 @@ def wait_versions(
     enough: Callable[[dict[str, VersionRecord]], bool] | None = None,
     after: float = 0.0,
     complete: Callable[[dict[str, VersionRecord]], bool] | None = None,
+    hold: Callable[[], float] | None = None,
 ) -> dict[str, VersionRecord]:
     """Version records of ``round_no``, waiting up to ``window`` seconds for every one of ``peers``.
 
     Every record read is kept (a member that published early may lapse before a late member
     publishes). With ``enough``, the wait also ends ``after`` seconds after ``enough(records)`` first
     held, and at once when ``complete(records)`` holds: a peer adopting the others' result needs one
-    of their digests, and ends its round with them when it has all of theirs.
+    of their digests, and ends its round with them when it has all of theirs. With ``hold``, a peer
+    still missing waits past the window until the monotonic time ``hold()`` (groups of clients we reduce
+    for end then; their members publish only after them).
     """
     start = time.monotonic()
     since: float | None = None  # when enough() first held
@@ -98,7 +101,7 @@ def wait_versions(
     while True:
         seen.update(read_versions(runtime, round_no))
         now = time.monotonic()
-        if set(peers) <= set(seen) or now - start > window:
+        if set(peers) <= set(seen) or (now - start > window and (hold is None or now > hold())):
             return seen
         if enough is not None and enough(seen):
             since = now if since is None else since

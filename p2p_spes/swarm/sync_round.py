@@ -228,6 +228,10 @@ class RoundRunner:
         # first. Ending later would make the adopter late for the next round, to adopt again; ending at
         # the first result would make it open the next round before the members come, to a group of adopters
         candidates = set(shared.members) if shared.decided else None
+
+        async def outsider_until() -> float:  # read on the loop that changes the parts
+            return self.reducer.server.adopted_until(round_no)
+
         versions = wait_versions(
             self.runtime,
             round_no,
@@ -236,6 +240,7 @@ class RoundRunner:
             enough=(lambda vs: bool(adoptable(vs, self.peer_id, candidates))) if adopting else None,
             after=version_window(sw),
             complete=(lambda vs: all_published(adoptable(vs, self.peer_id, candidates))) if shared.decided else None,
+            hold=lambda: self.runtime.call(outsider_until()),
         )
         report.versions_missing = len(shared.members - set(versions))
         if adopting:
