@@ -41,6 +41,7 @@ from p2p_spes.swarm import Swarm
 from p2p_spes.swarm.agreement import Refresher, wait_versions
 from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.data_server import peer_sources
+from p2p_spes.swarm.membership import Membership
 from p2p_spes.swarm.pacing import sync_deadline
 
 
@@ -345,3 +346,40 @@ def test_a_reducer_for_clients_waits_for_their_digests_while_it_reduces_their_gr
     clock.now = 0.0
     runtime.at = 100.0  # a client that never publishes: the wait ends with the outsider's deadline
     assert wait_versions(runtime, 1, {"b"}, window=7.0, hold=lambda: 60.0) == {} and 60.0 <= clock.now < 61.0
+
+
+class Reads:
+    """A runtime whose DHT answers each read of the peers' records with the next of ``answers``."""
+
+    run_id, peer_id = "r", "me"
+
+    def __init__(self, answers: list[dict]) -> None:
+        self.answers = answers
+
+    def get(self, key):
+        return self.answers.pop(0)
+
+    def call(self, value):
+        return value
+
+
+def test_the_outsiders_a_group_of_clients_may_pick_survive_a_read_that_missed_them():
+    """A NATed peer's DHT (a client of the few public peers) can lose them for a moment: a read of the
+    records then misses the public peer, and the groups of NATed holders first arriving with that view
+    named no outsider and failed (lab: 1 public + 3 NATed, the last round). The reachable peers read
+    within the record's lifetime stay candidates; one that announced leaving does not."""
+    cfg = load_config(None, [])
+    fp = cfg.model_fingerprint()
+
+    def record(peer: str, role: str, **more) -> dict:
+        return {**PeerRecord(peer, [1], 10, 1, fp, [], {"reachability": role}).to_value(), **more}
+
+    both = {"pub": record("pub", "public"), "nat": record("nat", "private"), "me": record("me", "private")}
+    runtime = Reads([both, {"me": both["me"]}, {**both, "pub": record("pub", "public", left=True)}])
+    membership = Membership(runtime, cfg, SwarmCounters(), experts=lambda: [1])
+    assert set(membership.live_peers()) == {"pub", "nat", "me"}
+    assert membership.recently_reachable(15.0) == ["pub"]
+    assert set(membership.live_peers()) == {"me"}  # a read that missed everyone else
+    assert membership.recently_reachable(15.0) == ["pub"] and membership.recently_reachable(0.0) == []
+    membership.live_peers()
+    assert membership.recently_reachable(15.0) == [], "it announced leaving"

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dht.auth import load_auth
-from dht.reachability import RECORD_FIELD, private_of, reachable_of
+from dht.reachability import RECORD_FIELD, private_of
 from dht.records import PeerRecord
 from p2p_spes.averaging import Codec, GroupAllReduce, build_aggregator, tensor_digest
 from p2p_spes.config import Config
@@ -95,7 +95,7 @@ class Swarm:
             group_size=sw.group_size,
             reachable=self.runtime.reachability.reachable,
             # read on the loop's thread, when a group has no reachable member: our last read, never a DHT request
-            helpers=lambda: reachable_of(self.membership.live_peers(math.inf)),
+            helpers=lambda: self.membership.recently_reachable(self.cfg.swarm.record_ttl),
         )
         self.data_server = DataServer(self.runtime, self.auth, self.membership.refresh_members)
         self.runtime.call(self.reducer.start())
