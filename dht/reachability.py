@@ -25,6 +25,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -337,3 +338,28 @@ def reachable_first(peers: Iterable[str], private: Iterable[str]) -> list[str]:
     late = set(private)
     ordered = list(peers)
     return [p for p in ordered if p not in late] + [p for p in ordered if p in late]
+
+
+class SeenReachable:
+    """The reachable peers recent reads of the run's records found, and when (monotonic). One read alone
+    may miss a peer (a private peer's DHT, a client of a few servers, can lose them for a moment), and a
+    group of clients that finds no reachable peer to reduce for it fails its round. Thread-safe: the
+    reads come from the training thread, the questions from the event loop."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def update(self, live: Mapping[str, PeerRecord], raw: Mapping[str, Any], now: float) -> None:
+        """Note the reachable peers of ``live`` as seen at ``now``; forget those whose ``raw`` record value
+        (the same read, unchecked) says they left."""
+        with self._lock:
+            self._seen.update(dict.fromkeys(reachable_of(live), now))
+            for peer, value in raw.items():
+                if isinstance(value, dict) and value.get("left"):
+                    self._seen.pop(peer, None)
+
+    def within(self, seconds: float, now: float, exclude: str = "") -> list[str]:
+        """The reachable peers seen in the ``seconds`` before ``now`` (but ``exclude``: ourselves)."""
+        with self._lock:
+            return sorted(p for p, t in self._seen.items() if t >= now - seconds and p != exclude)

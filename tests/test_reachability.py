@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -377,9 +378,11 @@ def test_the_outsiders_a_group_of_clients_may_pick_survive_a_read_that_missed_th
     both = {"pub": record("pub", "public"), "nat": record("nat", "private"), "me": record("me", "private")}
     runtime = Reads([both, {"me": both["me"]}, {**both, "pub": record("pub", "public", left=True)}])
     membership = Membership(runtime, cfg, SwarmCounters(), experts=lambda: [1])
+    seen = membership.reachable_seen
     assert set(membership.live_peers()) == {"pub", "nat", "me"}
-    assert membership.recently_reachable(15.0) == ["pub"]
+    assert seen.within(15.0, time.monotonic(), "me") == ["pub"]
     assert set(membership.live_peers()) == {"me"}  # a read that missed everyone else
-    assert membership.recently_reachable(15.0) == ["pub"] and membership.recently_reachable(0.0) == []
+    assert seen.within(15.0, time.monotonic(), "me") == ["pub"]
+    assert seen.within(15.0, time.monotonic() + 16.0, "me") == [], "seen longer ago than a record lives"
     membership.live_peers()
-    assert membership.recently_reachable(15.0) == [], "it announced leaving"
+    assert seen.within(15.0, time.monotonic(), "me") == [], "it announced leaving"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -94,8 +95,8 @@ class Swarm:
             retries=sw.group_retries,
             group_size=sw.group_size,
             reachable=self.runtime.reachability.reachable,
-            # read on the loop's thread, when a group has no reachable member: our last read, never a DHT request
-            helpers=lambda: self.membership.recently_reachable(self.cfg.swarm.record_ttl),
+            # read on the loop's thread, when a group has no reachable member: our reads of a record lifetime, no DHT request
+            helpers=lambda: self.membership.reachable_seen.within(sw.record_ttl, time.monotonic(), self.peer_id),
         )
         self.data_server = DataServer(self.runtime, self.auth, self.membership.refresh_members)
         self.runtime.call(self.reducer.start())

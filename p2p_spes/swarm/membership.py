@@ -20,7 +20,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from dht.keys import config_key, peers_key, run_config_key
-from dht.reachability import private_of, reachable_of
+from dht.reachability import SeenReachable, private_of
 from dht.records import PeerRecord
 from dht.run_config import run_config_record
 from p2p_spes import __version__
@@ -60,7 +60,7 @@ class Membership:
         self._redial: asyncio.Task | None = None
         self.run_config = run_config_record(cfg)  # published once the model check passed
         self._last_read: tuple[float, dict[str, PeerRecord]] | None = None  # (monotonic time, live peers)
-        self._reachable: dict[str, float] = {}  # reachable peers read lately -> when (monotonic)
+        self.reachable_seen = SeenReachable()  # who may reduce for a group of clients
 
     # Views of the others ---------------------------------------------------------------------
     def live_peers(self, max_age: float = 0.0) -> dict[str, PeerRecord]:
@@ -77,31 +77,14 @@ class Membership:
                 out[peer] = record
         self.remember(p for p in out if p != self.peer_id)
         self._last_read = (time.monotonic(), dict(out))
-        with self._lock:  # read on the loop's thread (recently_reachable)
-            for peer in reachable_of(out):
-                self._reachable[peer] = self._last_read[0]
-            for peer, value in records.items():
-                if isinstance(value, dict) and value.get("left"):
-                    self._reachable.pop(peer, None)
+        self.reachable_seen.update(out, records, self._last_read[0])
         return out
-
-    def recently_reachable(self, within: float) -> list[str]:
-        """The reachable peers any of our reads in the last ``within`` seconds found (but us, and those
-        that announced leaving since): who may reduce for a group of clients. One read alone may miss a
-        peer (a private peer's DHT, a client of a few servers, can lose them for a moment), and a group of
-        clients without an outsider fails its round."""
-        cutoff = time.monotonic() - within
-        with self._lock:
-            return sorted(p for p, t in self._reachable.items() if t >= cutoff and p != self.peer_id)
 
     def remember(self, peers: Any) -> None:
         """Keep the ``MAX_SEEN`` peers read most recently (whom ``stay_connected`` pings if we are cut off)."""
         with self._lock:  # the heartbeat reads it on the loop's thread
-            for peer in peers:
-                self.seen.pop(peer, None)
-                self.seen[peer] = None
-            for peer in list(self.seen)[:-MAX_SEEN]:
-                del self.seen[peer]
+            fresh = list(peers)
+            self.seen = dict.fromkeys(([p for p in self.seen if p not in fresh] + fresh)[-MAX_SEEN:])
 
     def others(self, max_age: float = 0.0) -> dict[str, PeerRecord]:
         return {p: r for p, r in self.live_peers(max_age).items() if p != self.peer_id}
