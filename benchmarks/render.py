@@ -26,6 +26,7 @@ from pathlib import Path
 
 from benchmarks.lab import results
 from benchmarks.lab.results import Result
+from benchmarks.lab.wan_report import SwarmReport
 
 START = re.compile(r"<!-- rendered: ([a-z0-9_-]+) -->")
 END = "<!-- end rendered -->"
@@ -446,6 +447,70 @@ def head_equal_time() -> str:
     return f"vs AdamW: {'; '.join(parts)} ({seeds(r, r.payload['seeds'])})"
 
 
+# -- README's lab table of peers behind NATs ------------------------------------------------------------
+
+NAT_RUNS = ("nat-1-2", "nat-1-2-rtt100", "nat-1-3")  # benchmarks/results/wan/
+
+
+def _median_round(report: SwarmReport) -> float:
+    return statistics.median(x.seconds for rows in report.rounds_after_join().values() for x in rows)
+
+
+def nat_table() -> str:
+    """Per lab run: the rounds after the joiners' catch-up that every peer averaged in, round seconds and
+    bytes per round by role (medians over those rounds of the role's peers), and the end state; then
+    each swarm's round time at 100 ms over its time at 0 ms."""
+    lines = [
+        "| swarm | round trip | rounds averaged by every peer | round s, public / NATed | MB per round sent / recv,"
+        + " public | the same, NATed | steps computed / jumped / skipped, all peers | identical at the end |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    runs = {v: load("wan", v) for v in NAT_RUNS}
+    reports = {v: SwarmReport.from_dict(r.payload) for v, r in runs.items()}
+    for v, r in runs.items():
+        report, after = reports[v], reports[v].rounds_after_join()
+        n, links = len(report.peers), r.payload["network"]["peers"]
+        rounds = sorted({x.round for rows in after.values() for x in rows})
+        every = [
+            k
+            for k in rounds
+            if all(any((x.round, x.members, x.outcome) == (k, n, "averaged") for x in rows) for rows in after.values())
+        ]
+        natted = sum(link["nat"] for link in links)
+        cells = []
+        for role in ("public", "private"):
+            rows = [x for p in report.peers if p.role == role for x in after[p.peer]]
+            if not rows:
+                raise RenderError(f"{r.path}: no {role} peer's round after the join")
+            sent = statistics.median(x.bytes_sent for x in rows) / 1e6
+            received = statistics.median(x.bytes_received for x in rows) / 1e6
+            cells.append((statistics.median(x.seconds for x in rows), f"{sent:.1f} / {received:.1f}"))
+        lines.append(
+            f"| {n - natted} public + {natted} NATed, replicas {r.payload['config']['swarm']['replicas']} "
+            f"| {links[0]['rtt_ms']:.0f} ms | {len(every)} of {len(rounds)} | {cells[0][0]:.0f} / {cells[1][0]:.0f} "
+            f"| {cells[0][1]} | {cells[1][1]} | {sum(p.steps_computed for p in report.peers)} / "
+            f"{sum(p.steps_jumped for p in report.peers)} / {sum(p.steps_skipped for p in report.peers)} "
+            f"| {'yes' if report.identical else 'no'} |"
+        )
+    ratios = [
+        f"{_median_round(reports[v + '-rtt100']) / _median_round(reports[v]):.2f}x ({v[4:].replace('-', ' + ')})"
+        for v in NAT_RUNS
+        if v + "-rtt100" in reports
+    ]
+    return (
+        "\n".join(lines)
+        + "\n\n"
+        + textwrap.fill(
+            f"At 100 ms a round took {' and '.join(ratios)} as long as at 0 ms (median over every peer's rounds after "
+            "the join). Tiny config, 20 Mbit/s each way for every peer, 150 steps, a round every 50, one seed each: "
+            f"{cite(list(runs.values()), True)}.",
+            100,
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+    )
+
+
 # each line's headline: a README result's second text, else head_<script>()
 TOPICS: dict[str, Callable[[], tuple[str, str]]] = {
     "memory": memory,
@@ -495,7 +560,7 @@ def scripts_table() -> str:
 # -- the files and their markers -----------------------------------------------------------------------
 
 TARGETS: dict[str, dict[str, Callable[[], str]]] = {
-    "README.md": {"numbers": numbers},
+    "README.md": {"numbers": numbers, "nat": nat_table},
     "benchmarks/README.md": {"scripts": scripts_table, "performance": performance_table},
 }
 

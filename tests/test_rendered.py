@@ -96,6 +96,7 @@ NOT_MEASURED = {
     "quality": {"3"},
     "scale": {"1", "0"},  # one kill; 0 peer-rounds neither averaged nor adopted (two equal counts stay equal)
     "simulate": {"16", "3"},
+    "equal_time": {"3"},  # its seeds
 }
 NUMBER = re.compile(r"[+-]?\d[\d,]*(?:\.\d+)?(?:%|x|B)?")
 
