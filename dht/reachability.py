@@ -348,18 +348,22 @@ class SeenReachable:
 
     def __init__(self) -> None:
         self._seen: dict[str, float] = {}
+        self._latest = 0.0  # when our latest read was
         self._lock = threading.Lock()
 
     def update(self, live: Mapping[str, PeerRecord], raw: Mapping[str, Any], now: float) -> None:
         """Note the reachable peers of ``live`` as seen at ``now``; forget those whose ``raw`` record value
         (the same read, unchecked) says they left."""
         with self._lock:
+            self._latest = max(self._latest, now)
             self._seen.update(dict.fromkeys(reachable_of(live), now))
             for peer, value in raw.items():
                 if isinstance(value, dict) and value.get("left"):
                     self._seen.pop(peer, None)
 
-    def within(self, seconds: float, now: float, exclude: str = "") -> list[str]:
-        """The reachable peers seen in the ``seconds`` before ``now`` (but ``exclude``: ourselves)."""
+    def within(self, seconds: float, exclude: str = "") -> list[str]:
+        """The reachable peers our latest read found, and those reads in the ``seconds`` before it found
+        (but ``exclude``: ourselves). Counted from the latest read, not from now: reads come once or twice
+        a round, and a round can last longer than a record lives."""
         with self._lock:
-            return sorted(p for p, t in self._seen.items() if t >= now - seconds and p != exclude)
+            return sorted(p for p, t in self._seen.items() if t >= self._latest - seconds and p != exclude)

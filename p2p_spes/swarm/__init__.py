@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -96,7 +95,7 @@ class Swarm:
             group_size=sw.group_size,
             reachable=self.runtime.reachability.reachable,
             # read on the loop's thread, when a group has no reachable member: our reads of a record lifetime, no DHT request
-            helpers=lambda: self.membership.reachable_seen.within(sw.record_ttl, time.monotonic(), self.peer_id),
+            helpers=lambda: self.membership.reachable_seen.within(sw.record_ttl, self.peer_id),
         )
         self.data_server = DataServer(self.runtime, self.auth, self.membership.refresh_members)
         self.runtime.call(self.reducer.start())
