@@ -43,6 +43,7 @@ class RoundReport:
     traffic: dict[str, Traffic] = field(default_factory=dict)  # by purpose: averaging, reducing, serving, ...
     refreshed: int = 0  # frozen experts brought to the agreed version
     refreshed_by_delta: int = 0  # of which rebuilt from their group's encoded average
+    taken_agreed: int = 0  # experts we train taken at the agreed version (a private peer whose group missed a holder)
     refresh_missed: int = 0
     orphaned: list[int] = field(default_factory=list)  # experts no live peer trained this round
     orphans_agreed: int = 0
@@ -103,6 +104,7 @@ class RoundReport:
             "traffic": {p: [t.sent, t.received] for p, t in self.traffic.items()},  # [sent, received] bytes
             "refreshed": self.refreshed,
             "refreshed_by_delta": self.refreshed_by_delta,
+            "taken_agreed": self.taken_agreed,
             "refresh_missed": self.refresh_missed,
             "orphaned": self.orphaned,
             "orphans_agreed": self.orphans_agreed,

@@ -259,7 +259,7 @@ class RoundRunner:
         by_delta = self.stats.delta_refreshes
         report.refreshed, report.refresh_missed = self.refresher.refresh(model, peers, frozen, versions, agreed)
         if not self.reducer.reachable:
-            report.refreshed += self.adopter.take_agreed_own(model, round_no, peers, versions, agreed, report)
+            report.taken_agreed = self.adopter.take_agreed_own(model, round_no, peers, versions, agreed, report)
         report.refreshed_by_delta = self.stats.delta_refreshes - by_delta
         report.orphaned = orphaned
         # an expert a peer trained this round is not orphaned, even if its record came too late for
