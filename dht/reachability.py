@@ -351,11 +351,13 @@ class SeenReachable:
         self._latest = 0.0  # when our latest read was
         self._lock = threading.Lock()
 
-    def update(self, live: Mapping[str, PeerRecord], raw: Mapping[str, Any], now: float) -> None:
+    def update(self, live: Mapping[str, PeerRecord], raw: Mapping[str, Any], now: float, us: str = "") -> None:
         """Note the reachable peers of ``live`` as seen at ``now``; forget those whose ``raw`` record value
-        (the same read, unchecked) says they left."""
+        (the same read, unchecked) says they left. A read that found no peer but ``us`` says more about our
+        DHT (cut off for a while) than about the others: it does not move the clock they age by."""
         with self._lock:
-            self._latest = max(self._latest, now)
+            if any(p != us for p in live):
+                self._latest = max(self._latest, now)
             self._seen.update(dict.fromkeys(reachable_of(live), now))
             for peer, value in raw.items():
                 if isinstance(value, dict) and value.get("left"):

@@ -96,8 +96,9 @@ class SwarmConfig:
     )
     quorum: float = setting(
         0.75,
-        doc="Share of the live peers a round's shared group waits for past its join window (up to 3x "
-        "matchmaking_time; p2p_spes/averaging/matchmaking.py), so that it does not close before most arrive. 0: off",
+        doc="Share of the peers it expects a round's group (shared, or an expert's holders) waits for past its "
+        "join window (up to 3x matchmaking_time; p2p_spes/averaging/matchmaking.py), so that it does not close "
+        "before most arrive. 0: off",
     )
     group_retries: int = setting(
         2,

@@ -368,7 +368,8 @@ def test_the_outsiders_a_group_of_clients_may_pick_survive_a_read_that_missed_th
     """A NATed peer's DHT (a client of the few public peers) can lose them for a moment: a read of the
     records then misses the public peer, and the groups of NATed holders first arriving with that view
     named no outsider and failed (lab: 1 public + 3 NATed, the last round). The reachable peers read
-    within the record's lifetime stay candidates; one that announced leaving does not."""
+    within the record's lifetime stay candidates (counted back from the latest read that found another peer);
+    one that announced leaving does not."""
     cfg = load_config(None, [])
     fp = cfg.model_fingerprint()
 
@@ -383,7 +384,14 @@ def test_the_outsiders_a_group_of_clients_may_pick_survive_a_read_that_missed_th
     assert seen.within(15.0, "me") == ["pub"]
     assert set(membership.live_peers()) == {"me"}  # a read that missed everyone else
     assert seen.within(15.0, "me") == ["pub"]
-    seen.update({}, {}, time.monotonic() + 16.0)  # a read longer after it than a record lives
+    later = time.monotonic() + 16.0  # longer after it than a record lives
+    seen.update(
+        {"me": PeerRecord.from_value("me", both["me"])}, {}, later, "me"
+    )  # our DHT cut off: the others do not age
+    assert seen.within(15.0, "me") == ["pub"]
+    seen.update(
+        {"nat": PeerRecord.from_value("nat", both["nat"])}, {}, later, "me"
+    )  # a read that found others, but not it
     assert seen.within(15.0, "me") == [], "seen longer before the latest read than a record lives"
     membership.live_peers()
     assert seen.within(15.0, "me") == [], "it announced leaving"

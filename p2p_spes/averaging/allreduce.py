@@ -70,7 +70,7 @@ from p2p_spes.averaging.matchmaking import DECISION_LAG, announce_done, arrivals
 from p2p_spes.averaging.membership import Base, Joined, agreed_base
 from p2p_spes.averaging.part_client import PartClient
 from p2p_spes.averaging.reducer import PartServer
-from p2p_spes.averaging.roles import flat_group, outsider_candidates
+from p2p_spes.averaging.roles import flat_group, no_outsider, outsider_candidates
 
 __all__ = ["HOLD", "Attempt", "GroupAllReduce", "GroupResult", "relaxed_timeout"]
 
@@ -329,7 +329,7 @@ class GroupAllReduce:
             result.seconds = time.monotonic() - t0
             return result
         if not joined.reducers:
-            result.error = "no member can be dialled and no reachable peer was named to reduce for the group"
+            result.error = no_outsider(outsider_candidates(self.helpers, attempt.avoid, self.peer_id))
             return result
         grid = make_grid(members, self.group_size, joined.clients) if attempt.bounded else None
         if grid is not None:

@@ -54,7 +54,7 @@ from p2p_spes.averaging.membership import (
     first_arrival,
     longest_wait,
 )
-from p2p_spes.averaging.roles import choose_outsider
+from p2p_spes.averaging.roles import MAX_NAMED, choose_outsider, named_outsiders
 
 log = logging.getLogger(__name__)
 SETTLE = 5.0  # seconds past the join window a member waits for the first arrival's decision
@@ -97,7 +97,8 @@ async def join_group(
     ``quorum`` the arrivals it asks the group to wait for should it arrive first
     (``membership.closing_time``).
     ``reachable`` and ``bandwidth`` go into our record (who reduces, and how much); ``helpers`` are the
-    reachable peers we know, from which we pick the outsider that reduces for a group of clients.
+    reachable peers we know, from which (and from those the other clients' records name) we pick the
+    outsider that reduces for a group of clients.
     Every DHT request is bounded: one that never answers raises ``asyncio.TimeoutError``.
     """
     now = get_dht_time()
@@ -122,6 +123,8 @@ async def join_group(
         mine["c"] = True
     if bandwidth is not None and bandwidth > 0:
         mine["bw"] = float(bandwidth)
+    if not reachable and helpers:
+        mine["o"] = sorted(helpers)[:MAX_NAMED]  # the first arrival may know none (its DHT lost them a while)
     expires = arrival + ttl
 
     async def publish() -> None:
@@ -164,7 +167,7 @@ async def join_group(
     joined = decide(records, matchmaking_time)
     joined.done = set(done)
     if not joined.reducers:
-        joined.outsiders = choose_outsider(key, helpers, joined.members)
+        joined.outsiders = choose_outsider(key, [*helpers, *named_outsiders(records)], joined.members)
     if done:
         return joined
     return await settle(dht, key, peer_id, owner, records, joined, ttl)

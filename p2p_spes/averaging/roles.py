@@ -8,11 +8,12 @@ part to every reducer and fetches every averaged part (P parts out, all parts in
 nothing, and nobody ever opens a stream to it. Every reducer's part waits for every member's
 contribution, clients' included, so a lost client fails the attempt at its deadline like any member and
 the retry forms without it. A group with no reachable member is reduced by a reachable *outsider*: the
-first arrival picks one of the peers ``helpers`` names (:func:`outsider_candidates`, then
-:func:`choose_outsider`, by the hash of the attempt's key) and publishes it in its decision
-(``matchmaking.py``); the members send it their parts with the part's description and it creates the
-part on demand, adding nothing of its own (``reducer.PartSpec``). An outsider that fails is avoided by
-the retry. In a grid, a row's columns go to its reachable members only; a group whose reachable members
+first arrival picks one of the peers its ``helpers`` or the clients' arrival records name
+(:func:`outsider_candidates`, :func:`named_outsiders`, then :func:`choose_outsider`, by the hash of the
+attempt's key: a client whose DHT lost the reachable peers for a while may arrive first) and publishes it
+in its decision (``matchmaking.py``); the members send it their parts with the part's description and it
+creates the part on demand, adding nothing of its own (``reducer.PartSpec``). An outsider that fails is
+avoided by the retry while another is known. In a grid, a row's columns go to its reachable members only; a group whose reachable members
 cannot fill every row runs flat (``grid.make_grid``).
 """
 
@@ -24,6 +25,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 from p2p_spes.averaging.flat_allreduce import FlatGroup
 from p2p_spes.averaging.membership import Joined
+
+MAX_NAMED = 8  # reachable peers a client names in its arrival record, for the first arrival to pick an outsider from
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ def flat_group(joined: Joined, timeout: float, deadline: float) -> FlatGroup:
 def outsider_candidates(helpers: Callable[[], Iterable[str]] | None, avoid: Collection[str], peer_id: str) -> list[str]:
     """The reachable peers we know (``helpers()``, e.g. from the swarm's membership records) that may
     reduce for a group of clients: not us, nor those in ``avoid`` (that failed this round's earlier
-    attempt)."""
+    attempt) unless nobody else is left (a group of clients with no outsider fails for sure)."""
     if helpers is None:
         return []
     try:
@@ -55,7 +58,25 @@ def outsider_candidates(helpers: Callable[[], Iterable[str]] | None, avoid: Coll
     except Exception as exc:  # a membership read that failed leaves us without outsiders, not the round
         log.warning("could not list reachable peers to reduce for a group of clients: %r", exc)
         return []
-    return [p for p in known if p not in avoid and p != peer_id]
+    others = [p for p in known if p != peer_id]
+    return [p for p in others if p not in avoid] or others
+
+
+def no_outsider(known: Sequence[str]) -> str:
+    """Why a group of clients failed: its decision named no outsider (with the reachable peers we know)."""
+    names = ", ".join(known) or "none"
+    return f"no member can be dialled and no reachable peer was named to reduce for the group (we know: {names})"
+
+
+def named_outsiders(records: dict[str, dict]) -> list[str]:
+    """The reachable peers the members' arrival records name (``"o"``, written by clients): one member's
+    view of the swarm may miss a peer another's has. Malformed entries are left out."""
+    named: set[str] = set()
+    for value in records.values():
+        listed = value.get("o") if isinstance(value, dict) else None
+        if isinstance(listed, list):
+            named.update(p for p in listed[:MAX_NAMED] if isinstance(p, str) and p)
+    return sorted(named)
 
 
 def choose_outsider(key: str, helpers: Sequence[str], members: Sequence[str]) -> list[str]:

@@ -77,7 +77,7 @@ class Membership:
                 out[peer] = record
         self.remember(p for p in out if p != self.peer_id)
         self._last_read = (time.monotonic(), dict(out))
-        self.reachable_seen.update(out, records, self._last_read[0])
+        self.reachable_seen.update(out, records, self._last_read[0], self.peer_id)
         return out
 
     def remember(self, peers: Any) -> None:

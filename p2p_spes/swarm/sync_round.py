@@ -189,6 +189,9 @@ class RoundRunner:
                         timeout=self._group_timeout(payload, groups[e], shared.peers),
                         base=self.outer.base(f"expert:{e}"),
                         rebase=self.adopter.rebase(f"expert:{e}", flats[e].numel()),
+                        # its holders were in the shared group but end its transfers apart (a client's
+                        # parts come through a reducer's link): held open for them, not closed on the first
+                        quorum=self.sw.quorum,
                     )
                     for e in pooled
                 )
