@@ -116,10 +116,11 @@ def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int) -> di
     contributions in the members' codec, averaged parts in that of a mean of P of them, the lone
     holders' updates in ``codec.result``."""
 
-    def ring(c: Codec) -> float:  # (P-1)/P of the shared vector's P parts, each encoded with ``c``
-        return (peers - 1) / peers * sum(c.wire_bytes(n) for n in part_sizes(shared, peers))
+    def ring(c: Codec, count: int = 1) -> float:  # (P-1)/P of the shared vector's P parts, each encoded with ``c``
+        return (peers - 1) / peers * sum(c.wire_bytes(n, count) for n in part_sizes(shared, peers))
 
-    contributions, averaged = ring(codec), ring(codec.result_for(peers))
+    # under sparse an averaged part is a bundle of the P members' messages of it
+    contributions, averaged = ring(codec), ring(codec.result_for(peers), peers if codec.forwards else 1)
     own, update = experts / peers, codec.result.wire_bytes(expert)
     return totals(
         {
@@ -160,8 +161,14 @@ def serverless_floor(codec: Codec, shared: int, expert: int, experts: int, peers
     2(P - 1) transfers per value. Each expert's update (one holder) must reach its P - 1 frozen copies.
     Every byte one peer receives another sends, so the mean over peers of sent + received is twice the
     swarm's transfers over P: ``(P - 1) / P x bytes per value x (4 S + 2 E X)``. A server escapes it
-    only because its own traffic, P times a peer's, is not a peer's."""
+    only because its own traffic, P times a peer's, is not a peer's.
+
+    A codec whose groups forward the members' messages (``sparse``) never re-encodes a combination: each
+    peer's message of the shared values must reach the P - 1 others, ``2 (P - 1) x bytes per value x S``
+    per peer, the experts' updates as above."""
     per_value = codec.body_bytes(BLOCK * BLOCK) / (BLOCK * BLOCK)
+    if codec.forwards:
+        return per_value * (2 * (peers - 1) * shared + 2 * (peers - 1) / peers * experts * expert)
     return (peers - 1) / peers * per_value * (4 * shared + 2 * experts * expert)
 
 
@@ -455,9 +462,9 @@ def main() -> None:
         console.print(table)
 
     flat = Table(
-        title="per peer, 4 -> 16 peers: every term of this project grows as (P-1)/P, so a peer moves at "
-        "most 4/3 of its 4-peer bytes at any P (up to E); the SPES reference's server moves P times a "
-        "peer's traffic"
+        title="per peer, 4 -> 16 peers: every term of this project grows as (P-1)/P (but sparse's bundles, "
+        "which grow as P - 1), so a peer moves at most 4/3 of its 4-peer bytes at any P (up to E); the SPES "
+        "reference's server moves P times a peer's traffic"
     )
     for col in ("config", "protocol", "GB at 4 peers", "GB at 16 peers", "16 / 4 peers"):
         flat.add_column(col, justify="left" if col in ("config", "protocol") else "right")

@@ -20,6 +20,9 @@ P x b x seq_len tokens per step for ``--steps`` steps, with the same seeds):
 * ``spes-topk-dense``, ``spes-topk-keep-dense`` (not run by default): ``spes-topk`` and ``spes-topk-keep``
   with ``swarm.topk_result_fraction`` 4/64 (the groups' averaged parts keep 16 of each block's 256
   values, where the members' messages keep 4);
+* ``spes-sparse`` (not run by default): ``spes`` with ``swarm.compression=sparse`` (top-k per chunk of
+  4,096 at 2 bits, the members' messages forwarded by the reducers and each value averaged over the
+  members that sent it, decaying error feedback);
 * ``spes-no-merge`` (not run by default): ``spes`` without the warm-up merge.
 
 The partial-residency arm of earlier versions is gone: its peers' checkpoints hold only their own
@@ -143,6 +146,7 @@ ARMS: dict[str, list[str] | None] = {
         "swarm.keep_local_progress=true",
         "swarm.topk_result_fraction=0.0625",
     ],
+    "spes-sparse": [*SPES[:-1], "swarm.compression=sparse"],
     "spes-no-merge": [
         "experts.placement=spes",
         "swarm.merge_interval=0",
@@ -151,7 +155,9 @@ ARMS: dict[str, list[str] | None] = {
     ],
 }
 DEFAULT_ARMS = [
-    a for a in ARMS if a not in ("spes-no-merge", "spes-topk-keep", "spes-topk-dense", "spes-topk-keep-dense")
+    a
+    for a in ARMS
+    if a not in ("spes-no-merge", "spes-topk-keep", "spes-topk-dense", "spes-topk-keep-dense", "spes-sparse")
 ]
 SUMMARY_KEYS = (
     "step",

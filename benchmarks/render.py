@@ -197,8 +197,25 @@ def chaos() -> tuple[str, str]:
     )
 
 
+def speed() -> tuple[str, str]:
+    """One peer's step against the hardware's limit (step_time) and what it buys at equal time (equal_time)."""
+    st, et = load("step_time"), load("equal_time")
+    tiny = st.payload["shapes"]["tiny"]["arms"]
+    muon, adamw, s = tiny["muon"], tiny["adamw"], et.payload["summary"]["muon"]
+    gap = s["gap_equal_time"]
+    bullet = (
+        f"**Speed.** On one peer of the main job (CPU, one thread), a Muon step takes "
+        f"{muon['step_ratio_to_adamw']['median']:.2f}x an AdamW step: {muon['mfu']:.0%} MFU against "
+        f"{adamw['mfu']:.0%}, of the fp32 matmul rate measured in the same run. At equal wall time Muon still "
+        f"ends {-gap['mean']:.1%} below AdamW in validation loss ({seeds(et, et.payload['seeds'])}, "
+        f"{span([-gap['max'], -gap['min']], '.1%')}), so it stays the default: {cite([st, et], True)}, the table in "
+        "[benchmarks/README.md](benchmarks/README.md#performance-loss-per-second-not-only-per-token)."
+    )
+    return bullet, head_step_time()
+
+
 def numbers() -> str:
-    return "\n".join(wrap(bullet()[0]) for bullet in (memory, comms, topk, quality, chaos))
+    return "\n".join(wrap(bullet()[0]) for bullet in (memory, comms, speed, quality, chaos))
 
 
 # -- the other lines of benchmarks/README.md's table --------------------------------------------------

@@ -73,11 +73,15 @@ class SwarmConfig:
         doc="Self-healing: the most experts this peer trains, takeovers included (null: no limit). Each costs "
         "gradient + optimizer memory, and under partial residency its weights too.",
     )
-    compression: Literal["none", "fp16", "int8", "int4", "topk"] = setting(
+    compression: Literal["none", "fp16", "int8", "int4", "topk", "sparse"] = setting(
         "none",
-        doc="Pseudo-gradient codec, with error feedback (p2p_spes/averaging/compression.py); run-wide: peers set otherwise refuse to join",
+        doc="Pseudo-gradient codec, with error feedback (p2p_spes/averaging/compression.py); sparse: top-k per "
+        "chunk at 2 bits, forwarded by reducers and averaged over the senders of each value "
+        "(p2p_spes/averaging/sparse.py); run-wide: peers set otherwise refuse to join",
     )
-    topk_fraction: float = setting(1 / 64, doc="Share of each block of 256 values that topk sends")
+    topk_fraction: float = setting(
+        1 / 64, doc="Share of each block of 256 values that topk sends (sparse: of each chunk of 4,096)"
+    )
     topk_result_fraction: float | None = setting(
         None, doc="topk: the share a group's averaged parts keep (null: the same)"
     )

@@ -46,3 +46,20 @@ def test_int8_ceiling_at_spes_1b_is_below_the_issues_target():
         assert reference / floor == pytest.approx(ceiling, abs=0.01)
         assert reference / floor < comms.TARGETS["int8_vs_spes_fp32"]
         assert comms.ours(codec, shared, expert, experts, peers)["total"] / floor < 1.0001
+
+
+def test_sparse_forwards_every_message_so_its_ceiling_falls_with_the_peers():
+    """Under sparse a reducer forwards the members' messages: a peer receives the P - 1 others' messages of
+    the shared values (and its own back inside its bundles, the 1/P above the least). At spes-1b and 1/64
+    of each chunk that stays above 50x less than the SPES reference at fp32 with 4 peers, and cannot with
+    16, whatever the protocol, as long as the messages are forwarded."""
+    shared, expert, experts = comms.parameter_split(name="spes-1b")
+    codec = Codec("sparse", 1 / 64)
+    ceilings = {}
+    for peers in (4, 16):
+        reference = comms.spes_reference(None, shared, expert, experts, peers)["total"]
+        floor = comms.serverless_floor(codec, shared, expert, experts, peers)
+        ours = comms.ours(codec, shared, expert, experts, peers)["total"]
+        assert 1 <= ours / floor < (peers + 1) / peers + 0.01
+        ceilings[peers] = reference / floor
+    assert ceilings[4] > comms.TARGETS["best_vs_spes_fp32"] > ceilings[16]

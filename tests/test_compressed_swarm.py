@@ -30,10 +30,11 @@ def expert_bytes() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["topk", "int8", "topk-keep", "topk-dense"])
+@pytest.mark.parametrize("compression", ["topk", "int8", "topk-keep", "topk-dense", "sparse"])
 def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta(tmp_path, compression):
     # "-keep": swarm.keep_local_progress, each member's weights keep what its messages have not carried;
-    # "-dense": swarm.topk_result_fraction 4/64, the groups' averaged parts (and updates served) denser
+    # "-dense": swarm.topk_result_fraction 4/64, the groups' averaged parts (and updates served) denser;
+    # sparse: reducers forward the members' messages (bundles), each value averaged over its senders
     dense = ["swarm.topk_result_fraction=0.0625"] if compression.endswith("-dense") else []
     compression, keep = compression.removesuffix("-dense").removesuffix("-keep"), compression.endswith("-keep")
     # warm-up merges at steps 20, 40 and 60: every peer merges the values all of them hold, and a lone
@@ -70,7 +71,7 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
         assert s["rounds_joined"] >= 4 and s["updates_refused"] == 0
         # top-k sends 1/64 of the shared pseudo-gradient per round (the rest follows through error
         # feedback): in 4-7 rounds it has averaged less of the peers' progress than int8
-        assert s["final_val_loss"] < s["first_train_loss"] - {"topk": 0.2, "int8": 0.5}[compression]
+        assert s["final_val_loss"] < s["first_train_loss"] - {"topk": 0.2, "sparse": 0.2, "int8": 0.5}[compression]
         # each peer holds the other's 3 experts frozen. Once both have averaged together once, their copies
         # are the groups' anchors and every refresh comes as an encoded average (before, a joiner's experts
         # may have moved while their copies here were still at the seeded values: those come whole, once)
@@ -99,8 +100,9 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
             assert held[other][e] == last[me]["expert_digests"][e] == last[other]["expert_digests"][e]
             assert held[me][e] != held[other][e], f"expert {e}: the holder's weights are not ahead of its anchor"
         # a lone holder's update is a group of one's result: 4 of 256 values a block under topk (0.007 of
-        # fp32, and the framing), 16 with topk_result_fraction 4/64 (0.022)
-        limit = {"topk": 0.03 if dense else 0.012, "int8": 0.3}[compression] * 3 * expert_bytes()
+        # fp32, and the framing), 16 with topk_result_fraction 4/64 (0.022); under sparse a bundle of its
+        # one message, 64 of 4,096 values a chunk (0.008)
+        limit = {"topk": 0.03 if dense else 0.012, "sparse": 0.012, "int8": 0.3}[compression] * 3 * expert_bytes()
         downloaded = [r["traffic"]["downloading"][1] for r in later]
         assert all(d < limit for d in downloaded), (
             f"refreshes downloaded {downloaded} bytes, 3 whole experts are {3 * expert_bytes()}"

@@ -133,7 +133,8 @@ def _all_reduce_seconds(codec: Codec, numel: int, rates: list[float]) -> tuple[f
     n = len(rates)
     if n < 2:
         return 0.0, 0
-    out, back = (c.wire_bytes(numel) * (n - 1) / n for c in (codec, codec.result_for(n)))  # per direction
+    # per direction; under sparse an averaged part is a bundle of the n members' messages
+    out, back = (c.wire_bytes(numel, n if codec.forwards else 1) * (n - 1) / n for c in (codec, codec.result_for(n)))
     return (out + back) / min(rates) + 2 * PHASE_LATENCY, int(2 * (out + back))
 
 

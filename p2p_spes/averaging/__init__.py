@@ -11,7 +11,8 @@ the model, the trainer or the swarm's rounds; the swarm drives it through the na
 
 from p2p_spes.averaging.aggregation import Aggregator, build_aggregator, weighted_mean
 from p2p_spes.averaging.allreduce import HOLD, Attempt, GroupAllReduce, GroupResult
-from p2p_spes.averaging.compression import Codec, ErrorFeedback
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.error_feedback import ErrorFeedback
 from p2p_spes.averaging.matchmaking import DECISION_LAG
 from p2p_spes.averaging.membership import Base, arrival_delays, longest_wait
 from p2p_spes.averaging.transport import (

@@ -31,10 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
+from p2p_spes.averaging import sparse
+from p2p_spes.averaging.bitpack import pack2, pack4, to_bytes, unpack2, unpack4
 from p2p_spes.averaging.transport import TransportError
 
 BLOCK = 256
-CODECS = ("none", "fp16", "int8", "int4", "topk")
+CODECS = ("none", "fp16", "int8", "int4", "topk", "sparse")  # what swarm.compression may name
+BUNDLE = "sparse-bundle"  # a sparse group's result: the members' messages, forwarded (sparse.py)
+_WIRE = (*CODECS, BUNDLE)  # codec ids in the header
+SPARSE_DECAY = 0.95  # the sparse codec's error feedback decays (error_feedback.py)
 LOSSLESS = ("none",)
 MAGIC = b"PSG1"
 _HEADER = struct.Struct("<4sBxxxQH6x")  # magic, codec id, numel, topk k (24 bytes; the checksum follows)
@@ -61,36 +66,6 @@ def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
     return (absmax / top).clamp(_MIN_SCALE, FP16_MAX).half()
 
 
-def _pack4(q: torch.Tensor) -> torch.Tensor:
-    """Unsigned 4-bit values (0..15) two per byte, low nibble first."""
-    q = q.to(torch.uint8)
-    if q.numel() % 2:
-        q = torch.cat([q, q.new_zeros(1)])
-    return q[0::2] | (q[1::2] << 4)
-
-
-def _unpack4(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
-
-
-def _pack2(q: torch.Tensor) -> torch.Tensor:
-    """2-bit values (0..3) four per byte, lowest bits first."""
-    q = q.to(torch.uint8)
-    pad = (-q.numel()) % 4
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad)])
-    q = q.view(-1, 4)
-    return q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
-
-
-def _unpack2(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.stack([(packed >> s) & 0x03 for s in (0, 2, 4, 6)], dim=1).reshape(-1)[:n]
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
 @dataclass(frozen=True)
 class Codec:
     """One of :data:`CODECS`; ``topk_fraction`` is the share of each block ``topk`` keeps in a member's
@@ -104,7 +79,7 @@ class Codec:
     floor_fraction: float | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in CODECS:
+        if self.name not in _WIRE:
             raise ValueError(f"unknown compression {self.name!r}; choose one of {', '.join(CODECS)}")
         for what, share in (
             ("topk_fraction", self.topk_fraction),
@@ -120,6 +95,8 @@ class Codec:
         copies follow. Under ``topk`` the mean of P members' messages holds up to P x k values per block;
         re-encoded at k, the rest waits in the reducer's residual for later rounds, a delay that costs
         loss, so ``result_fraction`` may keep more; a group's parts keep between k and that (:meth:`result_for`)."""
+        if self.name == "sparse":
+            return Codec(BUNDLE, self.topk_fraction)
         if self.name != "topk" or self.result_fraction is None:
             return self
         return Codec(self.name, self.result_fraction, floor_fraction=min(self.topk_fraction, self.result_fraction))
@@ -131,8 +108,8 @@ class Codec:
         scale). A lone holder's update is its own dense pseudo-gradient, not such a mean: it goes at
         :attr:`result` (at the members' k, its frozen copies would trail it, which costs loss)."""
         result = self.result
-        if result is self:
-            return self
+        if result is self or self.forwards:
+            return result
         return Codec(self.name, min(result.k, max(1, contributions) * self.k) / BLOCK)
 
     @property
@@ -140,12 +117,33 @@ class Codec:
         return self.name in LOSSLESS
 
     @property
-    def k(self) -> int:
-        """Values ``topk`` keeps per block of :data:`BLOCK`."""
-        return max(1, min(BLOCK, round(self.topk_fraction * BLOCK)))
+    def forwards(self) -> bool:
+        """Whether a reducer serves the members' messages as they came (a bundle) instead of their mean."""
+        return self.name == "sparse"
 
-    def body_bytes(self, numel: int) -> int:
-        """The exact size of the body of a message of ``numel`` values (what the receiver checks)."""
+    @property
+    def feedback_decay(self) -> float:
+        """What the residual of error feedback is multiplied by when it is sent again (1: kept whole)."""
+        return SPARSE_DECAY if self.name == "sparse" else 1.0
+
+    @property
+    def member(self) -> Codec:
+        """The codec of the messages a bundle holds (itself for any other codec)."""
+        return Codec("sparse", self.topk_fraction) if self.name == BUNDLE else self
+
+    @property
+    def k(self) -> int:
+        """Values ``topk`` keeps per block of :data:`BLOCK` (``sparse``: per chunk of ``sparse.CHUNK``)."""
+        size = sparse.CHUNK if self.name in ("sparse", BUNDLE) else BLOCK
+        return max(1, min(size, round(self.topk_fraction * size)))
+
+    def body_bytes(self, numel: int, count: int = 1) -> int:
+        """The exact size of the body of a message of ``numel`` values (what the receiver checks); a
+        bundle's, of ``count`` members' messages."""
+        if self.name == "sparse":
+            return sparse.body_bytes(numel, self.k)
+        if self.name == BUNDLE:
+            return sparse.bundle_bytes(count, self.member.wire_bytes(numel))
         blocks = _blocks(numel)
         if self.name == "none":
             return 4 * numel
@@ -158,9 +156,9 @@ class Codec:
         kept = self._kept(numel)
         return 2 * blocks + kept + (kept + 3) // 4
 
-    def wire_bytes(self, numel: int) -> int:
+    def wire_bytes(self, numel: int, count: int = 1) -> int:
         """Header plus body: the payload of one message before hivemind's protobuf framing."""
-        return HEADER_BYTES + self.body_bytes(numel)
+        return HEADER_BYTES + self.body_bytes(numel, count)
 
     def _kept(self, numel: int) -> int:
         """Values kept over all blocks: ``k`` per full block, at most the length of the last one."""
@@ -171,17 +169,33 @@ class Codec:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (flat, finite) as one uint8 message: header, checksum, body."""
         x = x.detach().reshape(-1).float().cpu()
-        body = getattr(self, f"_encode_{self.name}")(x)
+        if self.name == BUNDLE:
+            raise ValueError("a bundle is made of the members' messages (Codec.bundle), not encoded")
+        body = sparse.encode(x, self.k) if self.name == "sparse" else getattr(self, f"_encode_{self.name}")(x)
         assert len(body) == self.body_bytes(x.numel())
-        header = _HEADER.pack(MAGIC, CODECS.index(self.name), x.numel(), self.k)
+        return self._sealed(body, x.numel(), self.k)
+
+    def alone(self, x: torch.Tensor) -> torch.Tensor:
+        """A group of one's result, in :attr:`result`'s codec (under ``sparse``, a bundle of one message)."""
+        if self.forwards:
+            return self.result.bundle([self.encode(x)], [1.0], x.numel())
+        return self.result.encode(x)
+
+    def bundle(self, messages: list[torch.Tensor], weights: list[float], numel: int) -> torch.Tensor:
+        """A reducer's part under ``sparse``: the members' ``messages`` of ``numel`` values each, with their
+        weights, in member order (this codec is :attr:`result`)."""
+        return self._sealed(sparse.bundle_body(messages, weights), numel, len(messages))
+
+    def _sealed(self, body: bytes, numel: int, k: int) -> torch.Tensor:
+        header = _HEADER.pack(MAGIC, _WIRE.index(self.name), numel, k)
         checksum = hashlib.blake2b(header + body, digest_size=_CHECK).digest()
         return torch.frombuffer(bytearray(header + checksum + body), dtype=torch.uint8)
 
     def _encode_none(self, x: torch.Tensor) -> bytes:
-        return _bytes(x)
+        return to_bytes(x)
 
     def _encode_fp16(self, x: torch.Tensor) -> bytes:
-        return _bytes(x.clamp(-FP16_MAX, FP16_MAX).half())
+        return to_bytes(x.clamp(-FP16_MAX, FP16_MAX).half())
 
     def _encode_int(self, x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = _padded(x)
@@ -191,11 +205,11 @@ class Codec:
 
     def _encode_int8(self, x: torch.Tensor) -> bytes:
         scales, q = self._encode_int(x, 127)
-        return _bytes(scales) + _bytes(q)
+        return to_bytes(scales) + to_bytes(q)
 
     def _encode_int4(self, x: torch.Tensor) -> bytes:
         scales, q = self._encode_int(x, 7)
-        return _bytes(scales) + _bytes(_pack4(q.to(torch.int16) + 8))
+        return to_bytes(scales) + to_bytes(pack4(q.to(torch.int16) + 8))
 
     def _encode_topk(self, x: torch.Tensor) -> bytes:
         rows = _padded(x)
@@ -211,7 +225,7 @@ class Codec:
         q = torch.round((vals / scales.float()[:, None]).clamp(-1, 1) * 1.5 + 1.5).clamp(0, 3)
         keep = self._keep_mask(n)
         idx, q = idx.reshape(-1)[keep], q.reshape(-1)[keep]
-        return _bytes(scales) + _bytes(idx.to(torch.uint8)) + _bytes(_pack2(q))
+        return to_bytes(scales) + to_bytes(idx.to(torch.uint8)) + to_bytes(pack2(q))
 
     def _keep_mask(self, numel: int) -> torch.Tensor:
         """Which of the ``blocks x k`` slots are real: the last block keeps at most its own length."""
@@ -224,38 +238,61 @@ class Codec:
     # Decoding ------------------------------------------------------------------------------------
     def decode(self, message: torch.Tensor, numel: int) -> torch.Tensor:
         """The fp32 values of ``message``, which must hold ``numel`` values in this codec."""
+        opened = self._open(message, numel)
+        if isinstance(opened, Codec):  # a group of few members: its mean, at fewer values
+            return opened.decode(message, numel)
+        body, k = opened
+        if not numel:  # an empty part (more reducers than values): torch.frombuffer refuses an empty buffer
+            return torch.empty(0)
+        if self.name == "sparse":
+            out = sparse.decode(body, numel, self.k)
+        elif self.name == BUNDLE:
+            member = self.member
+            out = sparse.decode_bundle(to_bytes(body), k, numel, member.wire_bytes(numel), member.open_sparse)
+        else:
+            out = getattr(self, f"_decode_{self.name}")(body, numel)
+        if not torch.isfinite(out).all():
+            raise TransportError("compressed message decodes to NaN or infinite values")
+        return out
+
+    def open_sparse(self, message: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``sparse`` message's positions and values, checked (a bundle's members, one by one)."""
+        body, _ = self._open(message, numel)
+        return (
+            sparse.decode_sparse(body, numel, self.k) if numel else (torch.empty(0, dtype=torch.int64), torch.empty(0))
+        )
+
+    def _open(self, message: torch.Tensor, numel: int) -> tuple[torch.Tensor, int] | Codec:
+        """``message``'s body (uint8) and header k once its envelope checks out (a ``TransportError`` names
+        what does not), or the codec to decode it with instead (topk's mean of few messages)."""
         if message.dtype != torch.uint8 or message.dim() != 1:
             raise TransportError(f"a compressed message must be a flat uint8 tensor, got {message.dtype}")
-        raw = _bytes(message)
+        raw = to_bytes(message)
         if len(raw) < HEADER_BYTES:
             raise TransportError(f"compressed message of {len(raw)} bytes is shorter than its header")
         magic, codec, count, k = _HEADER.unpack(raw[: _HEADER.size])
         if magic != MAGIC:
             raise TransportError("not a p2p-spes compressed message (bad magic)")
-        if codec >= len(CODECS) or CODECS[codec] != self.name:
-            theirs = CODECS[codec] if codec < len(CODECS) else f"unknown ({codec})"
+        if codec >= len(_WIRE) or _WIRE[codec] != self.name:
+            theirs = _WIRE[codec] if codec < len(_WIRE) else f"unknown ({codec})"
             raise TransportError(f"message compressed with {theirs}, this run uses {self.name} (swarm.compression)")
         floor = self.k if self.floor_fraction is None else Codec(self.name, self.floor_fraction).k
-        if count != numel or (self.name == "topk" and not floor <= k <= self.k):
+        bad_k = not floor <= k <= self.k if self.name == "topk" else (k < 1 if self.name == BUNDLE else k != self.k)
+        if count != numel or (self.name not in ("none", "fp16", "int8", "int4") and bad_k):
             expected = f"k={self.k}" if floor == self.k else f"k={floor}..{self.k}"
             raise TransportError(f"message of {count} values (k={k}) where {numel} ({expected}) were expected")
-        if self.name == "topk" and k != self.k:  # a group of few members: its mean, at fewer values
-            return Codec(self.name, k / BLOCK).decode(message, numel)
+        if self.name == "topk" and k != self.k:
+            return Codec(self.name, k / BLOCK)
         body = raw[HEADER_BYTES:]
-        if len(body) != self.body_bytes(numel):
+        size = self.body_bytes(numel, k)
+        if len(body) != size:
             raise TransportError(
-                f"compressed body of {len(body)} bytes where {self.body_bytes(numel)} were expected "
-                "(truncated or padded)"
+                f"compressed body of {len(body)} bytes where {size} were expected (truncated or padded)"
             )
         checksum = hashlib.blake2b(raw[: _HEADER.size] + body, digest_size=_CHECK).digest()
         if checksum != raw[_HEADER.size : HEADER_BYTES]:
             raise TransportError("compressed message fails its checksum (corrupt)")
-        if not numel:  # an empty part (more reducers than values): torch.frombuffer refuses an empty buffer
-            return torch.empty(0)
-        out = getattr(self, f"_decode_{self.name}")(torch.frombuffer(bytearray(body), dtype=torch.uint8), numel)
-        if not torch.isfinite(out).all():
-            raise TransportError("compressed message decodes to NaN or infinite values")
-        return out
+        return torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8), k
 
     def _decode_none(self, body: torch.Tensor, numel: int) -> torch.Tensor:
         return body.view(torch.float32).clone()
@@ -284,7 +321,7 @@ class Codec:
 
     def _decode_int4(self, body: torch.Tensor, numel: int) -> torch.Tensor:
         scales, rest = self._scales_of(body, numel)
-        q = _unpack4(rest, numel).to(torch.int16) - 8
+        q = unpack4(rest, numel).to(torch.int16) - 8
         if (q < -7).any():
             raise TransportError("int4 message holds -8, outside the symmetric range")
         return self._decode_int(q, scales, numel)
@@ -306,7 +343,7 @@ class Codec:
             lengths[-1] = numel % BLOCK
         if ((slots >= lengths[:, None]) & mask).any():
             raise TransportError("top-k message has a position past the end of its block")
-        values = _TOPK_LEVELS[_unpack2(packed, kept).long()] * scales.repeat_interleave(mask.sum(dim=1))
+        values = _TOPK_LEVELS[unpack2(packed, kept).long()] * scales.repeat_interleave(mask.sum(dim=1))
         positions = (torch.arange(slots.shape[0])[:, None] * BLOCK + slots)[mask]
         out = torch.zeros(slots.shape[0] * BLOCK)
         out[positions] = values  # distinct positions (checked above): deterministic
@@ -326,41 +363,10 @@ def message_numel(message: torch.Tensor) -> int:
     """The values a message says it holds (its header; :meth:`Codec.decode` checks the rest)."""
     if message.dtype != torch.uint8 or message.dim() != 1 or message.numel() < HEADER_BYTES:
         raise TransportError("not a p2p-spes compressed message (too short or not flat uint8)")
-    magic, _, count, _ = _HEADER.unpack(_bytes(message[: _HEADER.size]))
+    magic, _, count, _ = _HEADER.unpack(to_bytes(message[: _HEADER.size]))
     if magic != MAGIC:
         raise TransportError("not a p2p-spes compressed message (bad magic)")
     return count
-
-
-class ErrorFeedback:
-    """What each peer's messages dropped, per group uid, added to its next message.
-
-    ``compensate`` returns the value to send (input plus residual); ``settle`` keeps what the sent
-    message dropped, once the group succeeded. After a failure nothing changes: the next
-    pseudo-gradient is measured from the same anchor, so it still holds everything the failed
-    message carried. Lossless codecs keep nothing. Residuals live on the CPU in fp32: one copy of
-    the values this peer sends.
-    """
-
-    def __init__(self, codec: Codec) -> None:
-        self.codec = codec
-        self.residual: dict[str, torch.Tensor] = {}
-
-    def compensate(self, uid: str, x: torch.Tensor) -> torch.Tensor:
-        r = self.residual.get(uid)
-        return x if r is None or r.shape != x.shape else x + r
-
-    def settle(self, uid: str, sent: torch.Tensor, decoded: torch.Tensor) -> None:
-        """``sent`` went out and the receivers decoded ``decoded``: keep the difference for next time."""
-        if not self.codec.lossless:
-            self.residual[uid] = sent - decoded
-
-    def drop(self, uid: str) -> None:
-        """Forget ``uid``'s residual (its anchor was replaced: what it held is relative to another)."""
-        self.residual.pop(uid, None)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.residual.values())
 
 
 def bits_per_value(codec: Codec, numel: int = 1 << 20) -> float:

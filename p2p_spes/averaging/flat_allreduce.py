@@ -84,7 +84,7 @@ def exchange_bytes(codec: Codec, numel: int, members: int, reducers: int, reduci
     sends the others' shares of its tensor and serves its averaged part to the other members; a client
     sends every share and fetches every part. Every member reducing: (members - 1) / members of a
     contribution and of a result each way."""
-    contribution, result = codec.wire_bytes(numel), codec.result.wire_bytes(numel)
+    contribution, result = codec.wire_bytes(numel), codec.result.wire_bytes(numel, members)
     if not reducing:
         return contribution, result
     share, others = 1 / max(reducers, 1), max(members - 1, 0)
@@ -232,7 +232,7 @@ class _Exchange:
         message = self.messages_out[i]
         self.sent_parts[i] = codec.decode(message, self.sizes[i])  # what the reducer will decode
         if peer == self.owner.peer_id:
-            self.owner.server.add(self.part, peer, float(weight), self.sent_parts[i])
+            self.owner.server.add(self.part, peer, float(weight), self.sent_parts[i], message)
             return
         try:
             if await self.owner.client.send(peer, self.key_for(i, peer), message, weight, self.result):

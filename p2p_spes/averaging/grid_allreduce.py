@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p_spes.averaging.compression import Codec, ErrorFeedback
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.error_feedback import ErrorFeedback
 from p2p_spes.averaging.grid import Grid, column_bounds
 from p2p_spes.averaging.part_client import PartClient
 from p2p_spes.averaging.reducer import Part, PartServer
@@ -129,7 +130,7 @@ class GridRound:
             message = self.codec.encode(flat[spans[i][0] : spans[i][1]].contiguous())
             sent[i] = self.codec.decode(message, spans[i][1] - spans[i][0])
             if peer == me:
-                self.server.add(part, me, float(weight), sent[i])
+                self.server.add(part, me, float(weight), sent[i], message)
                 took[i] = True
                 return
             try:

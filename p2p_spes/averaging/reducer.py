@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -127,6 +128,7 @@ class Part:
     # here (not encoded or served) for its reducer to take into the columns; it may close without everyone
     relay: bool = False
     contributions: dict[str, tuple[float, torch.Tensor]] = field(default_factory=dict)
+    messages: dict[str, torch.Tensor] = field(default_factory=dict)  # as they came (a forwarding codec's)
     result_parts: list | None = None
     message: torch.Tensor | None = None
     result: torch.Tensor | None = None
@@ -153,7 +155,6 @@ class PartServer:
         self.parts: dict[bytes, Part] = {}
         self._awaited: dict[bytes, asyncio.Event] = {}  # keys (parts, columns) a caller waits to see
         self.decided: dict[tuple[int, str], str] = {}  # (round, group key) -> our group id, once known
-        # what we moved for others (contributions in, averaged parts out), for accounting
         # what our encodings of averaged parts dropped, by group name: (start, values), added the next
         # time we reduce an overlapping range (CPU, fp32, about 1/members of each group's tensor)
         self.residual: dict[str, tuple[int, torch.Tensor]] = {}
@@ -298,7 +299,7 @@ class PartServer:
                     yield m
 
             _, tensors = await collect_tensors(replay())
-            if len(tensors) > 1 or not first.weight > 0:
+            if len(tensors) > 1 or not sys.float_info.min <= first.weight < float("inf"):
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             key, spec = described(first.group_id)
             part = self.adopt(key, spec, sender) if spec is not None else await self.wait_part(key)
@@ -317,7 +318,7 @@ class PartServer:
         except Exception as exc:
             log.warning("contribution from %s failed: %r", sender, exc)
             return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-        self.add(part, sender, first.weight, tensor)
+        self.add(part, sender, first.weight, tensor, message)
         return averaging_pb2.AveragingData(code=OK)
 
     async def fetch(self, request: averaging_pb2.AveragingData, context):
@@ -337,9 +338,11 @@ class PartServer:
             yield averaging_pb2.AveragingData(code=OK, tensor_part=chunk)
         part.served(context.remote_id.to_base58())
 
-    def add(self, part: Part, peer: str, weight: float, tensor: torch.Tensor) -> None:
-        """Take ``peer``'s decoded contribution; with the last one, compute and encode the result."""
+    def add(self, part: Part, peer: str, weight: float, tensor: torch.Tensor, message: torch.Tensor) -> None:
+        """Take ``peer``'s contribution (decoded, and as it came); with the last one, compute the result."""
         part.contributions[peer] = (weight, tensor)
+        if self.codec.forwards:
+            part.messages[peer] = message
         if len(part.contributions) == len(part.members):
             self.close(part)
 
@@ -350,12 +353,16 @@ class PartServer:
             return
         order = sorted(part.contributions)
         weights = [part.contributions[p][0] for p in order]
-        averaged = self.aggregate([part.contributions[p][1] for p in order], weights)
         part.weight = float(sum(weights))
-        if part.relay:
-            part.result = averaged
+        if self.codec.forwards and not part.relay:  # the members' messages as they came, in member order
+            part.message = self.codec.result.bundle([part.messages[p] for p in order], weights, part.shape[0])
+            part.result = self.codec.result.decode(part.message, part.shape[0])
+        elif part.relay:
+            part.result = self.aggregate([part.contributions[p][1] for p in order], weights)
         else:
+            averaged = self.aggregate([part.contributions[p][1] for p in order], weights)
             part.message, part.result = self.encode_result(part, averaged)
+        if part.message is not None:
             part.result_parts = serialize_parts(part.message)
         part.done.set()
 

@@ -168,7 +168,7 @@ class Refresher:
         for holder in holders[:2]:
             try:
                 meta, messages = self.downloader.update(
-                    holder, f"expert:{e}", digest, self.codec.wire_bytes(copy.numel()) + 64 * len(holders)
+                    holder, f"expert:{e}", digest, self.codec.wire_bytes(copy.numel(), len(holders)) + 64 * len(holders)
                 )
             except Exception as exc:
                 log.info("no update of expert %d from %s (%s): downloading it whole", e, holder, exc)

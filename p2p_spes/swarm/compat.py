@@ -28,9 +28,11 @@ def describe_difference(ours: dict, theirs: dict) -> str:
 
 def sync_settings(compression: Any, topk_fraction: Any, topk_result_fraction: Any = None) -> dict[str, Any]:
     """What peers must share to average together: the protocol (pseudo-gradients since version 2)
-    and the codec; the top-k shares only matter to ``topk`` (the result's only when it is set, so
-    that peers which predate it still match the default)."""
+    and the codec; the top-k shares only matter to ``topk`` and ``sparse`` (the result's only to topk,
+    when it is set, so that peers which predate it still match the default)."""
     out = {"protocol": SYNC_PROTOCOL, "compression": compression}
+    if compression == "sparse":
+        out["topk_fraction"] = topk_fraction
     if compression == "topk":
         out["topk_fraction"] = topk_fraction
         if topk_result_fraction is not None:

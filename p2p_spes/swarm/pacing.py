@@ -138,6 +138,9 @@ class RoundWatch:
             await asyncio.sleep(self.poll)
 
 
+PUBLISH_LAG = 3.0  # seconds from a member's last group deadline to its digests in the DHT (apply, hash, store)
+
+
 def version_window(sw: SwarmConfig) -> float:
     """How long a peer waits after its groups for the others' digests: their rounds start up to a
     join window apart."""

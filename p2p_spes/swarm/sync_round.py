@@ -43,7 +43,7 @@ from p2p_spes.swarm.apply import GroupApplier
 from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.membership import FRESH, Membership, holder_groups, with_current_records
 from p2p_spes.swarm.outer import OuterOptimizer, UpdateGuard, flatten
-from p2p_spes.swarm.pacing import Deadlines, adopt_window, version_ttl, version_window
+from p2p_spes.swarm.pacing import PUBLISH_LAG, Deadlines, adopt_window, version_ttl, version_window
 from p2p_spes.swarm.report import RoundReport
 from p2p_spes.swarm.runtime import Runtime
 from p2p_spes.swarm.state import Downloader, StateServer
@@ -112,9 +112,9 @@ class RoundRunner:
         window = self.deadlines.join_window()
         sending: dict[str, torch.Tensor] = {}  # uid -> the pseudo-gradient (with residual) we send
         shared = self._shared_group(model, round_no, peers, weight, window, sending, report)
-        self._expert_groups(model, round_no, shared, weight, window, sending, report)
+        groups_end = self._expert_groups(model, round_no, shared, weight, window, sending, report)
         self.server.take_snapshot(round_no, step, self.outer.momentum)
-        self._agree(model, round_no, shared, report)
+        self._agree(model, round_no, shared, report, groups_end)
         self._merge_if_due(model, round_no, step, report)
         report.seconds = time.monotonic() - t0
         self._finish(model, report, marks)
@@ -166,10 +166,11 @@ class RoundRunner:
         window: float,
         sending: dict[str, torch.Tensor],
         report: RoundReport,
-    ) -> None:
+    ) -> float:
         """Phase 2: every expert we train, averaged among its holders, all groups at once (they share one
         join window and one deadline, where one after another a member that froze mid-round would cost
-        a window or a timeout per expert); a lone holder's copy is the truth."""
+        a window or a timeout per expert); a lone holder's copy is the truth. Returns the latest deadline
+        of our groups (monotonic; 0.0 with none): the others' groups, begun with ours, end by about then."""
         flats = {e: flatten(model.expert_tensors(e)) for e in model.local_experts}
         groups = holder_groups(shared.peers, shared.present, self.peer_id, flats)
         pooled = [e for e in flats if len(groups[e]) > 1]
@@ -202,10 +203,15 @@ class RoundRunner:
             uid = f"expert:{e}"
             res = results[e] if e in results else self.reducer.solo(self.applier.contribution(uid, flat, sending)())
             report.groups[f"expert{e}"] = self.applier.apply(res, model.expert_tensors(e), uid, flat, sending, round_no)
+        return max((r.deadline_at for r in results.values()), default=0.0)
 
-    def _agree(self, model: MoETransformer, round_no: int, shared: SharedOutcome, report: RoundReport) -> None:
+    def _agree(
+        self, model: MoETransformer, round_no: int, shared: SharedOutcome, report: RoundReport, groups_end: float
+    ) -> None:
         """Phase 3: publish the digests of what we now hold, wait for the others', adopt the shared result
-        if we missed the group, and bring the experts we do not train to the agreed versions."""
+        if we missed the group, and bring the experts we do not train to the agreed versions. A member
+        whose digest is missing may still be in its expert groups (a client's go through a reducer's link
+        and can take far longer than ours): we wait for it until our groups' deadline has passed."""
         sw, peers = self.sw, shared.peers
         # experts no live peer trains: every peer keeps a copy, and the copies must agree
         held = model.held_experts()
@@ -232,8 +238,8 @@ class RoundRunner:
         # the first result would make it open the next round before the members come, to a group of adopters
         candidates = set(shared.members) if shared.decided else None
 
-        async def outsider_until() -> float:  # read on the loop that changes the parts
-            return self.reducer.server.adopted_until(round_no)
+        async def held_until() -> float:  # read on the loop that changes the parts
+            return max(self.reducer.server.adopted_until(round_no), groups_end + PUBLISH_LAG)
 
         versions = wait_versions(
             self.runtime,
@@ -243,7 +249,7 @@ class RoundRunner:
             enough=(lambda vs: bool(adoptable(vs, self.peer_id, candidates))) if adopting else None,
             after=version_window(sw),
             complete=(lambda vs: all_published(adoptable(vs, self.peer_id, candidates))) if shared.decided else None,
-            hold=lambda: self.runtime.call(outsider_until()),
+            hold=lambda: self.runtime.call(held_until()),
         )
         report.versions_missing = len(shared.members - set(versions))
         if adopting:
@@ -308,7 +314,7 @@ class RoundRunner:
         m = max(len(members), 2)
         reducers = max(m - len(private), 1)
         codec = self.reducer.codec
-        wire = codec.wire_bytes(flat.numel()) + codec.result.wire_bytes(flat.numel())
+        wire = codec.wire_bytes(flat.numel()) + codec.result.wire_bytes(flat.numel(), m)  # (sparse: a bundle of m)
         return self.deadlines.proposed_timeout(int(wire * (m - 1) / reducers), scale=m / reducers if private else 1.0)
 
     def publish_record(self) -> None:
