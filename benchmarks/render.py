@@ -485,7 +485,7 @@ def head_equal_time() -> str:
 
 # -- README's lab table of peers behind NATs ------------------------------------------------------------
 
-NAT_RUNS = ("nat-1-2", "nat-1-2-rtt100", "nat-1-3")  # benchmarks/results/wan/
+NAT_RUNS = ("nat-1-2", "nat-1-2-rtt100", "nat-1-3", "nat-1-3-rtt100")  # benchmarks/results/wan/
 
 
 def _median_round(report: SwarmReport) -> float:
