@@ -13,8 +13,8 @@ first arrival picks one of the peers its ``helpers`` or the clients' arrival rec
 attempt's key: a client whose DHT lost the reachable peers for a while may arrive first) and publishes it
 in its decision (``matchmaking.py``); the members send it their parts with the part's description and it
 creates the part on demand, adding nothing of its own (``reducer.PartSpec``). An outsider that fails is
-avoided by the retry while another is known. In a grid, a row's columns go to its reachable members only; a group whose reachable members
-cannot fill every row runs flat (``grid.make_grid``).
+avoided by the retry while another is known. In a grid, a row's columns go to its reachable members
+only; a group whose reachable members cannot fill every row runs flat (``grid.make_grid``).
 """
 
 from __future__ import annotations
