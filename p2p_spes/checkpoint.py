@@ -47,7 +47,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` so a reader polling ``path`` sees either nothing or the whole file, never a part."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
@@ -148,7 +149,7 @@ def _write_checkpoint(
         saved_at=time.time(),
         checksums={name: _sha256(tmp / name) for name in files},
     )
-    _write_json(tmp / STATE, state)
+    write_json(tmp / STATE, state)
     for name in files:
         with open(tmp / name, "rb") as f:
             os.fsync(f.fileno())
@@ -157,7 +158,7 @@ def _write_checkpoint(
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    _write_json(root / LATEST, {"checkpoint": final.name})
+    write_json(root / LATEST, {"checkpoint": final.name})
     _prune(root, keep)
     return final
 

@@ -12,6 +12,7 @@ from dht.auth import load_auth
 from dht.bootstrap import Bootstrap, BootstrapOptions
 from dht.dashboard import DashboardServer, RunWatch
 from dht.inspector import collect, open_dht, render, watch
+from p2p_spes.checkpoint import write_json
 from p2p_spes.cli_config import load_from_args
 from p2p_spes.corpus import default_cache_dir
 from p2p_spes.errors import ConfigError, SwarmError
@@ -47,7 +48,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                 flush=True,
             )
         if args.write_maddrs:
-            Path(args.write_maddrs).write_text(json.dumps({"peer_id": boot.identity.peer_id, "maddrs": maddrs}))
+            write_json(Path(args.write_maddrs), {"peer_id": boot.identity.peer_id, "maddrs": maddrs})
         print("serving; Ctrl-C or SIGTERM stops it", flush=True)
         boot.serve()
     finally:

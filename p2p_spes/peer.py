@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 from pathlib import Path
 from typing import Any
 
-from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state
+from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state, write_json
 from p2p_spes.config import Config
 from p2p_spes.data_sources import DirectorySource
 from p2p_spes.distributed import Node, NodeSync
@@ -264,7 +263,7 @@ def run_peer(
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        (run_dir / "peer.json").write_text(json.dumps({"peer_id": swarm.peer_id, "maddrs": swarm.maddrs}))
+        write_json(run_dir / "peer.json", {"peer_id": swarm.peer_id, "maddrs": swarm.maddrs})
         print("peer id:", swarm.peer_id, flush=True)
         print("other peers can join with: --initial-peers " + " ".join(swarm.maddrs), flush=True)
         identity = identify_data(cfg, peers=swarm.run_data_sources)

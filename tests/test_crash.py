@@ -125,3 +125,42 @@ def test_pickles_in_tensor_messages_are_refused_unloaded(tmp_path, dtype, compre
         refused = ""
         assert dtype != "object", "an object array can only come from unpickling"
     assert not marker.exists(), f"a pickle from the network was loaded ({refused})"
+
+
+@pytest.mark.parametrize("writer", ["write_json", "write_text"])
+def test_a_reader_polling_an_address_file_never_sees_half_of_it(tmp_path, writer):
+    """peer.json and bootstrap.json are polled by the launcher while the peer writes them: a reader that
+    saw the file exist must parse all of it (a half-written file once failed a swarm's start)."""
+    import json
+    import threading
+
+    from p2p_spes.checkpoint import write_json
+
+    path = tmp_path / "peer.json"
+    data = {"peer_id": "Qm" + "x" * 44, "maddrs": [f"/ip4/127.0.0.1/tcp/{port}/p2p/Qm" for port in range(2000)]}
+    stop = threading.Event()
+
+    def write() -> None:
+        for _ in range(300):
+            if writer == "write_json":
+                write_json(path, data)
+            else:
+                path.write_text(json.dumps(data))
+        stop.set()
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    torn = 0
+    deadline = time.monotonic() + 60
+    while not stop.is_set() and time.monotonic() < deadline:
+        if path.exists():
+            try:
+                assert json.loads(path.read_text())["maddrs"] == data["maddrs"]
+            except json.JSONDecodeError:
+                torn += 1
+    thread.join(60)
+    if writer == "write_json":
+        assert torn == 0
+        assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+    else:
+        assert torn > 0, "a plain write should be caught half-written (else the test proves nothing)"
