@@ -130,6 +130,7 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,7 +168,7 @@ class Probe:
     rows: bool = False  # input embedding rows: each replica's change weighted by how often it saw the token
     codec: str | None = None  # pseudo-gradients through this codec (compression.py), with error feedback
     restage: bool = True  # with `codec`: the average is encoded again, as the swarm's reducers do
-    feedback_decay: float = 1.0  # with `codec`: each replica's residual is scaled by this before it is added
+    feedback_decay: float | None = None  # with `codec`: each replica's residual is scaled by this (None: the codec's)
     result_fraction: float | None = None  # with `codec` and `restage`: swarm.topk_result_fraction
     random_k: int = 0  # with codec "randk": positions per block of 256, shared by the replicas each round
     muon: bool = False  # Muon on the hidden matrices, AdamW on the rest (optim.MuonAdamW)
@@ -371,9 +372,11 @@ def train(
     seed: int,
     data: TokenDataset,
     spreads: list[tuple[float, float]] | None = None,
+    after_step: Callable[[int, MoETransformer], None] | None = None,
 ) -> MoETransformer:
     """``probe.replicas`` replicas from one initialisation, averaged every ``probe.sync`` steps; each
-    uncompressed average appends the replicas' :func:`replica_spread` before it to ``spreads``."""
+    uncompressed average appends the replicas' :func:`replica_spread` before it to ``spreads``.
+    ``after_step(steps done, first replica)`` is called after every step and its average, if any."""
     experts = list(range(cfg.moe.num_experts))
     first = MoETransformer(cfg.model, cfg.moe, local_experts=experts)
     first.init_weights(seed)
@@ -441,6 +444,8 @@ def train(
                         for p in column:
                             p.copy_(anchors[i])
             last = flatten(p for _, p in trainable_parameters(first))
+        if after_step is not None:
+            after_step(step + 1, models[0])
     return models[0]
 
 
@@ -482,11 +487,14 @@ class CompressedAverage:
     codec and keeps what the message dropped; the mean of the decoded messages is encoded again with
     the reducer's own residual (``restage``, what the swarm's reducers do so that everyone downloads
     one message of the codec's size) or applied as it is (an all-gather of the messages, as
-    SparseLoCo does); every replica then takes the anchor minus that mean. Blocks run over all
-    parameters flattened in order, where the swarm encodes each group's vector in P slices."""
+    SparseLoCo does); every replica then takes the anchor minus that mean. A codec that forwards
+    (``sparse``) takes neither path but its reducers' own: the members' messages bundled as they came,
+    each value the mean over the members that sent it. Blocks run over all parameters flattened in
+    order, where the swarm encodes each group's vector in P slices."""
 
     def __init__(self, probe: Probe, first: MoETransformer) -> None:
         self.codec, self.probe = Codec(probe.codec, result_fraction=probe.result_fraction), probe
+        self.decay = self.codec.feedback_decay if probe.feedback_decay is None else probe.feedback_decay
         self.anchor = flatten(p for _, p in trainable_parameters(first))
         self.residuals = [torch.zeros_like(self.anchor) for _ in range(probe.replicas)]
         self.reducer_residual = torch.zeros_like(self.anchor)
@@ -497,14 +505,21 @@ class CompressedAverage:
 
     @torch.no_grad()
     def average(self, models: list[MoETransformer]) -> None:
-        decoded = []
+        decoded, messages, n = [], [], self.anchor.numel()
         for i, model in enumerate(models):
             sent = self.anchor - flatten(p for _, p in trainable_parameters(model))
-            sent += self.probe.feedback_decay * self.residuals[i]
-            decoded.append(self.through(self.codec, sent))
+            sent += self.decay * self.residuals[i]
+            if self.codec.forwards:
+                messages.append(self.codec.encode(sent))
+                decoded.append(self.codec.decode(messages[-1], n))
+            else:
+                decoded.append(self.through(self.codec, sent))
             self.residuals[i] = sent - decoded[-1]
         mean = torch.stack(decoded).mean(0)
-        if self.probe.restage:
+        if self.codec.forwards:
+            bundle = self.codec.result.bundle(messages, [1.0] * len(messages), n)
+            mean = self.codec.result.decode(bundle, n)
+        elif self.probe.restage:
             compensated = mean + self.reducer_residual
             mean = self.through(self.codec.result_for(len(models)), compensated)
             self.reducer_residual = compensated - mean

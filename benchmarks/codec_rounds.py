@@ -1,0 +1,260 @@
+"""Codecs over 150 rounds and more: the validation loss each reaches against uncompressed averaging.
+
+    python -m benchmarks.codec_rounds                          # 5 codecs x 3 seeds x 4 and 8 peers
+    python -m benchmarks.codec_rounds --peers 4 --seeds 0 --variant p4-s0   # one process per share of it
+    python -m benchmarks.codec_rounds --merge p4-s0 p4-s1 --variant main    # one result from several
+
+Compressed averaging is decided over many rounds: error feedback sends later what a round dropped,
+so a codec's gap to uncompressed averaging shrinks as rounds pile up (the swarm convergence benchmark's
+``topk`` went from +16.8% at 16 rounds to +7.3% at 48). Real runs have hundreds of rounds, which a
+swarm of processes on two cores cannot reach in a session, so this benchmark runs the rounds in one
+process: P full replicas of the quality benchmark's micro model (``benchmarks/local_steps.py``'s
+``train``: d_model 64, 2 layers, 8 experts top-2, seq_len 64, the trainer's default Muon with AdamW at
+4x on the rest), each reading its own data partition, averaged every ``--sync`` steps through the
+project's codecs (``p2p_spes/averaging``: ``Codec.encode``, ``decode``, ``result_for``, ``bundle``),
+with error feedback as the swarm keeps it: each replica's residual (decayed under ``sparse``), the
+reducers' own residual when they re-encode a mean, the members' messages forwarded as one bundle
+under ``sparse``. No network, no expert split: what is measured is the codec's effect on quality,
+round after round.
+
+Arms: ``none`` (uncompressed averaging, the baseline), ``int8``, ``topk`` (1/64 of each block of 256,
+2 bits), ``topk-dense`` (the reducers' parts at 4/64), ``sparse`` (top-k per chunk of 4,096 at 1/64,
+2-bit bins, forwarded, decayed error feedback). Every arm of a peer count sees the same data (the
+replicas' partitions of the seed's permutation) from the same initialisation, and is scored on the
+same 1,024 validation windows (``convergence.Validation``) every ``--eval-rounds`` rounds, after that
+round's average (the replicas are then identical). With 8 peers each replica's batch is half that of
+4 peers, so both see the same tokens per step.
+
+Bytes per peer per round are this project's protocol for the micro model's parameters as one flat
+group (``benchmarks/comms.py``'s ``ours``: contributions, averaged parts or bundles, headers and
+envelopes, every byte), and their ratio to the SPES reference sending each peer's whole model in fp32.
+
+Prints a table (per peer count and arm: the final loss, its gap to ``none`` per seed, min-max, and the
+bytes) and writes ``benchmarks/results/codec_rounds/<variant>.json`` (default ``main``) with each run's
+curve (loss at every scored round), plus ``<variant>.png`` with the gap to ``none`` against rounds
+(needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks import comms, convergence, local_steps
+from benchmarks.lab import results
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.config import load_config
+from p2p_spes.corpus import prepare_embedded_data
+from p2p_spes.data import TokenDataset
+from p2p_spes.model import MoETransformer
+from p2p_spes.optim import trainable_parameters
+
+ARMS = ("none", "int8", "topk", "topk-dense", "sparse")
+TOKENS_BATCH = 32  # sequences per step over all replicas: 4 x 8 or 8 x 4
+DENSE = 4 / 64  # topk-dense: swarm.topk_result_fraction
+
+
+def probe(arm: str, peers: int, sync: int) -> local_steps.Probe:
+    """The replicas of ``arm``: the trainer's default optimizer (Muon, AdamW at 4x on the rest)."""
+    codec = None if arm == "none" else arm.removesuffix("-dense")
+    fraction = DENSE if arm == "topk-dense" else None
+    return local_steps.Probe(peers, sync, codec=codec, result_fraction=fraction, muon=True, muon_adamw_scale=4.0)
+
+
+def codec_of(arm: str) -> Codec:
+    name = arm.removesuffix("-dense")
+    return Codec(name, result_fraction=DENSE if arm == "topk-dense" else None)
+
+
+def parameter_count(common: list[str]) -> int:
+    cfg = load_config(None, common)
+    model = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(cfg.moe.num_experts)), device="meta")
+    return sum(p.numel() for _, p in trainable_parameters(model))
+
+
+def round_bytes(arm: str, numel: int, peers: int) -> dict[str, float]:
+    """Bytes per peer per round for ``numel`` parameters averaged as one flat group, and their ratio to
+    the SPES reference in fp32 (every peer uploads its model and downloads everyone's)."""
+    ours = comms.ours(codec_of(arm), numel, 0, 0, peers)
+    reference = comms.spes_reference(None, numel, 0, 0, peers)
+    return {"per_peer": ours["total"], "reference_fp32": reference["total"], "less": reference["total"] / ours["total"]}
+
+
+def run(arm: str, peers: int, seed: int, args: argparse.Namespace, data: TokenDataset, validation) -> dict[str, Any]:
+    """One arm at one seed: the loss after every ``--eval-rounds``-th round, and at the end."""
+    common = [*convergence.CONFIG, *convergence.schedule(args.steps)]
+    cfg = load_config(None, [*common, f"train.seed={seed}"])
+    curve: dict[str, float] = {}  # by rounds done (str: as JSON keeps it)
+    every = args.eval_rounds * args.sync
+
+    def score(steps: int, model: MoETransformer) -> None:
+        if steps % every == 0 or steps == args.steps:
+            curve[str(steps // args.sync)] = validation.loss(model)
+
+    t0 = time.monotonic()
+    local_steps.train(cfg, probe(arm, peers, args.sync), TOKENS_BATCH // peers, seed, data, after_step=score)
+    return {"curve": curve, "final": curve[str(args.rounds)], "seconds": round(time.monotonic() - t0, 1)}
+
+
+def summarise(runs: dict[str, dict[str, dict[str, Any]]], numel: int) -> dict[str, Any]:
+    """Per peer count and arm: final losses, the gap to ``none`` per seed (and min-max), the gap's curve
+    (mean over seeds at each scored round) and the bytes. ``runs[peers][arm][seed]``."""
+    out: dict[str, Any] = {}
+    for peers, by_arm in runs.items():
+        base = by_arm.get("none", {})
+        out[peers] = {}
+        for arm, by_seed in by_arm.items():
+            finals = {s: r["final"] for s, r in by_seed.items()}
+            gaps = {s: finals[s] / base[s]["final"] - 1 for s in finals if s in base}
+            rounds = sorted({int(k) for r in by_seed.values() for k in r["curve"]})
+            curve = {}
+            for k in rounds:
+                at = [r["curve"][str(k)] / base[s]["curve"][str(k)] - 1 for s, r in by_seed.items() if s in base]
+                if at:
+                    curve[str(k)] = statistics.fmean(at)
+            out[peers][arm] = {
+                "finals": finals,
+                "mean": statistics.fmean(finals.values()),
+                "gap": convergence.spread(list(gaps.values())) if gaps and arm != "none" else None,
+                "gaps": gaps,
+                "gap_curve": curve,
+                "bytes": round_bytes(arm, numel, int(peers)),
+            }
+    return out
+
+
+def print_table(console: Console, summary: dict[str, Any], rounds: int, sync: int) -> None:
+    for peers, by_arm in summary.items():
+        seeds = sorted({s for row in by_arm.values() for s in row["finals"]})
+        table = Table(title=f"{peers} peers, {rounds} rounds of {sync} steps, seeds {', '.join(seeds)}")
+        for col in (
+            "codec",
+            "final loss (mean)",
+            "vs none, mean (min .. max)",
+            "per seed",
+            "KB / peer / round",
+            "less than SPES fp32",
+        ):
+            table.add_column(col, justify="left" if col == "codec" else "right")
+        for arm, row in by_arm.items():
+            gap = row["gap"]
+            table.add_row(
+                arm,
+                f"{row['mean']:.4f}",
+                "-" if gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
+                "-" if gap is None else " ".join(f"{row['gaps'][s]:+.2%}" for s in sorted(row["gaps"])),
+                f"{row['bytes']['per_peer'] / 1e3:,.1f}",
+                f"{row['bytes']['less']:.1f}x",
+            )
+        console.print(table)
+
+
+def plot(summary: dict[str, Any], out: Path) -> bool:
+    plt = convergence.pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4), squeeze=False)
+    for ax, (peers, by_arm) in zip(axes[0], summary.items()):
+        for arm, row in by_arm.items():
+            if arm == "none" or not row["gap_curve"]:
+                continue
+            xs = sorted(int(k) for k in row["gap_curve"])
+            ax.plot(xs, [100 * row["gap_curve"][str(k)] for k in xs], label=arm)
+        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"{peers} peers")
+        ax.set_xlabel("rounds")
+        ax.set_ylabel("validation loss vs uncompressed, %")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(writer: results.Run, payload: dict[str, Any], merged: list[results.Result]) -> None:
+    out = writer.write(payload, merged=merged)
+    plotted = plot(payload["summary"], writer.sibling(".png"))
+    print(f"wrote {out}" + (" and its plot" if plotted else ""))
+
+
+def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
+    """One result from several runs of this script with the same setup (shares run as separate processes)."""
+    parts = [results.own("codec_rounds", v) for v in variants]
+    first = parts[0].payload
+    keys = ("steps", "sync", "eval_rounds", "parameters")
+    if any(any(r.payload[k] != first[k] for k in keys) for r in parts):
+        raise SystemExit(f"--merge: the variants differ in {keys}; only the same setup merges")
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
+    for part in parts:
+        for peers, by_arm in part.payload["runs"].items():
+            for arm, by_seed in by_arm.items():
+                runs.setdefault(peers, {}).setdefault(arm, {}).update(by_seed)
+    seeds = sorted({int(s) for by_arm in runs.values() for by_seed in by_arm.values() for s in by_seed})
+    summary = summarise(runs, first["parameters"])
+    print_table(Console(width=160), summary, first["steps"] // first["sync"], first["sync"])
+    payload = {**first, "seeds": seeds, "runs": runs, "summary": summary}
+    write(results.start("codec_rounds", variant, seeds=seeds, argv=argv), payload, parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--peers", nargs="+", type=int, default=[4, 8], choices=[2, 4, 8, 16, 32])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--sync", type=int, default=10, help="steps between averages (default 10)")
+    parser.add_argument("--rounds", type=int, default=150, help="averages per run (default 150)")
+    parser.add_argument("--eval-rounds", type=int, default=15, help="score every this many rounds (default 15)")
+    parser.add_argument("--merge", nargs="+", metavar="VARIANT", help="combine these variants into --variant")
+    results.add_variant(parser)
+    args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.variant, argv)
+    if "none" not in args.arms:
+        parser.error("the codecs are measured against uncompressed averaging: include none")
+    args.steps = args.sync * args.rounds
+    writer = results.start("codec_rounds", args.variant, seeds=args.seeds, argv=argv)
+    torch.set_num_threads(1)
+    common = [*convergence.CONFIG, *convergence.schedule(args.steps)]
+    numel = parameter_count(common)
+    data = TokenDataset(prepare_embedded_data(), verify=True)
+    validation = convergence.Validation(load_config(None, common).model.max_seq_len, 1024)
+    console = Console(width=160)
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
+    t0 = time.monotonic()
+    for seed in args.seeds:
+        for peers in args.peers:
+            for arm in args.arms:
+                result = run(arm, peers, seed, args, data, validation)
+                runs.setdefault(str(peers), {}).setdefault(arm, {})[str(seed)] = result
+                console.print(
+                    f"{peers} peers {arm} seed {seed}: {result['final']:.4f} "
+                    f"({result['seconds'] / 60:.1f} min; {(time.monotonic() - t0) / 60:.1f} min so far)"
+                )
+        summary = summarise(runs, numel)
+        print_table(console, summary, args.rounds, args.sync)
+        payload = {
+            "steps": args.steps,
+            "sync": args.sync,
+            "eval_rounds": args.eval_rounds,
+            "tokens_per_step": TOKENS_BATCH * load_config(None, common).model.max_seq_len,
+            "parameters": numel,
+            "config": common,
+            "probes": {arm: asdict(probe(arm, 4, args.sync)) for arm in args.arms},
+            "validation": validation.describe,
+            "seeds": sorted({int(s) for by_arm in runs.values() for a in by_arm.values() for s in a}),
+            "runs": runs,
+            "summary": summary,
+        }
+        write(writer, payload, [])  # after every seed: a cut-short run keeps the seeds it finished
+
+
+if __name__ == "__main__":
+    main()
