@@ -21,7 +21,7 @@ Arms: ``none`` (uncompressed averaging, the baseline), ``int8``, ``topk`` (1/64 
 2 bits), ``topk-dense`` (the reducers' parts at 4/64), ``sparse`` (top-k per chunk of 4,096 at 1/64,
 2-bit bins, forwarded, decayed error feedback). Every arm of a peer count sees the same data (the
 replicas' partitions of the seed's permutation) from the same initialisation, and is scored on the
-same 1,024 validation windows (``convergence.Validation``) every ``--eval-rounds`` rounds, after that
+same 1,024 validation windows (``convergence.Validation``; ``--val-windows``) every ``--eval-rounds`` rounds, after that
 round's average (the replicas are then identical). With 8 peers each replica's batch is half that of
 4 peers, so both see the same tokens per step.
 
@@ -189,7 +189,7 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
     """One result from several runs of this script with the same setup (shares run as separate processes)."""
     parts = [results.own("codec_rounds", v) for v in variants]
     first = parts[0].payload
-    keys = ("steps", "sync", "eval_rounds", "parameters")
+    keys = ("steps", "sync", "eval_rounds", "parameters", "validation")
     if any(any(r.payload[k] != first[k] for k in keys) for r in parts):
         raise SystemExit(f"--merge: the variants differ in {keys}; only the same setup merges")
     runs: dict[str, dict[str, dict[str, Any]]] = {}
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync", type=int, default=10, help="steps between averages (default 10)")
     parser.add_argument("--rounds", type=int, default=150, help="averages per run (default 150)")
     parser.add_argument("--eval-rounds", type=int, default=15, help="score every this many rounds (default 15)")
+    parser.add_argument("--val-windows", type=int, default=1024, help="validation windows scored (default 1024)")
     parser.add_argument("--merge", nargs="+", metavar="VARIANT", help="combine these variants into --variant")
     results.add_variant(parser)
     args = parser.parse_args(argv)
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     common = [*convergence.CONFIG, *convergence.schedule(args.steps)]
     numel = parameter_count(common)
     data = TokenDataset(prepare_embedded_data(), verify=True)
-    validation = convergence.Validation(load_config(None, common).model.max_seq_len, 1024)
+    validation = convergence.Validation(load_config(None, common).model.max_seq_len, args.val_windows)
     console = Console(width=160)
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     t0 = time.monotonic()

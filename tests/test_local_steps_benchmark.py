@@ -88,6 +88,30 @@ def test_two_stages_apply_at_most_k_values_per_block_and_the_reducer_keeps_the_r
     assert avg.reducer_residual.abs().sum() > 0
 
 
+def test_sparse_averages_each_value_over_the_replicas_that_sent_it_with_decayed_feedback():
+    """The swarm's forwarding codec: no mean re-encoded, each value the mean over its senders (a value
+    one replica of three sent is not divided by three), and the residual decayed by the codec's 0.95."""
+    models = replicas(3)
+    anchor = weights(models[0])
+    avg = local_steps.CompressedAverage(local_steps.Probe(3, 10, codec="sparse"), models[0])
+    assert avg.decay == Codec("sparse").feedback_decay < 1
+    after = step_apart(models)
+    avg.average(models)
+    codec = Codec("sparse")
+    decoded = torch.stack([codec.decode(codec.encode(anchor - a), a.numel()) for a in after])
+    senders = (decoded != 0).sum(0)
+    expected = decoded.sum(0) / senders.clamp(min=1)
+    torch.testing.assert_close(anchor - weights(models[1]), expected, atol=1e-6, rtol=1e-5)
+    assert int((senders == 1).sum()) > 0  # some values came from one replica only, and were not divided
+    torch.testing.assert_close(weights(models[0]), weights(models[2]), atol=0, rtol=0)
+    assert avg.reducer_residual.abs().sum() == 0  # nothing re-encoded, so no reducer residual
+    held = [r.clone() for r in avg.residuals]
+    avg.average(models)  # no training in between: each replica sends its decayed residual
+    for r, h in zip(avg.residuals, held):
+        sent = avg.decay * h
+        torch.testing.assert_close(r, sent - codec.decode(codec.encode(sent), h.numel()), atol=1e-7, rtol=0)
+
+
 def test_random_k_moves_every_replica_on_the_same_k_positions_a_block_drawn_anew_each_round():
     models = replicas(4)
     anchor = weights(models[0])

@@ -1,0 +1,57 @@
+"""The long codec benchmark: its gaps, bytes and merging, and one short run of it end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import codec_rounds, comms
+from benchmarks.lab import results
+from p2p_spes.averaging.compression import Codec
+
+
+def fake_run(curve: dict[int, float]) -> dict:
+    return {"curve": {str(k): v for k, v in curve.items()}, "final": curve[max(curve)], "seconds": 1.0}
+
+
+def test_gaps_are_taken_per_seed_against_uncompressed_and_the_curve_is_their_mean():
+    runs = {
+        "4": {
+            "none": {"0": fake_run({5: 6.0, 10: 5.0}), "1": fake_run({5: 6.0, 10: 4.0})},
+            "sparse": {"0": fake_run({5: 6.6, 10: 5.05}), "1": fake_run({5: 6.3, 10: 4.12})},
+        }
+    }
+    summary = codec_rounds.summarise(runs, 1_000_000)["4"]
+    sparse = summary["sparse"]
+    assert sparse["gaps"] == pytest.approx({"0": 0.01, "1": 0.03})
+    assert sparse["gap"]["mean"] == pytest.approx(0.02) and sparse["gap"]["max"] == pytest.approx(0.03)
+    assert sparse["gap_curve"] == pytest.approx({"5": (0.1 + 0.05) / 2, "10": 0.02})
+    assert summary["none"]["gap"] is None
+
+
+def test_bytes_are_the_protocols_every_byte_against_the_fp32_reference():
+    numel, peers = 1_000_000, 4
+    row = codec_rounds.round_bytes("sparse", numel, peers)
+    assert row["per_peer"] == comms.ours(Codec("sparse"), numel, 0, 0, peers)["total"]
+    assert row["reference_fp32"] == 2 * 4 * numel  # upload the model, download it
+    assert row["less"] == pytest.approx(row["reference_fp32"] / row["per_peer"])
+    dense = codec_rounds.round_bytes("topk-dense", numel, peers)
+    assert dense["per_peer"] > codec_rounds.round_bytes("topk", numel, peers)["per_peer"]  # denser parts back
+
+
+@pytest.mark.slow  # two short runs of the micro model and their validation: about 30 s on 2 cores
+def test_a_short_run_writes_curves_and_a_merge_joins_two_shares(tmp_path, monkeypatch):
+    monkeypatch.setenv(results.ROOT_ENV, str(tmp_path))
+    common = ["--arms", "none", "sparse", "--peers", "2", "--sync", "1", "--rounds", "2", "--eval-rounds", "1"]
+    common += ["--val-windows", "64"]
+    codec_rounds.main([*common, "--seeds", "0", "--variant", "s0"])
+    codec_rounds.main([*common, "--seeds", "1", "--variant", "s1"])
+    codec_rounds.main(["--merge", "s0", "s1", "--variant", "both"])
+    payload = json.loads(results.path("codec_rounds", "both", base=tmp_path).read_text())
+    assert payload["provenance"]["merged"] and payload["seeds"] == [0, 1]
+    runs = payload["runs"]["2"]
+    assert sorted(runs["sparse"]) == ["0", "1"] and sorted(runs["sparse"]["0"]["curve"]) == ["1", "2"]
+    assert runs["sparse"]["0"]["final"] != runs["none"]["0"]["final"]  # the codec changed what was applied
+    gap = payload["summary"]["2"]["sparse"]["gap"]
+    assert gap["min"] <= gap["mean"] <= gap["max"]
