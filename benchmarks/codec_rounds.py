@@ -27,7 +27,9 @@ round's average (the replicas are then identical). With 8 peers each replica's b
 
 Bytes per peer per round are this project's protocol for the micro model's parameters as one flat
 group (``benchmarks/comms.py``'s ``ours``: contributions, averaged parts or bundles, headers and
-envelopes, every byte), and their ratio to the SPES reference sending each peer's whole model in fp32.
+envelopes, every byte), and their ratio to the SPES reference sending each peer's whole model in fp32;
+``spes_1b`` holds the same ratio at the spes-1b config with 4 and 16 peers (experts split, frozen
+copies refreshed every round), where the targets are set.
 
 Prints a table (per peer count and arm: the final loss, its gap to ``none`` per seed, min-max, and the
 bytes) and writes ``benchmarks/results/codec_rounds/<variant>.json`` (default ``main``) with each run's
@@ -86,6 +88,25 @@ def round_bytes(arm: str, numel: int, peers: int) -> dict[str, float]:
     ours = comms.ours(codec_of(arm), numel, 0, 0, peers)
     reference = comms.spes_reference(None, numel, 0, 0, peers)
     return {"per_peer": ours["total"], "reference_fp32": reference["total"], "less": reference["total"] / ours["total"]}
+
+
+def projection(arms: list[str], peer_counts: tuple[int, ...] = (4, 16)) -> dict[str, Any]:
+    """Each codec's bytes per peer per round at the spes-1b config (shared weights in one group, each
+    expert's update to its frozen copies), over the SPES reference's at fp32: ``benchmarks/comms.py``'s
+    computed counts, which its loopback swarms match to within 1%."""
+    shared, expert, experts = comms.parameter_split(name="spes-1b")
+    out: dict[str, Any] = {"shared_params": shared, "expert_params": expert, "experts": experts, "peers": {}}
+    for peers in peer_counts:
+        reference = comms.spes_reference(None, shared, expert, experts, peers)["total"]
+        out["peers"][str(peers)] = {
+            arm: {
+                "per_peer": (ours := comms.ours(codec_of(arm), shared, expert, experts, peers)["total"]),
+                "less": reference / ours,
+                "bits_per_value": comms.bits_per_value(codec_of(arm)),
+            }
+            for arm in arms
+        }
+    return out
 
 
 def run(arm: str, peers: int, seed: int, args: argparse.Namespace, data: TokenDataset, validation) -> dict[str, Any]:
@@ -200,7 +221,8 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
     seeds = sorted({int(s) for by_arm in runs.values() for by_seed in by_arm.values() for s in by_seed})
     summary = summarise(runs, first["parameters"])
     print_table(Console(width=160), summary, first["steps"] // first["sync"], first["sync"])
-    payload = {**first, "seeds": seeds, "runs": runs, "summary": summary}
+    arms = list(next(iter(runs.values())))
+    payload = {**first, "seeds": seeds, "runs": runs, "summary": summary, "spes_1b": projection(arms)}
     write(results.start("codec_rounds", variant, seeds=seeds, argv=argv), payload, parts)
 
 
@@ -253,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
             "seeds": sorted({int(s) for by_arm in runs.values() for a in by_arm.values() for s in a}),
             "runs": runs,
             "summary": summary,
+            "spes_1b": projection(args.arms),
         }
         write(writer, payload, [])  # after every seed: a cut-short run keeps the seeds it finished
 
