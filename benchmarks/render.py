@@ -56,6 +56,17 @@ def _note(r: Result) -> str:
 def cite(rs: Sequence[Result], readme: bool) -> str:
     """Links to result files, each with its provenance (said once when all agree)."""
     names = [f"{r.path.parent.name}/{r.path.name}" for r in rs]
+    folders = {r.path.parent.name for r in rs}
+    if readme and len(rs) > 1 and len(folders) == 1:  # one folder: linked once, each file named in it
+        (folder,) = folders
+        notes = [_note(r) for r in rs]
+        files = [f"`{r.path.name}`" for r in rs]
+        each = (
+            ", ".join(files) + f" ({notes[0]})"
+            if len(set(notes)) == 1
+            else ", ".join(f"{name} ({note})" for name, note in zip(files, notes))
+        )
+        return f"[`benchmarks/results/{folder}/`](benchmarks/results/{folder}/): {each}"
     links = [
         f"[`benchmarks/results/{n}`](benchmarks/results/{n})" if readme else f"[{r.path.stem}](results/{n})"
         for r, n in zip(rs, names)
@@ -547,6 +558,63 @@ def nat_table() -> str:
     )
 
 
+def _codec_gap(row: dict | None) -> str:
+    if row is None or row["gap"] is None:
+        return "not run"
+    gaps = list(row["gaps"].values())
+    if len(gaps) == 1:
+        return f"{gaps[0]:+.2%} (one seed)"
+    return f"{row['gap']['mean']:+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds)"
+
+
+def codecs_table() -> str:
+    """The codecs side by side: bits per value and bytes against the SPES reference at spes-1b (computed
+    from the protocol), and each codec's validation loss against uncompressed averaging at the end of
+    ``codec_rounds``' many rounds, per peer count."""
+    r = load("codec_rounds")
+    p = r.payload
+    counts = sorted(p["summary"], key=int)
+    projected = p["spes_1b"]["peers"]
+    sizes = sorted(projected, key=int)
+    lines = [
+        f"| codec | bits per value | less than SPES at fp32, spes-1b, {' / '.join(sizes)} peers | "
+        + " | ".join(f"loss vs uncompressed, {n} peers" for n in counts)
+        + " |",
+        "|---|---:|---:|" + "---:|" * len(counts),
+    ]
+    for arm in projected[sizes[0]]:
+        cells = [_codec_gap(p["summary"][n].get(arm)) if arm != "none" else "-" for n in counts]
+        lines.append(
+            f"| {arm} | {projected[sizes[0]][arm]['bits_per_value']:.2f} | "
+            + " / ".join(f"{projected[n][arm]['less']:.1f}x" for n in sizes)
+            + " | "
+            + " | ".join(cells)
+            + " |"
+        )
+    rounds, params = p["steps"] // p["sync"], p["parameters"] / 1e6
+    return (
+        "\n".join(lines)
+        + "\n\n"
+        + textwrap.fill(
+            f"Losses after {rounds} rounds of {p['sync']} steps: full replicas of a {params:.1f}M-parameter model "
+            "averaged in one process through the swarm's codecs and error feedback (Muon, the same data and "
+            f"validation tokens for every codec): {cite([r], True)}.",
+            100,
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+    )
+
+
+def head_codec_rounds() -> str:
+    r = load("codec_rounds")
+    p = r.payload
+    n = min(p["summary"], key=int)
+    rounds = p["steps"] // p["sync"]
+    parts = [f"{arm} {_codec_gap(row)}" for arm, row in p["summary"][n].items() if arm != "none"]
+    return f"vs uncompressed after {rounds} rounds, {n} peers: " + "; ".join(parts)
+
+
 # each line's headline: a README result's second text, else head_<script>()
 TOPICS: dict[str, Callable[[], tuple[str, str]]] = {
     "memory": memory,
@@ -570,6 +638,7 @@ sync_overhead | wall time not computing with blocking rounds, 2 loopback peers |
 residency | partial vs full expert residency: memory, bytes, skipped tokens, loss | .venv/bin/python -m benchmarks.residency | 4 | main
 convergence | validation loss at equal tokens, 3 seeds: centralized vs SPES, DiLoCo and each codec | .venv/bin/python -m benchmarks.convergence | 75 | main lone-holder topk-sync10 topk-dense-sync10 others
 quality | each swarm knob against centralized training at equal tokens, 3 seeds | .venv/bin/python -m benchmarks.quality | 3 per arm and seed | main
+codec_rounds | each codec against uncompressed averaging over 150 rounds, full replicas in one process, 4 and 8 peers | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.codec_rounds --sync 5 --eval-rounds 30 --arms none sparse topk-dense topk | 11 per arm and seed | main others
 local_steps | full replicas averaged every H steps in one process: where the gap comes from | .venv/bin/python -m benchmarks.local_steps | 3 per arm and seed | main others
 grad_norms | gradient norm of a peer's batch of 8 vs the batch of 32, at the same weights | .venv/bin/python -m benchmarks.grad_norms | 3 | main
 scale | 8 / 16 / 24 loopback peers with a kill, or 24 under churn | .venv/bin/python -m benchmarks.scale --peers 8 16 24 --steps 150 | 16 | main others
@@ -596,7 +665,7 @@ def scripts_table() -> str:
 # -- the files and their markers -----------------------------------------------------------------------
 
 TARGETS: dict[str, dict[str, Callable[[], str]]] = {
-    "README.md": {"numbers": numbers, "nat": nat_table},
+    "README.md": {"numbers": numbers, "nat": nat_table, "codecs": codecs_table},
     "benchmarks/README.md": {"scripts": scripts_table, "performance": performance_table},
 }
 
