@@ -97,6 +97,7 @@ NOT_MEASURED = {
     "scale": {"1", "0"},  # one kill; 0 peer-rounds neither averaged nor adopted (two equal counts stay equal)
     "simulate": {"16", "3"},
     "equal_time": {"3"},  # its seeds
+    "codec_rounds": {"4", "3"},  # the peer count (a key) and the seeds
 }
 NUMBER = re.compile(r"[+-]?\d[\d,]*(?:\.\d+)?(?:%|x|B)?")
 
