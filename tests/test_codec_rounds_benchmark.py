@@ -40,7 +40,7 @@ def test_bytes_are_the_protocols_every_byte_against_the_fp32_reference():
     assert dense["per_peer"] > codec_rounds.round_bytes("topk", numel, peers)["per_peer"]  # denser parts back
 
 
-@pytest.mark.slow  # two short runs of the micro model and their validation: about 30 s on 2 cores
+@pytest.mark.long  # two short runs of the micro model and their validation: 40-60 s on 2 cores
 def test_a_short_run_writes_curves_and_a_merge_joins_two_shares(tmp_path, monkeypatch):
     monkeypatch.setenv(results.ROOT_ENV, str(tmp_path))
     common = ["--arms", "none", "sparse", "--peers", "2", "--sync", "1", "--rounds", "2", "--eval-rounds", "1"]

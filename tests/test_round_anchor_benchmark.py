@@ -67,7 +67,7 @@ def test_a_slot_a_peer_missed_is_not_ok():
     assert out["arms"]["hivemind"]["ok"] == 0 and out["arms"]["ours-none"]["seconds"] is None
 
 
-@pytest.mark.slow  # four DHT daemons and two rounds of averaging on 127.0.0.1: about 40 s
+@pytest.mark.long  # eight DHT daemons and two slots of averaging on 127.0.0.1: about a minute
 def test_both_arms_average_on_loopback_and_ours_ends_exact_and_identical(tmp_path):
     a = args(loopback=True, numel=50_000, slot=20.0, run_dir=tmp_path, codecs=["none"])
     out = round_anchor.run(a, tmp_path)
