@@ -622,8 +622,10 @@ def head_round_anchor() -> str:
     coded = [
         f"{arm[5:]} {row['seconds_vs_hivemind']:.2f}x its time, {row['hivemind_bytes_over_ours']:.1f}x fewer bytes"
         for arm, row in arms.items()
-        if arm.startswith("ours-") and arm != "ours-none"
+        if arm.startswith("ours-") and arm != "ours-none" and "hivemind_bytes_over_ours" in row
     ]
+    if "seconds_vs_hivemind" not in ours or "over_limit" not in hive:
+        raise RenderError(f"{r.path}: hivemind's and our fp32 arm need an averaged round each")
     return (
         f"at fp32 ours takes {ours['seconds_vs_hivemind']:.2f}x hivemind's time ({ours['over_limit']:.2f}x the link's "
         f"limit against {hive['over_limit']:.2f}x); {'; '.join(coded)}; peers bit-identical in {ours['identical']} of "
@@ -650,7 +652,7 @@ memory | per-peer memory of weights, gradients and optimizer state, SPES peer vs
 comms | bytes per peer per round for every codec on a 4-peer loopback swarm, projected to 1B / 7B | .venv/bin/python -m benchmarks.comms | 5-6 | main topk-dense
 wan | a swarm in network namespaces behind capped links, optionally with a CPU-capped peer (root) | sudo .venv/bin/python -m benchmarks.wan --peers 4 --mbit 20 --steps 150 --variant 4x20 | 3-5 | 4x20 others
 wan_codecs | `wan` once per codec with blocking rounds, 4 peers at 20 Mbit/s (root) | sudo .venv/bin/python -m benchmarks.wan_codecs | 25 | main others
-round_anchor | our group round beside hivemind's DecentralizedAverager, same tensors, 4 peers at 20 Mbit/s, each round over its link's limit (root) | sudo .venv/bin/python -m benchmarks.round_anchor --codecs none int8 sparse --rounds 2 | 11 | main
+round_anchor | our group round beside hivemind's DecentralizedAverager, same tensors, 4 peers at 20 Mbit/s, each round over its link's limit (root) | sudo .venv/bin/python -m benchmarks.round_anchor --codecs none int8 sparse --rounds 3 | 21 | main
 sync_overhead | wall time not computing with blocking rounds, 2 loopback peers | .venv/bin/python -m benchmarks.sync_overhead | 3-4 | main
 residency | partial vs full expert residency: memory, bytes, skipped tokens, loss | .venv/bin/python -m benchmarks.residency | 4 | main
 convergence | validation loss at equal tokens, 3 seeds: centralized vs SPES, DiLoCo and each codec | .venv/bin/python -m benchmarks.convergence | 75 | main lone-holder topk-sync10 topk-dense-sync10 others

@@ -30,10 +30,16 @@ def row(arm: str, peer: int, seconds: float, digest: str = "d") -> dict:
         "arm": arm,
         "peer": peer,
         "ok": True,
+        "members": 2,
         "seconds": seconds,
         "digest": digest,
         "mean_abs_error": 0.0,
     }
+
+
+@pytest.fixture(autouse=True)
+def no_warmup(monkeypatch):
+    monkeypatch.setattr(round_anchor, "WARMUP", 0)  # the rows here are all measured rounds
 
 
 def test_each_slot_is_held_to_the_least_time_its_bytes_need_on_the_link():
@@ -58,6 +64,16 @@ def test_each_slot_is_held_to_the_least_time_its_bytes_need_on_the_link():
     assert ours["over_limit"] == pytest.approx(3.0 / 1.0) and ours["identical"] == 1
     assert hive["bytes_per_peer"] == 3_000_000 and ours["bytes_per_peer"] == 2_000_000
     assert ours["hivemind_bytes_over_ours"] == pytest.approx(1.5) and ours["seconds_vs_hivemind"] == pytest.approx(0.6)
+
+
+def test_a_lossless_round_short_of_the_exact_mean_or_of_a_member_is_not_ok():
+    """hivemind's averager reports success when a peer got part of the results and kept its own values
+    for the rest; such a round is not counted as averaged, nor one with a member missing."""
+    partial = {**row("hivemind", 1, 5.0), "mean_abs_error": 0.017}
+    short = {**row("ours-none", 1, 2.0), "members": 1}
+    rows = [row("hivemind", 0, 4.0), partial, row("ours-none", 0, 3.0), short]
+    out = round_anchor.summarise(args(loopback=True), [(0, "hivemind"), (0, "ours-none")], rows, [[None] * 2] * 3, None)
+    assert out["arms"]["hivemind"]["ok"] == 0 and out["arms"]["ours-none"]["ok"] == 0
 
 
 def test_a_slot_a_peer_missed_is_not_ok():
