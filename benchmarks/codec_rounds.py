@@ -71,6 +71,11 @@ def probe(arm: str, peers: int, sync: int) -> local_steps.Probe:
     return local_steps.Probe(peers, sync, codec=codec, result_fraction=fraction, muon=True, muon_adamw_scale=4.0)
 
 
+def probes(runs: dict[str, dict[str, Any]], sync: int) -> dict[str, Any]:
+    """What each arm ran, by peer count (``runs[peers][arm]``)."""
+    return {peers: {arm: asdict(probe(arm, int(peers), sync)) for arm in by_arm} for peers, by_arm in runs.items()}
+
+
 def codec_of(arm: str) -> Codec:
     name = arm.removesuffix("-dense")
     return Codec(name, result_fraction=DENSE if arm == "topk-dense" else None)
@@ -154,7 +159,7 @@ def summarise(runs: dict[str, dict[str, dict[str, Any]]], numel: int) -> dict[st
 
 def print_table(console: Console, summary: dict[str, Any], rounds: int, sync: int) -> None:
     for peers, by_arm in summary.items():
-        seeds = sorted({s for row in by_arm.values() for s in row["finals"]})
+        seeds = sorted({s for row in by_arm.values() for s in row["finals"]}, key=int)
         table = Table(title=f"{peers} peers, {rounds} rounds of {sync} steps, seeds {', '.join(seeds)}")
         for col in (
             "codec",
@@ -217,12 +222,16 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
     for part in parts:
         for peers, by_arm in part.payload["runs"].items():
             for arm, by_seed in by_arm.items():
-                runs.setdefault(peers, {}).setdefault(arm, {}).update(by_seed)
+                have = runs.setdefault(peers, {}).setdefault(arm, {})
+                if twice := set(have) & set(by_seed):
+                    raise SystemExit(f"--merge: {peers} peers {arm} seed {sorted(twice)} is in more than one variant")
+                have.update(by_seed)
     seeds = sorted({int(s) for by_arm in runs.values() for by_seed in by_arm.values() for s in by_seed})
     summary = summarise(runs, first["parameters"])
     print_table(Console(width=160), summary, first["steps"] // first["sync"], first["sync"])
     arms = list(next(iter(runs.values())))
     payload = {**first, "seeds": seeds, "runs": runs, "summary": summary, "spes_1b": projection(arms)}
+    payload["probes"] = probes(runs, first["sync"])
     write(results.start("codec_rounds", variant, seeds=seeds, argv=argv), payload, parts)
 
 
@@ -270,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             "tokens_per_step": TOKENS_BATCH * load_config(None, common).model.max_seq_len,
             "parameters": numel,
             "config": common,
-            "probes": {arm: asdict(probe(arm, 4, args.sync)) for arm in args.arms},
+            "probes": probes(runs, args.sync),
             "validation": validation.describe,
             "seeds": sorted({int(s) for by_arm in runs.values() for a in by_arm.values() for s in a}),
             "runs": runs,

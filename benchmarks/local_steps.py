@@ -515,11 +515,12 @@ class CompressedAverage:
             else:
                 decoded.append(self.through(self.codec, sent))
             self.residuals[i] = sent - decoded[-1]
-        mean = torch.stack(decoded).mean(0)
         if self.codec.forwards:
             bundle = self.codec.result.bundle(messages, [1.0] * len(messages), n)
             mean = self.codec.result.decode(bundle, n)
-        elif self.probe.restage:
+        else:
+            mean = torch.stack(decoded).mean(0)
+        if not self.codec.forwards and self.probe.restage:
             compensated = mean + self.reducer_residual
             mean = self.through(self.codec.result_for(len(models)), compensated)
             self.reducer_residual = compensated - mean
