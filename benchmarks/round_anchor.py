@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.lab import rundir
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS_HIVEMIND = "hivemind"
@@ -81,9 +82,7 @@ def worker(args: argparse.Namespace) -> None:
             "ours": [str(m) for m in dht.get_visible_maddrs()],
             "hivemind": [str(m) for m in plain.get_visible_maddrs()],
         }
-        tmp = run_dir / "maddrs.json.tmp"
-        tmp.write_text(json.dumps(maddrs))
-        os.replace(tmp, run_dir / "maddrs.json")
+        rundir.publish(run_dir / "maddrs.json", maddrs)
     averager = hivemind.averaging.DecentralizedAverager(
         [original.clone()],
         plain,
@@ -115,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
         )
         call(reducer.start(), 60)
         reducers[codec, round_no] = reducer
-    (run_dir / f"ready{i}").write_text(identity.peer_id)
+    rundir.mark(run_dir / f"ready{i}", identity.peer_id)
     schedule_file = run_dir / "schedule.json"
     deadline = time.monotonic() + READY_TIMEOUT
     while not schedule_file.exists():
@@ -152,8 +151,7 @@ def worker(args: argparse.Namespace) -> None:
                 row["mean_abs_error"] = float((result - exact_mean(args.peers, args.numel)).abs().mean())
         except Exception as exc:  # a failed slot is a result too
             row |= {"ok": False, "error": repr(exc), "seconds": time.time() - start}
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        rundir.append_row(out, row)
     averager.shutdown()
     plain.shutdown()
     dht.shutdown()
@@ -201,17 +199,14 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             prefix = [] if lab is None else lab.argv_prefix(i)
             host = "127.0.0.1" if lab is None else lab.address(i)
             argv = [*prefix, *worker_argv(args, i, host, run_dir)]
-            with open(run_dir / f"worker{i}.log", "w") as log:
-                procs.append(subprocess.Popen(argv, stdout=log, stderr=log, cwd=REPO, start_new_session=True))
+            procs.append(rundir.spawn_logged(argv, run_dir / f"worker{i}.log", REPO))
             if i == 0:
                 wait_files(run_dir, ["maddrs.json"], procs)
         wait_files(run_dir, [f"ready{i}" for i in range(args.peers)], procs)
         ids = [(run_dir / f"ready{i}").read_text() for i in range(args.peers)]
         t0 = time.time() + 5.0
         schedule = {"t0": t0, "slot": args.slot, "slots": slots, "peer_ids": ids}
-        tmp = run_dir / "schedule.json.tmp"
-        tmp.write_text(json.dumps(schedule))
-        os.replace(tmp, run_dir / "schedule.json")
+        rundir.publish(run_dir / "schedule.json", schedule)
         for k in range(len(slots) + 1):  # the counters at each slot's start, and after the last
             time.sleep(max(0.0, t0 + k * args.slot - time.time()))
             counts.append([None if lab is None else lab.interface_counts(i) for i in range(args.peers)])
