@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lab import rundir
+from p2p_spes.averaging.transport import tensor_digest
+from p2p_spes.checkpoint import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS_HIVEMIND = "hivemind"
@@ -61,8 +63,6 @@ def arm_names(codecs: list[str]) -> list[str]:
 # -- a peer -----------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
     """One peer: two DHTs (ours signs its records; hivemind's averager keeps its own), then the slots."""
-    import hashlib
-
     import hivemind
     import torch
 
@@ -82,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
             "ours": [str(m) for m in dht.get_visible_maddrs()],
             "hivemind": [str(m) for m in plain.get_visible_maddrs()],
         }
-        rundir.publish(run_dir / "maddrs.json", maddrs)
+        write_json(run_dir / "maddrs.json", maddrs)
     averager = hivemind.averaging.DecentralizedAverager(
         [original.clone()],
         plain,
@@ -147,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
             row["seconds"] = time.time() - start
             row["ok"] = ok
             if ok:
-                row["digest"] = hashlib.sha256(result.contiguous().numpy().tobytes()).hexdigest()
+                row["digest"] = tensor_digest([result])
                 row["mean_abs_error"] = float((result - exact_mean(args.peers, args.numel)).abs().mean())
         except Exception as exc:  # a failed slot is a result too
             row |= {"ok": False, "error": repr(exc), "seconds": time.time() - start}
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         ids = [(run_dir / f"ready{i}").read_text() for i in range(args.peers)]
         t0 = time.time() + 5.0
         schedule = {"t0": t0, "slot": args.slot, "slots": slots, "peer_ids": ids}
-        rundir.publish(run_dir / "schedule.json", schedule)
+        write_json(run_dir / "schedule.json", schedule)
         for k in range(len(slots) + 1):  # the counters at each slot's start, and after the last
             time.sleep(max(0.0, t0 + k * args.slot - time.time()))
             counts.append([None if lab is None else lab.interface_counts(i) for i in range(args.peers)])

@@ -1,20 +1,13 @@
-"""What a benchmark's processes leave for each other in a run folder: addresses, readiness marks, a
-schedule, rows of raw measurements and their logs. Never results: those go through ``results.py``."""
+"""What a benchmark's processes leave for each other in a run folder: readiness marks, rows of raw
+measurements and their logs (whole JSON files: ``checkpoint.write_json``). Never results: those go
+through ``results.py``."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
-
-
-def publish(path: Path, data: Any) -> None:
-    """``data`` as JSON at ``path``, whole: a reader polling for the file never sees half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def mark(path: Path, text: str) -> None:
