@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import threading
 import time
 from collections import deque
@@ -34,6 +33,7 @@ from typing import Any, Protocol
 from dht.auth import RunAuth
 from dht.dashboard_store import HistoryStore, curves_csv, store_path
 from dht.inspector import collect, open_dht
+from dht.node import sigterm_as_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -275,10 +275,7 @@ class DashboardServer(ThreadingHTTPServer):
     def run(self, title: str) -> None:
         """Watch the run and serve until Ctrl-C or SIGTERM, then stop both (the watcher's DHT process too)."""
 
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, interrupt)
+        sigterm_as_interrupt()
         self.watch.start()
         print(f"{title}: {self.url} (JSON at {self.url}api/state); Ctrl-C stops it", flush=True)
         if self.server_address[0] not in ("127.0.0.1", "::1"):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
+import signal
 import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,6 +25,23 @@ from dht.auth import RunAuth
 from dht.identity import Identity, load_identity
 from dht.validators import run_validators
 from p2p_spes.errors import SwarmError
+
+
+def sigterm_as_interrupt() -> Any:
+    """SIGTERM raises KeyboardInterrupt in this process, so it leaves through its ``finally`` blocks like
+    Ctrl-C; returns the previous handler. A process forked later (hivemind's DHT and averagers) inherits
+    the handler; there it restores the default and dies of the signal, as it would have without us,
+    instead of printing a KeyboardInterrupt traceback from inside its event loop."""
+    owner = os.getpid()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def check_listen_ports(maddrs: Iterable[str]) -> None:

@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from dht.node import sigterm_as_interrupt
 from p2p_spes.checkpoint import check_fingerprint, find_checkpoint, read_state, write_json
 from p2p_spes.config import Config
 from p2p_spes.data_sources import DirectorySource
@@ -219,11 +220,6 @@ def _own_checkpoint(run_dir: Path, resume: str | None, cfg: Config) -> tuple[Pat
     return path, state
 
 
-def _interrupt(signum, frame) -> None:
-    """SIGTERM leaves like Ctrl-C: checkpoint, announce departure, stop the DHT."""
-    raise KeyboardInterrupt
-
-
 def run_follower(cfg: Config, run_dir: str | Path, node: Node, resume: str | None = None) -> dict[str, Any]:
     """A rank > 0 of a multi-process peer (distributed.py): train beside rank 0, never touch the swarm.
 
@@ -260,8 +256,7 @@ def run_peer(
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint, saved = _own_checkpoint(run_dir, resume, cfg)
     swarm = Swarm(cfg)
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _interrupt)
+    previous = sigterm_as_interrupt()  # SIGTERM leaves like Ctrl-C: checkpoint, announce departure, stop the DHT
     try:
         write_json(run_dir / "peer.json", {"peer_id": swarm.peer_id, "maddrs": swarm.maddrs})
         print("peer id:", swarm.peer_id, flush=True)

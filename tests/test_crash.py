@@ -164,3 +164,43 @@ def test_a_reader_polling_an_address_file_never_sees_half_of_it(tmp_path, writer
         assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
     else:
         assert torn > 0, "a plain write should be caught half-written (else the test proves nothing)"
+
+
+FORKER = textwrap.dedent("""
+    import asyncio, multiprocessing, os, signal, sys, time
+    from dht.node import sigterm_as_interrupt
+
+    def child():  # like hivemind's DHT process: an event loop forked after the handler was installed
+        asyncio.run(asyncio.sleep(60))
+
+    if sys.argv[1] == "ours":
+        sigterm_as_interrupt()
+    else:  # what the peer and the dashboard did before: raise in whichever process receives it
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, interrupt)
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    time.sleep(1.0)
+    proc.terminate()  # hivemind's shutdown does this when its process outlives the grace period
+    proc.join(10)
+    print("child exit", proc.exitcode, flush=True)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        print("parent not interrupted", flush=True)
+    except KeyboardInterrupt:
+        print("parent interrupted", flush=True)
+""")
+
+
+@pytest.mark.parametrize("handler", ["ours", "raise-everywhere"])
+def test_sigterm_interrupts_the_process_that_asked_and_ends_its_forked_children_quietly(handler):
+    """The dashboard's CI failure: its DHT process, forked after the SIGTERM handler was installed,
+    printed a KeyboardInterrupt traceback from inside hivemind's event loop when it was terminated."""
+    out = subprocess.run([sys.executable, "-c", FORKER, handler], capture_output=True, text=True, timeout=60)
+    assert "parent interrupted" in out.stdout, out.stderr
+    if handler == "ours":
+        assert f"child exit {-signal.SIGTERM}" in out.stdout and "Traceback" not in out.stderr, out.stderr
+    else:  # the old handler: the child raised inside its loop, so this test can tell them apart
+        assert "KeyboardInterrupt" in out.stderr and f"child exit {-signal.SIGTERM}" not in out.stdout
