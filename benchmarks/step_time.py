@@ -69,7 +69,7 @@ def use_clock(name: str) -> None:
 
 @dataclass(frozen=True)
 class Arm:
-    """An optimizer as ``train.optimizer`` and ``train.muon_steps`` would set it."""
+    """An optimizer as ``train.optimizer`` and ``train.muon_ns_steps`` would set it."""
 
     name: str
     optimizer: str

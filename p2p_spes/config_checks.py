@@ -68,6 +68,8 @@ def validate(config: Config) -> None:
         raise ConfigError("experts.decayed_lb_start and experts.decayed_lb_fraction must be in (0, 1]")
     if tr.lr <= 0 or tr.muon_adamw_lr_scale <= 0 or not 0 <= tr.min_lr_ratio <= 1:
         raise ConfigError("train.lr and train.muon_adamw_lr_scale must be positive and train.min_lr_ratio in [0, 1]")
+    if not 1 <= tr.muon_ns_steps <= 10:
+        raise ConfigError(f"train.muon_ns_steps must be in [1, 10] (5 is Muon's usual), got {tr.muon_ns_steps}")
     if tr.warmup_steps < 0 or tr.warmup_steps > tr.max_steps:
         raise ConfigError(f"train.warmup_steps ({tr.warmup_steps}) must be in [0, train.max_steps={tr.max_steps}]")
     if not all(0 <= b < 1 for b in tr.betas):

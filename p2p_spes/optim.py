@@ -37,8 +37,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """``train.optimizer``: AdamW with weight decay on matrices and none on norm weights, or
     :class:`MuonAdamW` (Muon on the hidden matrices, the same AdamW on the rest; ``muon_attention``:
-    Muon on the attention matrices only). ``ns_steps`` and ``muon_experts`` override the Newton-Schulz
-    iterations and whether the experts take Muon (benchmarks compare them)."""
+    Muon on the attention matrices only). ``ns_steps`` and ``muon_experts`` override
+    ``train.muon_ns_steps`` and whether the experts take Muon (benchmarks compare them)."""
     if cfg.optimizer in MUON_OPTIMIZERS:
         experts = cfg.optimizer == "muon" if muon_experts is None else muon_experts
         return MuonAdamW(
@@ -47,7 +47,7 @@ def build_optimizer(
             betas=tuple(cfg.betas),
             eps=cfg.eps,
             adamw_lr_scale=cfg.muon_adamw_lr_scale,
-            ns_steps=5 if ns_steps is None else ns_steps,
+            ns_steps=cfg.muon_ns_steps if ns_steps is None else ns_steps,
         )
     return torch.optim.AdamW(parameter_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 

@@ -129,6 +129,28 @@ def test_an_unknown_optimizer_is_refused_with_the_choices():
         load_config(None, ["train.muon_adamw_lr_scale=0"])
 
 
+def test_train_muon_ns_steps_sets_the_iterations_each_muon_step_runs():
+    """The knob reaches every Muon group, and a step with 3 iterations is the 3-iteration direction."""
+    stepped = {}
+    for steps in (3, 5):
+        cfg = load_config(None, SMALL_MODEL + ["train.optimizer=muon", f"train.muon_ns_steps={steps}"])
+        model = MoETransformer(cfg.model, cfg.moe, local_experts=[1, 2])
+        model.init_weights(0)
+        opt = build_optimizer(model, cfg.train)
+        assert {g["ns_steps"] for g in opt.param_groups if g["muon"]} == {steps}
+        q = model.layers[0].self_attn.q_proj.weight
+        before = q.detach().clone()
+        _step(model, opt, keep_grads=True)
+        stepped[steps] = (before - q.detach(), q.grad.clone())
+    (d3, g3), (d5, g5) = stepped[3], stepped[5]
+    assert torch.equal(g3, g5)  # the same weights and batch: only the iteration count differs
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(d3.flatten(), orthogonalize(g3, steps=3).flatten(), dim=0) > 0.99
+    assert not torch.allclose(d3, d5)
+    with pytest.raises(ConfigError, match=r"train.muon_ns_steps must be in \[1, 10\]"):
+        load_config(None, ["train.muon_ns_steps=0"])
+
+
 def test_a_checkpoint_of_another_optimizer_is_refused_naming_the_setting():
     cfg, model = _model("adamw", [1, 2])
     opt = build_optimizer(model, cfg.train)
