@@ -40,6 +40,8 @@ nothing else:
   ``-noclip`` (``centralized-muon-4x-noclip``, ``muon-4x-noclip``, and the 2-peer pair): those with
   ``train.grad_clip=0`` for centralized and swarm alike (a peer's batch of 8 is clipped at 1.0 where
   centralized training's batch of 32 is not: ``benchmarks/grad_norms.py``);
+* ``-ns3`` (``centralized-muon-4x-ns3``, ``muon-4x-ns3``, and the 2-peer pair): those with
+  ``train.muon_ns_steps=3`` (3 Newton-Schulz iterations instead of 5) for centralized and swarm alike;
 * probes of where the gap comes from: ``outer-sgd-2`` (the new value is the anchor minus twice the
   averaged pseudo-gradient: the step a batch P times larger would take if the gradient noise were all
   that differs), ``lr-2x`` (inner lr doubled), ``alone`` (one process with one peer's batch of 8 for
@@ -103,6 +105,7 @@ class Arm:
 
 MUON_4X = ("train.optimizer=muon", "train.muon_adamw_lr_scale=4")
 MUON_4X_NOCLIP = (*MUON_4X, "train.grad_clip=0")
+MUON_4X_NS3 = (*MUON_4X, "train.muon_ns_steps=3")
 ARMS = {
     a.name: a
     for a in (
@@ -223,6 +226,37 @@ ARMS = {
             baseline="centralized-2-muon-4x",
             train=MUON_4X,
             knob="Muon, train.muon_adamw_lr_scale 4, 2 peers",
+        ),
+        # today's defaults with 3 Newton-Schulz iterations instead of 5, centralized and swarm alike
+        Arm(
+            "centralized-muon-4x-ns3",
+            None,
+            baseline="centralized-muon-4x-ns3",
+            train=MUON_4X_NS3,
+            knob="one process, batch 32, today's Muon defaults, train.muon_ns_steps 3",
+        ),
+        Arm(
+            "muon-4x-ns3",
+            (),
+            baseline="centralized-muon-4x-ns3",
+            train=MUON_4X_NS3,
+            knob="today's Muon defaults, train.muon_ns_steps 3 (vs centralized-muon-4x-ns3)",
+        ),
+        Arm(
+            "centralized-2-muon-4x-ns3",
+            None,
+            peers=2,
+            baseline="centralized-2-muon-4x-ns3",
+            train=MUON_4X_NS3,
+            knob="one process, batch 16, today's Muon defaults, train.muon_ns_steps 3",
+        ),
+        Arm(
+            "muon-4x-2-ns3",
+            (),
+            peers=2,
+            baseline="centralized-2-muon-4x-ns3",
+            train=MUON_4X_NS3,
+            knob="today's Muon defaults, train.muon_ns_steps 3, 2 peers",
         ),
         # today's defaults without gradient clipping, centralized and swarm alike
         Arm(
