@@ -89,6 +89,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.lab import results
+from dht.node import sigterm_as_interrupt
 from p2p_spes.checkpoint import WEIGHTS, load_checkpoint, read_state
 from p2p_spes.config import load_config
 from p2p_spes.corpus import prepare_embedded_data
@@ -347,9 +348,11 @@ def run_centralized(overrides: list[str], run_dir: Path, timeout: float) -> None
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
             code = None
+        finally:  # timed out, or this benchmark interrupted: the run stops with it
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if code != 0:
         raise SystemExit(f"centralized training failed (exit {code}); see {log_path}:\n{log_path.read_text()[-2000:]}")
 
@@ -646,6 +649,7 @@ def main() -> None:
     results.add_variant(parser, help="writes benchmarks/results/convergence/<variant>.json and .png (default main)")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
     args = parser.parse_args()
+    sigterm_as_interrupt()  # SIGTERM stops the runs this benchmark started, as Ctrl-C does
     args.eval_every = args.eval_every or 2 * args.sync_steps
     if args.eval_every % args.sync_steps or args.steps % args.eval_every:
         parser.error(

@@ -85,6 +85,7 @@ from rich.table import Table
 
 from benchmarks import convergence  # the scorer and the lockstep launcher
 from benchmarks.lab import results
+from dht.node import sigterm_as_interrupt
 from p2p_spes.config import load_config
 
 MB = 1e6
@@ -472,6 +473,7 @@ def main() -> None:
     )
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
     args = parser.parse_args()
+    sigterm_as_interrupt()  # SIGTERM stops the runs this benchmark started, as Ctrl-C does
     if args.report:
         args.arms, args.add = [], True
     if args.steps % args.eval_every:
