@@ -104,9 +104,10 @@ class Arm:
     train: tuple[str, ...] = ()
 
 
-MUON_4X = ("train.optimizer=muon", "train.muon_adamw_lr_scale=4")
+MUON = ("train.optimizer=muon", "train.muon_adamw_lr_scale=4")
+MUON_4X = (*MUON, "train.muon_ns_steps=5")  # the default when these arms first ran
 MUON_4X_NOCLIP = (*MUON_4X, "train.grad_clip=0")
-MUON_4X_NS3 = (*MUON_4X, "train.muon_ns_steps=3")
+MUON_4X_NS3 = (*MUON, "train.muon_ns_steps=3")
 ARMS = {
     a.name: a
     for a in (

@@ -36,7 +36,12 @@ TARGET = 0.01  # the gap to uncompressed averaging that topk-dense aims to stay 
 OLD_COUNTERS = "old counters: a peer's side of its groups and its downloads"
 FAULTS = {"kill": "kills", "kill-in-sync": "kills inside a round", "freeze": "freezes", "restart": "restarts"}
 FAULTS |= {"bootstrap-kill": "bootstrap kills", "disk-full": "full disks"}
-DEFAULTS = ("muon-4x", "muon-4x-2")  # the quality benchmark's arms with today's defaults, 4 and 2 peers
+# the quality benchmark's runs of today's defaults, 4 and 2 peers, as (variant, arm, what differs from them)
+DEFAULTS = (
+    ("muon-ns3", "muon-4x-ns3", ""),
+    ("main", "muon-4x-2", "with five Newton-Schulz iterations instead of three"),
+)
+MUON_ITERATIONS = "muon-ns3"  # the quality benchmark's run of Muon with 5 and with 3 iterations, side by side
 
 
 class RenderError(ValueError):
@@ -178,13 +183,18 @@ def topk() -> tuple[str, str]:
 
 
 def quality() -> tuple[str, str]:
-    r = load("quality")
-    s, arms = r.payload["summary"], r.payload["arms"]
-    (n4, g4, s4), (n2, g2, s2) = ((arms[a]["peers"], s[a]["gap"], seeds(r, s[a]["seeds"])) for a in DEFAULTS)
+    got = []
+    for variant, arm, differs in DEFAULTS:
+        r = load("quality", variant)
+        s = r.payload["summary"][arm]
+        got.append(
+            (r, r.payload["arms"][arm]["peers"], s["gap"], seeds(r, s["seeds"]), f", {differs}" if differs else "")
+        )
+    (r4, n4, g4, s4, d4), (r2, n2, g2, s2, d2) = got
     bullet = (
         f"**Quality.** At equal tokens on a small model, the default {n4}-peer swarm ends {g4['mean']:.1%} above "
-        f"centralized training with the same optimizer ({s4}, {span([g4['min'], g4['max']], '.1%')}), {n2} peers "
-        f"{g2['mean']:.1%} ({s2}, {span([g2['min'], g2['max']], '.1%')}): {cite([r], True)}, explained in "
+        f"centralized training with the same optimizer ({s4}, {span([g4['min'], g4['max']], '.1%')}{d4}), {n2} peers "
+        f"{g2['mean']:.1%} ({s2}, {span([g2['min'], g2['max']], '.1%')}{d2}): {cite([r4, r2], True)}, explained in "
         "[docs/quality.md](docs/quality.md)."
     )
     return bullet, (
@@ -192,6 +202,34 @@ def quality() -> tuple[str, str]:
         f"{span([g4['min'], g4['max']], '+.1%')}), {g2['mean']:+.1%} ({n2} peers, {s2}, "
         f"{span([g2['min'], g2['max']], '+.1%')})"
     )
+
+
+def muon_iterations_table() -> str:
+    """Muon with 5 and with 3 Newton-Schulz iterations in one run of the quality benchmark: each loss, and 3
+    against 5 paired per seed."""
+    r = load("quality", MUON_ITERATIONS)
+    runs, arms = r.payload["runs"], r.payload["arms"]
+    finals = {arm: {x["seed"]: x["final"] for x in rs} for arm, rs in runs.items()}
+    lines = [
+        "| run | 5 iterations | 3 iterations | 3 against 5, paired per seed | seeds |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for five in ("centralized-muon-4x", "muon-4x", "centralized-2-muon-4x", "muon-4x-2"):
+        three = f"{five}-ns3"
+        if five not in finals or three not in finals:
+            continue
+        gaps = paired(finals[three], finals[five])
+        peers = arms[five]["peers"]
+        what = f"one process, batch {8 * peers}" if five.startswith("centralized") else f"{peers}-peer swarm"
+        loss = [f"{statistics.fmean(finals[a].values()):.3f}" for a in (five, three)]
+        lines.append(
+            f"| {what} | {loss[0]} | {loss[1]} | {statistics.fmean(gaps):+.2%} ({span(gaps, '+.2%')}) | {len(gaps)} |"
+        )
+    note = (
+        f"Validation loss after {r.payload['steps']} steps, the quality benchmark's model and scorer, "
+        f"today's Muon defaults otherwise, every arm on the same data and validation tokens: {cite([r], False)}."
+    )
+    return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
 
 
 def chaos() -> tuple[str, str]:
@@ -434,7 +472,7 @@ def performance_table() -> str:
     for arm, t in tiny["arms"].items():
         b, e = stack["arms"].get(arm), summary.get(arm) or added.get(arm)
         cells = [
-            OPTIMIZERS.get(arm, arm),
+            OPTIMIZERS.get(arm, arm) + (" (**the default**)" if arm == default_muon_arm() else ""),
             f"{t['step_s']:.2f}{_ratio(t)}",
             f"{t['mfu']:.0%}",
             f"{t['parts_s']['optimizer'] / t['step_s']:.0%}",
@@ -486,9 +524,11 @@ def performance_table() -> str:
 def head_step_time() -> str:
     r = load("step_time")
     tiny = r.payload["shapes"]["tiny"]["arms"]
-    muon, adamw = tiny["muon"], tiny["adamw"]
+    arm = default_muon_arm()
+    muon, adamw = tiny[arm], tiny["adamw"]
     return (
-        f"one peer of the main job: Muon's step {muon['step_ratio_to_adamw']['median']:.2f}x AdamW's, "
+        f"one peer of the main job: the default Muon's ({arm}) step {muon['step_ratio_to_adamw']['median']:.2f}x "
+        "AdamW's, "
         f"{muon['parts_s']['orthogonalize'] / muon['step_s']:.0%} of it Newton-Schulz; MFU {adamw['mfu']:.0%} "
         f"(AdamW) and {muon['mfu']:.0%} (Muon) of the fp32 matmul rate measured in the run ({seeds(r)})"
     )
@@ -697,7 +737,11 @@ def scripts_table() -> str:
 
 TARGETS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"numbers": numbers, "nat": nat_table, "codecs": codecs_table},
-    "benchmarks/README.md": {"scripts": scripts_table, "performance": performance_table},
+    "benchmarks/README.md": {
+        "scripts": scripts_table,
+        "performance": performance_table,
+        "muon_iterations": muon_iterations_table,
+    },
 }
 
 

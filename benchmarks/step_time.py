@@ -10,8 +10,8 @@ Shapes: ``tiny`` is one peer of the main job (``configs/tiny.yaml``, 2 peers: 4 
 ``spes-1b-stack`` is ``--layers`` layers of spes-1b's shapes (d_model 768, 16 experts of FFN 2048,
 4 trained as a SPES peer's) with an 8k vocabulary and random tokens (the Qwen vocabulary's head
 would be most of a CPU step and says nothing about the experts). Arms: AdamW; Muon with 5
-(the default), 4 and 3 Newton-Schulz iterations; Muon on attention only with the experts on AdamW
-(``muon-attn``). Each arm keeps its own model
+(Muon's usual), 4 and 3 Newton-Schulz iterations (3 is the tiny config's ``train.muon_ns_steps``);
+Muon on attention only with the experts on AdamW (``muon-attn``). Each arm keeps its own model
 and optimizer; after one warm-up step per arm the arms run ``--steps`` steps each in turn,
 ``--repeats`` times, so a noisy shared machine slows them alike, and every figure is also given as a
 ratio to AdamW's step in the same repeat (median, min-max over repeats).

@@ -180,7 +180,8 @@ class TrainConfig:
     )
     muon_adamw_lr_scale: float = setting(4.0, doc="With muon: embeddings, head, router and norms (AdamW) at lr x this")
     muon_ns_steps: int = setting(
-        5, doc="With muon: Newton-Schulz iterations per matrix and step (fewer are cheaper; docs/benchmarks.md)."
+        3,
+        doc="With muon: Newton-Schulz iterations per matrix and step (3: cheapest at equal loss; docs/benchmarks.md).",
     )
     betas: tuple[float, float] = setting((0.9, 0.95), doc="AdamW's betas, each in [0, 1).")
     eps: float = setting(1e-8, doc="AdamW's epsilon.")
