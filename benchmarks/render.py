@@ -247,22 +247,21 @@ def chaos() -> tuple[str, str]:
     )
 
 
-def default_muon_arm() -> str:
-    """The step and equal-time benchmarks' arm that is the embedded config's optimizer."""
+def default_muon() -> tuple[str, int]:
+    """The step and equal-time benchmarks' arm that is the embedded config's optimizer, and its iterations."""
     steps = load_config(None).train.muon_ns_steps
-    return "muon" if steps == 5 else f"muon-{steps}"
+    return ("muon" if steps == 5 else f"muon-{steps}"), steps
 
 
 def speed() -> tuple[str, str]:
     """One peer's step against the hardware's limit (step_time) and what the default optimizer buys at equal
     time (equal_time; an arm its main run left out comes from its cheaper-muon run)."""
-    st, et, arm = load("step_time"), load("equal_time"), default_muon_arm()
+    (arm, steps), st, et = default_muon(), load("step_time"), load("equal_time")
     if arm not in et.payload["summary"]:
         et = load("equal_time", EQUAL_TIME_MORE)
     tiny = st.payload["shapes"]["tiny"]["arms"]
     muon, adamw, s = tiny[arm], tiny["adamw"], et.payload["summary"][arm]
     gap = s["gap_equal_time"]
-    steps = load_config(None).train.muon_ns_steps
     bullet = (
         f"**Speed.** On one peer of the main job (CPU, one thread), a step of the default optimizer (Muon, {steps} "
         f"Newton-Schulz iterations) takes {muon['step_ratio_to_adamw']['median']:.2f}x an AdamW step: "
@@ -469,10 +468,11 @@ def performance_table() -> str:
         "(vs AdamW) |"
     )
     lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    default = default_muon()[0]
     for arm, t in tiny["arms"].items():
         b, e = stack["arms"].get(arm), summary.get(arm) or added.get(arm)
         cells = [
-            OPTIMIZERS.get(arm, arm) + (" (**the default**)" if arm == default_muon_arm() else ""),
+            OPTIMIZERS.get(arm, arm) + (" (**the default**)" if arm == default else ""),
             f"{t['step_s']:.2f}{_ratio(t)}",
             f"{t['mfu']:.0%}",
             f"{t['parts_s']['optimizer'] / t['step_s']:.0%}",
@@ -524,7 +524,7 @@ def performance_table() -> str:
 def head_step_time() -> str:
     r = load("step_time")
     tiny = r.payload["shapes"]["tiny"]["arms"]
-    arm = default_muon_arm()
+    arm = default_muon()[0]
     muon, adamw = tiny[arm], tiny["adamw"]
     return (
         f"one peer of the main job: the default Muon's ({arm}) step {muon['step_ratio_to_adamw']['median']:.2f}x "
