@@ -9,9 +9,9 @@ so a codec's gap to uncompressed averaging shrinks as rounds pile up (the swarm 
 ``topk`` went from +16.8% at 16 rounds to +7.3% at 48). Real runs have hundreds of rounds, which a
 swarm of processes on two cores cannot reach in a session, so this benchmark runs the rounds in one
 process: P full replicas of the quality benchmark's micro model (``benchmarks/local_steps.py``'s
-``train``: d_model 64, 2 layers, 8 experts top-2, seq_len 64, the trainer's default Muon with AdamW at
-4x on the rest), each reading its own data partition, averaged every ``--sync`` steps through the
-project's codecs (``p2p_spes/averaging``: ``Codec.encode``, ``decode``, ``result_for``, ``bundle``),
+``train``: d_model 64, 2 layers, 8 experts top-2, seq_len 64, Muon with AdamW at 4x on the rest, Muon
+at 5 Newton-Schulz iterations as when the first runs were made), each reading its own data partition,
+averaged every ``--sync`` steps through the project's codecs (``p2p_spes/averaging``: ``Codec.encode``, ``decode``, ``result_for``, ``bundle``),
 with error feedback as the swarm keeps it: each replica's residual (decayed under ``sparse``), the
 reducers' own residual when they re-encode a mean, the members' messages forwarded as one bundle
 under ``sparse``. No network, no expert split: what is measured is the codec's effect on quality,
@@ -62,6 +62,9 @@ from p2p_spes.optim import trainable_parameters
 ARMS = ("none", "int8", "topk", "topk-dense", "sparse")
 TOKENS_BATCH = 32  # sequences per step over all replicas: 4 x 8 or 8 x 4
 DENSE = 4 / 64  # topk-dense: swarm.topk_result_fraction
+# Muon's Newton-Schulz iterations, pinned: the stored runs were made when the trainer's default was 5 (it
+# is 3 since), and shares run later must train the same replicas to merge with them
+MUON_ITERATIONS = "train.muon_ns_steps=5"
 
 
 def probe(arm: str, peers: int, sync: int) -> local_steps.Probe:
@@ -116,7 +119,7 @@ def projection(arms: list[str], peer_counts: tuple[int, ...] = (4, 16)) -> dict[
 
 def run(arm: str, peers: int, seed: int, args: argparse.Namespace, data: TokenDataset, validation) -> dict[str, Any]:
     """One arm at one seed: the loss after every ``--eval-rounds``-th round, and at the end."""
-    common = [*convergence.CONFIG, *convergence.schedule(args.steps)]
+    common = [*convergence.CONFIG, MUON_ITERATIONS, *convergence.schedule(args.steps)]
     cfg = load_config(None, [*common, f"train.seed={seed}"])
     curve: dict[str, float] = {}  # by rounds done (str: as JSON keeps it)
     every = args.eval_rounds * args.sync
@@ -212,7 +215,9 @@ def write(writer: results.Run, payload: dict[str, Any], merged: list[results.Res
 
 
 def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
-    """One result from several runs of this script with the same setup (shares run as separate processes)."""
+    """One result from several runs of this script with the same setup (shares run as separate processes).
+    A run in two shares (an arm's seed, repeated beside a new arm) is kept once if its losses agree to the
+    bit, and refused otherwise."""
     parts = [results.own("codec_rounds", v) for v in variants]
     first = parts[0].payload
     keys = ("steps", "sync", "eval_rounds", "parameters", "validation")
@@ -223,9 +228,13 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
         for peers, by_arm in part.payload["runs"].items():
             for arm, by_seed in by_arm.items():
                 have = runs.setdefault(peers, {}).setdefault(arm, {})
-                if twice := set(have) & set(by_seed):
-                    raise SystemExit(f"--merge: {peers} peers {arm} seed {sorted(twice)} is in more than one variant")
-                have.update(by_seed)
+                for seed, run in by_seed.items():
+                    if seed in have and have[seed]["curve"] != run["curve"]:
+                        raise SystemExit(
+                            f"--merge: {peers} peers {arm} seed {seed} is in more than one variant with "
+                            "different losses; a run repeated in two shares merges only when it reproduced exactly"
+                        )
+                    have.setdefault(seed, run)
     seeds = sorted({int(s) for by_arm in runs.values() for by_seed in by_arm.values() for s in by_seed})
     summary = summarise(runs, first["parameters"])
     print_table(Console(width=160), summary, first["steps"] // first["sync"], first["sync"])
@@ -254,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     args.steps = args.sync * args.rounds
     writer = results.start("codec_rounds", args.variant, seeds=args.seeds, argv=argv)
     torch.set_num_threads(1)
-    common = [*convergence.CONFIG, *convergence.schedule(args.steps)]
+    common = [*convergence.CONFIG, MUON_ITERATIONS, *convergence.schedule(args.steps)]
     numel = parameter_count(common)
     data = TokenDataset(prepare_embedded_data(), verify=True)
     validation = convergence.Validation(load_config(None, common).model.max_seq_len, args.val_windows)
