@@ -111,10 +111,12 @@ def totals(parts: dict[str, float]) -> dict[str, float]:
     return {**parts, "sent": sent, "received": received, "total": sent + received}
 
 
-def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int) -> dict[str, float]:
+def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int, refreshed: float = 1.0) -> dict[str, float]:
     """This project's payload bytes per peer per round, mean over peers, by component (docstring):
     contributions in the members' codec, averaged parts in that of a mean of P of them, the lone
-    holders' updates in ``codec.result``."""
+    holders' updates in ``codec.result``. ``refreshed``: the share of frozen copies brought up to date
+    per round (1: every copy every round, as the swarm does; less under a refresh policy it does not
+    run, ``benchmarks/refresh_cadence.py``), each by one encoded update."""
 
     def ring(c: Codec, count: int = 1) -> float:  # (P-1)/P of the shared vector's P parts, each encoded with ``c``
         return (peers - 1) / peers * sum(c.wire_bytes(n, count) for n in part_sizes(shared, peers))
@@ -128,8 +130,8 @@ def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int) -> di
             "client_received": averaged,
             "reducer_in": contributions,
             "reducer_out": averaged,
-            "served": (peers - 1) * own * update,
-            "downloaded": (experts - own) * update,
+            "served": refreshed * (peers - 1) * own * update,
+            "downloaded": refreshed * (experts - own) * update,
         }
     )
 
@@ -151,7 +153,7 @@ def allreduce_fp32(shared: int, expert: int, experts: int, peers: int) -> dict[s
     return _direct(each_way, each_way)
 
 
-def serverless_floor(codec: Codec, shared: int, expert: int, experts: int, peers: int) -> float:
+def serverless_floor(codec: Codec, shared: int, expert: int, experts: int, peers: int, refreshed: float = 1.0) -> float:
     """The least bytes a peer sends plus receives per round (mean over peers) in any protocol with no server
     where every peer ends the round with the shared parameters' average and every expert's update, each
     value at ``codec``'s body bytes per value (its members' messages; headers left out).
@@ -165,11 +167,15 @@ def serverless_floor(codec: Codec, shared: int, expert: int, experts: int, peers
 
     A codec whose groups forward the members' messages (``sparse``) never re-encodes a combination: each
     peer's message of the shared values must reach the P - 1 others, ``2 (P - 1) x bytes per value x S``
-    per peer, the experts' updates as above."""
+    per peer, the experts' updates as above.
+
+    With only a share ``refreshed`` of the frozen copies brought up to date per round (a refresh policy,
+    ``benchmarks/refresh_cadence.py``), the experts' term is that share of itself."""
     per_value = codec.body_bytes(BLOCK * BLOCK) / (BLOCK * BLOCK)
+    experts_term = 2 * (peers - 1) / peers * experts * expert * refreshed
     if codec.forwards:
-        return per_value * (2 * (peers - 1) * shared + 2 * (peers - 1) / peers * experts * expert)
-    return (peers - 1) / peers * per_value * (4 * shared + 2 * experts * expert)
+        return per_value * (2 * (peers - 1) * shared + experts_term)
+    return per_value * ((peers - 1) / peers * 4 * shared + experts_term)
 
 
 # Measuring ---------------------------------------------------------------------------------------

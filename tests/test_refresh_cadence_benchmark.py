@@ -1,0 +1,112 @@
+"""The refresh-cadence benchmark: its policies, what they refresh, the bytes they would save, one short run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import comms, refresh_cadence
+from benchmarks.lab import results
+from p2p_spes.averaging.compression import Codec
+from p2p_spes.config import load_config
+
+
+def test_policies_parse_and_a_bad_name_says_what_is_accepted():
+    assert refresh_cadence.Policy.parse("every") == refresh_cadence.Policy(1, False)
+    assert refresh_cadence.Policy.parse("every-4") == refresh_cadence.Policy(4, False)
+    assert refresh_cadence.Policy.parse("tokens-2") == refresh_cadence.Policy(2, True)
+    for bad in ("every-0", "sometimes-2", "tokens", "every-x"):
+        with pytest.raises(ValueError, match="every, every-K or tokens-K"):
+            refresh_cadence.Policy.parse(bad)
+
+
+class Copies:
+    """A stand-in for a peer's model: which expert was written from where."""
+
+    def __init__(self, experts: int) -> None:
+        self.weights = [torch.full((2,), float(e)) for e in range(experts)]
+        self.written: list[int] = []
+
+    def expert_tensors(self, e: int) -> list[torch.Tensor]:
+        return [self.weights[e]]
+
+    def write_expert(self, e: int, tensors) -> None:
+        self.weights[e] = tensors[0].clone()
+        self.written.append(e)
+
+
+def test_every_k_refreshes_every_frozen_copy_on_every_kth_round_and_nothing_between():
+    peers, experts = 2, 4
+    refreshes = refresh_cadence.Refreshes(refresh_cadence.Policy(2), experts, peers, even_share=10.0)
+    models = [Copies(experts) for _ in range(peers)]
+    models[0].weights[2] += 100  # expert 2 is peer 0's: its copy on peer 1 must follow it
+    refreshes.apply(models)
+    assert models[1].written == [] and models[0].written == []
+    refreshes.apply(models)
+    assert models[0].written == [1, 3] and models[1].written == [0, 2]  # the frozen ones, holders never
+    assert torch.equal(models[1].weights[2], models[0].weights[2])
+    assert refreshes.share == pytest.approx(0.5)
+
+
+def test_tokens_k_refreshes_a_copy_once_its_router_sent_it_k_even_shares_and_starts_counting_again():
+    peers, experts = 2, 4
+    refreshes = refresh_cadence.Refreshes(refresh_cadence.Policy(2, tokens=True), experts, peers, even_share=10.0)
+    models = [Copies(experts) for _ in range(peers)]
+    refreshes.routed[1] = torch.tensor([25.0, 0.0, 19.0, 0.0])  # peer 1 used expert 0 a lot, expert 2 less
+    refreshes.apply(models)
+    assert models[1].written == [0] and models[0].written == []
+    assert refreshes.routed[1].tolist() == [0.0, 0.0, 19.0, 0.0]
+    refreshes.routed[1, 2] += 1.0
+    refreshes.apply(models)
+    assert models[1].written == [0, 2]
+    assert refreshes.share == pytest.approx(2 / 8)  # 2 of 2 x 2 frozen copies x 2 rounds
+
+
+def test_the_bytes_scale_only_the_copies_share_and_the_floor_follows():
+    shared, expert, experts, peers = 1_000_000, 200_000, 8, 4
+    codec = Codec("sparse")
+    full = comms.ours(codec, shared, expert, experts, peers)
+    half = comms.ours(codec, shared, expert, experts, peers, refreshed=0.5)
+    copies = full["served"] + full["downloaded"]
+    assert copies > 0 and half["total"] == pytest.approx(full["total"] - copies / 2)
+    assert half["client_sent"] == full["client_sent"] and half["reducer_out"] == full["reducer_out"]
+    floor, none_refreshed = (comms.serverless_floor(codec, shared, expert, experts, peers, r) for r in (1.0, 0.0))
+    per_value = codec.body_bytes(256 * 256) / (256 * 256)
+    assert floor - none_refreshed == pytest.approx(per_value * 2 * (peers - 1) / peers * experts * expert)
+    projected = refresh_cadence.projection({"every": 1.0, "every-4": 0.25}, peer_counts=(4,))["4"]
+    assert all(projected["every-4"][arm]["less"] > projected["every"][arm]["less"] for arm in refresh_cadence.CODECS)
+
+
+def test_peers_start_alike_each_training_its_own_experts_and_the_run_model_takes_each_from_its_holder():
+    cfg = load_config(None, refresh_cadence.common(10))
+    models = refresh_cadence.build_peers(cfg, 4, seed=0)
+    assert [m.local_experts for m in models] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert all(torch.equal(a, b) for a, b in zip(models[0].expert_tensors(5), models[1].expert_tensors(5)))
+    with torch.no_grad():
+        models[1].expert_tensors(5)[0].add_(1.0)  # peer 1 trains expert 5; peer 0's copy is stale
+    run_model = refresh_cadence.assemble(cfg, models)
+    assert torch.equal(run_model.expert_tensors(5)[0], models[1].expert_tensors(5)[0])
+    assert not torch.equal(run_model.expert_tensors(5)[0], models[0].expert_tensors(5)[0])
+
+
+@pytest.mark.long  # two policies, two rounds each, twice: about a minute on 2 cores
+def test_a_short_run_writes_curves_and_shares_merge(tmp_path, monkeypatch):
+    monkeypatch.setenv(results.ROOT_ENV, str(tmp_path))
+    common = ["--policies", "every", "every-2", "--sync", "2", "--rounds", "2", "--eval-rounds", "1"]
+    common += ["--val-windows", "32"]
+    refresh_cadence.main([*common, "--seeds", "0", "--variant", "s0"])
+    refresh_cadence.main([*common, "--seeds", "1", "--variant", "s1"])
+    refresh_cadence.main(["--merge", "s0", "s1", "--variant", "both"])
+    payload = json.loads(results.path("refresh_cadence", "both", base=tmp_path).read_text())
+    assert payload["seeds"] == [0, 1] and payload["provenance"]["merged"]
+    summary = payload["summary"]
+    assert summary["every"]["refreshed_share"] == 1.0 and summary["every-2"]["refreshed_share"] == 0.5
+    assert sorted(summary["every-2"]["gaps"]) == ["0", "1"] and sorted(payload["runs"]["every"]["0"]["curve"]) == [
+        "1",
+        "2",
+    ]
+    # round 1 of every-2 trained against stale copies: its model is not every's
+    assert payload["runs"]["every-2"]["0"]["curve"]["2"] != payload["runs"]["every"]["0"]["curve"]["2"]
+    assert payload["spes_1b"]["4"]["every-2"]["sparse"]["less"] > payload["spes_1b"]["4"]["every"]["sparse"]["less"]
