@@ -235,10 +235,11 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
                             "different losses; a run repeated in two shares merges only when it reproduced exactly"
                         )
                     have.setdefault(seed, run)
+    runs = {peers: {arm: by_arm[arm] for arm in ARMS if arm in by_arm} for peers, by_arm in runs.items()}  # ARMS order
     seeds = sorted({int(s) for by_arm in runs.values() for by_seed in by_arm.values() for s in by_seed})
     summary = summarise(runs, first["parameters"])
     print_table(Console(width=160), summary, first["steps"] // first["sync"], first["sync"])
-    arms = list(next(iter(runs.values())))
+    arms = [arm for arm in ARMS if any(arm in by_arm for by_arm in runs.values())]
     payload = {**first, "seeds": seeds, "runs": runs, "summary": summary, "spes_1b": projection(arms)}
     payload["probes"] = probes(runs, first["sync"])
     write(results.start("codec_rounds", variant, seeds=seeds, argv=argv), payload, parts)

@@ -45,15 +45,18 @@ def test_a_run_repeated_in_two_shares_merges_once_when_it_reproduced_and_is_refu
     setup = {"steps": 10, "sync": 5, "eval_rounds": 1, "parameters": 1_000_000, "validation": {"windows": 4}}
 
     def share(variant: str, seed: str, none_final: float) -> None:
-        runs = {"4": {"none": {"0": fake_run({1: 6.0, 2: none_final})}, "int8": {seed: fake_run({1: 6.1, 2: 5.1})}}}
+        runs = {"4": {"int8": {seed: fake_run({1: 6.1, 2: 5.1})}, "none": {"0": fake_run({1: 6.0, 2: none_final})}}}
         results.start("codec_rounds", variant, seeds=[0], argv=[]).write({**setup, "runs": runs})
 
     share("a", "0", 5.0)
     share("b", "1", 5.0)  # none seed 0 again, the same losses to the bit: the repeat reproduced it
     share("c", "1", 5.0001)  # none seed 0 again, but it ended elsewhere
     codec_rounds.main(["--merge", "a", "b", "--variant", "ab"])
-    runs = json.loads(results.path("codec_rounds", "ab", base=tmp_path).read_text())["runs"]["4"]
+    payload = json.loads(results.path("codec_rounds", "ab", base=tmp_path).read_text())
+    runs = payload["runs"]["4"]
     assert sorted(runs["none"]) == ["0"] and sorted(runs["int8"]) == ["0", "1"]
+    assert list(runs) == list(payload["summary"]["4"]) == ["none", "int8"]  # the arms in the script's order
+    assert list(payload["spes_1b"]["peers"]["4"]) == ["none", "int8"]
     with pytest.raises(SystemExit, match="none seed 0 is in more than one variant with different losses"):
         codec_rounds.main(["--merge", "a", "c", "--variant", "ac"])
 
