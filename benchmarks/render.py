@@ -667,6 +667,52 @@ def head_codec_rounds() -> str:
     return f"vs uncompressed after {rounds} rounds, {n} peers: " + "; ".join(parts)
 
 
+def _policy_gap(row: dict) -> str:
+    if row["gap"] is None:
+        return "-"
+    gaps = list(row["gaps"].values())
+    if len(gaps) == 1:
+        return f"{gaps[0]:+.2%} (one seed)"
+    return f"{row['gap']['mean']:+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds)"
+
+
+def refresh_policies_table() -> str:
+    """Each frozen-copy refresh policy: the share of copies it refreshed per round, its loss against
+    refreshing every round, and each codec's bytes at spes-1b with that share (a projection)."""
+    r = load("refresh_cadence")
+    p = r.payload
+    sizes = sorted(p["spes_1b"], key=int)
+    codecs = list(p["spes_1b"][sizes[0]][next(iter(p["summary"]))])
+    lines = [
+        "| policy | copies refreshed per round | loss vs every round | "
+        + " | ".join(f"{c}, less than SPES fp32 at {' / '.join(sizes)} peers" for c in codecs)
+        + " |",
+        "|---|---:|---:|" + "---:|" * len(codecs),
+    ]
+    for policy, row in p["summary"].items():
+        bytes_at = [" / ".join(f"{p['spes_1b'][n][policy][c]['less']:.1f}x" for n in sizes) for c in codecs]
+        lines.append(f"| {policy} | {row['refreshed_share']:.0%} | {_policy_gap(row)} | " + " | ".join(bytes_at) + " |")
+    note = (
+        f"Validation loss after {p['rounds']} rounds of {p['sync']} steps: {p['peers']} peers of the micro model "
+        "in one process, each training its own experts, shared weights averaged uncompressed every round, "
+        "copies set to their holder's weights when the policy says, the run's model scored as export assembles "
+        "it, every policy on the same data and validation tokens. Bytes: each codec's round at spes-1b with "
+        "that share of the copies' downloads, over the SPES reference at fp32; a projection, since the swarm "
+        f"refreshes every copy every round: {cite([r], False)}."
+    )
+    return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
+
+
+def head_refresh_cadence() -> str:
+    p = load("refresh_cadence").payload
+    parts = [
+        f"{policy} (refreshes {row['refreshed_share']:.0%} of copies) {_policy_gap(row)}"
+        for policy, row in p["summary"].items()
+        if row["gap"] is not None
+    ]
+    return f"vs refreshing every copy every round, {p['rounds']} rounds, {p['peers']} peers: " + "; ".join(parts)
+
+
 def head_round_anchor() -> str:
     r = load("round_anchor")
     arms = r.payload["arms"]
@@ -709,7 +755,8 @@ sync_overhead | wall time not computing with blocking rounds, 2 loopback peers |
 residency | partial vs full expert residency: memory, bytes, skipped tokens, loss | .venv/bin/python -m benchmarks.residency | 4 | main
 convergence | validation loss at equal tokens, 3 seeds: centralized vs SPES, DiLoCo and each codec | .venv/bin/python -m benchmarks.convergence | 75 | main lone-holder topk-sync10 topk-dense-sync10 others
 quality | each swarm knob against centralized training at equal tokens, 3 seeds | .venv/bin/python -m benchmarks.quality | 3 per arm and seed | main
-codec_rounds | each codec against uncompressed averaging over 150 rounds, full replicas in one process, 4 and 8 peers | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.codec_rounds --sync 5 --eval-rounds 30 --arms none sparse topk-dense topk | 11 per arm and seed | main others
+codec_rounds | each codec against uncompressed averaging over 150 rounds, full replicas in one process, 4 and 8 peers | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.codec_rounds --sync 5 --eval-rounds 30 | 8-11 per arm and seed | main others
+refresh_cadence | frozen expert copies refreshed every round, every K rounds or by their router's tokens: loss and the bytes it would save | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.refresh_cadence | 8 per policy and seed | main others
 local_steps | full replicas averaged every H steps in one process: where the gap comes from | .venv/bin/python -m benchmarks.local_steps | 3 per arm and seed | main others
 grad_norms | gradient norm of a peer's batch of 8 vs the batch of 32, at the same weights | .venv/bin/python -m benchmarks.grad_norms | 3 | main
 scale | 8 / 16 / 24 loopback peers with a kill, or 24 under churn | .venv/bin/python -m benchmarks.scale --peers 8 16 24 --steps 150 | 16 | main others
@@ -741,6 +788,7 @@ TARGETS: dict[str, dict[str, Callable[[], str]]] = {
         "scripts": scripts_table,
         "performance": performance_table,
         "muon_iterations": muon_iterations_table,
+        "refresh_policies": refresh_policies_table,
     },
 }
 
