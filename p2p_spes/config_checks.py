@@ -118,7 +118,8 @@ def validate(config: Config) -> None:
         raise ConfigError(
             "swarm.compression=sparse averages each value over the members that sent it: it runs with "
             f"swarm.aggregation=mean (got {sw.aggregation}) and in flat groups (swarm.group_size=0, got "
-            f"{sw.group_size}; a grid's rows would re-encode their combination)"
+            f"{sw.group_size}). Every member downloads every other member's message, so its bytes grow with the "
+            "group: for a swarm large enough to need a grid, use swarm.compression=topk or topk-dense"
         )
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:
         raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")
