@@ -1,6 +1,6 @@
 """Each compression mode on the shaped-link lab: seconds per round and the share of wall time computing.
 
-    sudo .venv/bin/python -m benchmarks.wan_codecs                      # 4 peers x 20 Mbit/s, 6 codecs x 2, ~45 min
+    sudo .venv/bin/python -m benchmarks.wan_codecs                      # 4 peers x 20 Mbit/s, 7 codecs, ~30 min
     sudo .venv/bin/python -m benchmarks.wan_codecs --codecs none topk --arms blocking --variant none-topk
     sudo .venv/bin/python -m benchmarks.wan_codecs --only-table         # the table again from the per-run files
 
@@ -33,7 +33,7 @@ from benchmarks.lab.netlab import Lab
 from benchmarks.lab.wan_report import PeerReport, compare_final
 
 # each codec's overrides; topk-dense is topk with the groups' averaged parts at up to 16 of 256 values
-CODECS = {name: [f"swarm.compression={name}"] for name in ("none", "fp16", "int8", "int4", "topk")}
+CODECS = {name: [f"swarm.compression={name}"] for name in ("none", "fp16", "int8", "int4", "topk", "sparse")}
 CODECS["topk-dense"] = [*CODECS["topk"], "swarm.topk_result_fraction=0.0625"]
 
 
