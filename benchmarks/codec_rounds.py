@@ -135,12 +135,15 @@ def run(arm: str, peers: int, seed: int, args: argparse.Namespace, data: TokenDa
 
 def summarise(runs: dict[str, dict[str, dict[str, Any]]], numel: int) -> dict[str, Any]:
     """Per peer count and arm: final losses, the gap to ``none`` per seed (and min-max), the gap's curve
-    (mean over seeds at each scored round) and the bytes. ``runs[peers][arm][seed]``."""
+    (mean over seeds at each scored round) and the bytes. ``runs[peers][arm][seed]``; a run's own
+    ``baseline`` (a merged share's ``none``) is its ``none`` where it has one."""
     out: dict[str, Any] = {}
     for peers, by_arm in runs.items():
-        base = by_arm.get("none", {})
+        listed = by_arm.get("none", {})
         out[peers] = {}
         for arm, by_seed in by_arm.items():
+            base = {s: r.get("baseline", listed.get(s)) for s, r in by_seed.items()}
+            base = {s: b for s, b in base.items() if b is not None}
             finals = {s: r["final"] for s, r in by_seed.items()}
             gaps = {s: finals[s] / base[s]["final"] - 1 for s in finals if s in base}
             rounds = sorted({int(k) for r in by_seed.values() for k in r["curve"]})
@@ -216,32 +219,45 @@ def write(writer: results.Run, payload: dict[str, Any], merged: list[results.Res
 
 def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
     """One result from several runs of this script with the same setup (shares run as separate processes).
-    A run in two shares (an arm's seed, repeated beside a new arm) is kept once if its losses agree to the
-    bit, and refused otherwise."""
+
+    Each codec's run keeps, as its ``baseline``, the uncompressed run of its own share: a share that adds
+    an arm runs ``none`` again beside it, and on another machine or at another commit that repeat need
+    not match the earlier run to the bit. The first ``none`` of a seed is the one listed; each repeat goes
+    to ``repeats`` with how far it ended from it. A codec's seed in two shares is refused."""
     parts = [results.own("codec_rounds", v) for v in variants]
     first = parts[0].payload
     keys = ("steps", "sync", "eval_rounds", "parameters", "validation")
     if any(any(r.payload[k] != first[k] for k in keys) for r in parts):
         raise SystemExit(f"--merge: the variants differ in {keys}; only the same setup merges")
     runs: dict[str, dict[str, dict[str, Any]]] = {}
-    for part in parts:
+    repeats: list[dict[str, Any]] = []
+    for name, part in zip(variants, parts):
         for peers, by_arm in part.payload["runs"].items():
+            base = by_arm.get("none", {})
             for arm, by_seed in by_arm.items():
                 have = runs.setdefault(peers, {}).setdefault(arm, {})
                 for seed, run in by_seed.items():
-                    if seed in have and have[seed]["curve"] != run["curve"]:
-                        raise SystemExit(
-                            f"--merge: {peers} peers {arm} seed {seed} is in more than one variant with "
-                            "different losses; a run repeated in two shares merges only when it reproduced exactly"
+                    if arm != "none" and "baseline" not in run and seed in base:
+                        run = {**run, "baseline": {k: base[seed][k] for k in ("final", "curve")}}
+                    if seed not in have:
+                        have[seed] = run
+                    elif arm != "none":
+                        raise SystemExit(f"--merge: {peers} peers {arm} seed {seed} is in more than one variant")
+                    else:
+                        kept = have[seed]["final"]
+                        repeats.append(
+                            {"peers": peers, "seed": seed, "variant": name, "final": run["final"], "kept": kept}
+                            | {"apart": run["final"] / kept - 1}
                         )
-                    have.setdefault(seed, run)
     runs = {peers: {arm: by_arm[arm] for arm in ARMS if arm in by_arm} for peers, by_arm in runs.items()}  # ARMS order
     seeds = sorted({int(s) for by_arm in runs.values() for by_seed in by_arm.values() for s in by_seed})
     summary = summarise(runs, first["parameters"])
     print_table(Console(width=160), summary, first["steps"] // first["sync"], first["sync"])
+    for r in repeats:
+        print(f"{r['peers']} peers none seed {r['seed']} again in {r['variant']}: {r['apart']:+.3%} from the one kept")
     arms = [arm for arm in ARMS if any(arm in by_arm for by_arm in runs.values())]
     payload = {**first, "seeds": seeds, "runs": runs, "summary": summary, "spes_1b": projection(arms)}
-    payload["probes"] = probes(runs, first["sync"])
+    payload["probes"], payload["repeats"] = probes(runs, first["sync"]), repeats
     write(results.start("codec_rounds", variant, seeds=seeds, argv=argv), payload, parts)
 
 

@@ -40,24 +40,29 @@ def test_bytes_are_the_protocols_every_byte_against_the_fp32_reference():
     assert dense["per_peer"] > codec_rounds.round_bytes("topk", numel, peers)["per_peer"]  # denser parts back
 
 
-def test_a_run_repeated_in_two_shares_merges_once_when_it_reproduced_and_is_refused_when_not(tmp_path, monkeypatch):
+def test_each_codec_of_a_merge_is_compared_with_the_uncompressed_run_of_its_own_share(tmp_path, monkeypatch):
     monkeypatch.setenv(results.ROOT_ENV, str(tmp_path))
     setup = {"steps": 10, "sync": 5, "eval_rounds": 1, "parameters": 1_000_000, "validation": {"windows": 4}}
 
-    def share(variant: str, seed: str, none_final: float) -> None:
-        runs = {"4": {"int8": {seed: fake_run({1: 6.1, 2: 5.1})}, "none": {"0": fake_run({1: 6.0, 2: none_final})}}}
-        results.start("codec_rounds", variant, seeds=[0], argv=[]).write({**setup, "runs": runs})
+    def share(variant: str, runs: dict) -> None:
+        results.start("codec_rounds", variant, seeds=[0], argv=[]).write({**setup, "runs": {"4": runs}})
 
-    share("a", "0", 5.0)
-    share("b", "1", 5.0)  # none seed 0 again, the same losses to the bit: the repeat reproduced it
-    share("c", "1", 5.0001)  # none seed 0 again, but it ended elsewhere
+    share("a", {"int8": {"0": fake_run({1: 6.1, 2: 5.1})}, "none": {"0": fake_run({1: 6.0, 2: 5.0})}})
+    # none seed 0 again beside sparse, ending elsewhere (another machine): sparse is measured against it
+    share("b", {"none": {"0": fake_run({1: 6.0, 2: 5.2})}, "sparse": {"0": fake_run({1: 6.6, 2: 5.72})}})
     codec_rounds.main(["--merge", "a", "b", "--variant", "ab"])
     payload = json.loads(results.path("codec_rounds", "ab", base=tmp_path).read_text())
-    runs = payload["runs"]["4"]
-    assert sorted(runs["none"]) == ["0"] and sorted(runs["int8"]) == ["0", "1"]
-    assert list(runs) == list(payload["summary"]["4"]) == ["none", "int8"]  # the arms in the script's order
-    assert list(payload["spes_1b"]["peers"]["4"]) == ["none", "int8"]
-    with pytest.raises(SystemExit, match="none seed 0 is in more than one variant with different losses"):
+    runs, summary = payload["runs"]["4"], payload["summary"]["4"]
+    assert list(runs) == list(summary) == ["none", "int8", "sparse"]  # the arms in the script's order
+    assert list(payload["spes_1b"]["peers"]["4"]) == ["none", "int8", "sparse"]
+    assert summary["none"]["finals"] == {"0": 5.0}  # the first share's run is the one listed
+    assert summary["int8"]["gaps"] == pytest.approx({"0": 5.1 / 5.0 - 1})
+    assert summary["sparse"]["gaps"] == pytest.approx({"0": 0.1})  # against 5.2, not 5.0
+    assert summary["sparse"]["gap_curve"] == pytest.approx({"1": 0.1, "2": 0.1})
+    [repeat] = payload["repeats"]
+    assert repeat["variant"] == "b" and repeat["apart"] == pytest.approx(0.04)
+    share("c", {"none": {"1": fake_run({1: 6.0, 2: 5.0})}, "int8": {"0": fake_run({1: 6.1, 2: 5.1})}})
+    with pytest.raises(SystemExit, match="4 peers int8 seed 0 is in more than one variant"):
         codec_rounds.main(["--merge", "a", "c", "--variant", "ac"])
 
 
