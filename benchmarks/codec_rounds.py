@@ -51,7 +51,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import comms, convergence, local_steps
-from benchmarks.lab import results
+from benchmarks.lab import results, shares
 from p2p_spes.averaging.compression import Codec
 from p2p_spes.config import load_config
 from p2p_spes.corpus import prepare_embedded_data
@@ -139,11 +139,9 @@ def summarise(runs: dict[str, dict[str, dict[str, Any]]], numel: int) -> dict[st
     ``baseline`` (a merged share's ``none``) is its ``none`` where it has one."""
     out: dict[str, Any] = {}
     for peers, by_arm in runs.items():
-        listed = by_arm.get("none", {})
         out[peers] = {}
         for arm, by_seed in by_arm.items():
-            base = {s: r.get("baseline", listed.get(s)) for s, r in by_seed.items()}
-            base = {s: b for s, b in base.items() if b is not None}
+            base = shares.baselines(by_seed, by_arm.get("none", {}))
             finals = {s: r["final"] for s, r in by_seed.items()}
             gaps = {s: finals[s] / base[s]["final"] - 1 for s in finals if s in base}
             rounds = sorted({int(k) for r in by_seed.values() for k in r["curve"]})
@@ -218,38 +216,24 @@ def write(writer: results.Run, payload: dict[str, Any], merged: list[results.Res
 
 
 def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
-    """One result from several runs of this script with the same setup (shares run as separate processes).
-
-    Each codec's run keeps, as its ``baseline``, the uncompressed run of its own share: a share that adds
-    an arm runs ``none`` again beside it, and on another machine or at another commit that repeat need
-    not match the earlier run to the bit. The first ``none`` of a seed is the one listed; each repeat goes
-    to ``repeats`` with how far it ended from it. A codec's seed in two shares is refused."""
+    """One result from several runs of this script with the same setup (shares run as separate processes),
+    each codec against the uncompressed run of its own share (``benchmarks/lab/shares.py``)."""
     parts = [results.own("codec_rounds", v) for v in variants]
     first = parts[0].payload
-    keys = ("steps", "sync", "eval_rounds", "parameters", "validation")
-    if any(any(r.payload[k] != first[k] for k in keys) for r in parts):
-        raise SystemExit(f"--merge: the variants differ in {keys}; only the same setup merges")
+    if differ := shares.differing(
+        [r.payload for r in parts], ("steps", "sync", "eval_rounds", "parameters", "validation")
+    ):
+        raise SystemExit(f"--merge: the variants differ in {differ}; only the same setup merges")
     runs: dict[str, dict[str, dict[str, Any]]] = {}
-    repeats: list[dict[str, Any]] = []
-    for name, part in zip(variants, parts):
-        for peers, by_arm in part.payload["runs"].items():
-            base = by_arm.get("none", {})
-            for arm, by_seed in by_arm.items():
-                have = runs.setdefault(peers, {}).setdefault(arm, {})
-                for seed, run in by_seed.items():
-                    if arm != "none" and "baseline" not in run and seed in base:
-                        run = {**run, "baseline": {k: base[seed][k] for k in ("final", "curve")}}
-                    if seed not in have:
-                        have[seed] = run
-                    elif arm != "none":
-                        raise SystemExit(f"--merge: {peers} peers {arm} seed {seed} is in more than one variant")
-                    else:
-                        kept = have[seed]["final"]
-                        repeats.append(
-                            {"peers": peers, "seed": seed, "variant": name, "final": run["final"], "kept": kept}
-                            | {"apart": run["final"] / kept - 1}
-                        )
-    runs = {peers: {arm: by_arm[arm] for arm in ARMS if arm in by_arm} for peers, by_arm in runs.items()}  # ARMS order
+    repeats = [r for part in parts for r in part.payload.get("repeats", [])]
+    for peers in sorted({n for part in parts for n in part.payload["runs"]}, key=int):
+        held = [(v, part.payload["runs"][peers]) for v, part in zip(variants, parts) if peers in part.payload["runs"]]
+        try:
+            joined, again = shares.join(held, "none")
+        except shares.MergeError as exc:
+            raise SystemExit(f"--merge: {peers} peers: {exc}") from None
+        runs[peers] = {arm: joined[arm] for arm in ARMS if arm in joined}  # ARMS order
+        repeats += [{"peers": peers, **r} for r in again]
     seeds = sorted({int(s) for by_arm in runs.values() for by_seed in by_arm.values() for s in by_seed})
     summary = summarise(runs, first["parameters"])
     print_table(Console(width=160), summary, first["steps"] // first["sync"], first["sync"])

@@ -22,9 +22,11 @@ holder's weights when the policy says so:
   encoded update covering K rounds);
 * ``tokens-K``: a peer's copy of an expert once its router has sent that expert, since the copy was
   last refreshed, K rounds' worth of an even share of its (token, slot) pairs: copies a peer's tokens
-  use more are refreshed sooner.
+  use more are refreshed sooner. The count starts again from zero at each refresh, so a copy whose
+  share fell just short waits a round more: ``tokens-K`` refreshes somewhat less than 1/K of the copies.
 
-Refreshes are exact, so what is measured is staleness alone (no codec, no warm-up merge). Every policy
+This is a simulation (no swarm code, network or codec), and refreshes are exact, so what is measured
+is staleness alone (no warm-up merge either). Every policy
 starts from the same initialisation, reads the same data and is scored on the same validation windows
 (``convergence.Validation``, ``--val-windows``) every ``--eval-rounds`` rounds: the run's model as export
 assembles it, the shared weights with each expert from its holder. The gap is per seed, to ``every``.
@@ -32,7 +34,9 @@ assembles it, the shared weights with each expert from its holder. The gap is pe
 Bytes, per peer per round at spes-1b (4 and 16 peers, every byte as ``benchmarks/comms.py`` counts
 it): each codec's round with the copies' downloads scaled by the share of copies the policy refreshed
 per round in these runs, over the SPES reference at fp32; a projection for a policy the swarm does not
-run. Prints a table and writes ``benchmarks/results/refresh_cadence/<variant>.json`` with each run's
+run, which assumes each refresh is one encoded update of the codec's size covering the rounds since the
+last (a holder under ``tokens-K`` would encode one per downloader, each copy being at its own version),
+and applies the share measured with 4 peers and 8 experts at 16 peers too. Prints a table and writes ``benchmarks/results/refresh_cadence/<variant>.json`` with each run's
 curve, and ``<variant>.png`` (the gap against rounds; needs matplotlib).
 """
 
@@ -49,7 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import codec_rounds, comms, convergence
-from benchmarks.lab import results
+from benchmarks.lab import results, shares
 from p2p_spes.config import Config, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
@@ -111,6 +115,7 @@ def assemble(cfg: Config, models: list[MoETransformer]) -> MoETransformer:
 
 @torch.no_grad()
 def average_shared(models: list[MoETransformer]) -> None:
+    """Every peer's shared weights set to their mean (a round's uncompressed shared group)."""
     columns = zip(*[[p for _, p in m.shared_parameters()] for m in models])
     for column in columns:
         mean = torch.stack([p.detach() for p in column]).mean(0)
@@ -219,9 +224,9 @@ def projection(shares: dict[str, float], peer_counts: tuple[int, ...] = (4, 16))
 
 def summarise(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Per policy: finals, the gap to ``every`` per seed (and min-max), its curve and the refreshed share."""
-    base = runs.get(BASELINE, {})
     out: dict[str, Any] = {}
     for policy, by_seed in runs.items():
+        base = shares.baselines(by_seed, runs.get(BASELINE, {}))
         gaps = {s: r["final"] / base[s]["final"] - 1 for s, r in by_seed.items() if s in base}
         rounds = sorted({int(k) for r in by_seed.values() for k in r["curve"]})
         curve = {}
@@ -246,7 +251,13 @@ def print_table(console: Console, payload: dict[str, Any]) -> None:
     table = Table(
         title=f"{payload['peers']} peers, {payload['rounds']} rounds of {payload['sync']} steps, seeds {seeds}"
     )
-    for col in ("policy", "copies refreshed / round", "final loss (mean)", "vs every, mean (min .. max)", "per seed"):
+    for col in (
+        "policy",
+        "copies refreshed / round",
+        "final loss (mean of its seeds)",
+        "vs every, mean (min .. max)",
+        "per seed",
+    ):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for peers in bytes_at:
         for arm in CODECS:
@@ -294,23 +305,21 @@ def finish(writer: results.Run, payload: dict[str, Any], merged: list[results.Re
 
 
 def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
-    """One result from shares run as separate processes with the same setup; a run in two shares is kept
-    once if its losses agree to the bit, and refused otherwise."""
+    """One result from shares run as separate processes with the same setup, each policy against the
+    ``every`` run of its own share (``benchmarks/lab/shares.py``)."""
     parts = [results.own("refresh_cadence", v) for v in variants]
-    first = parts[0].payload
     keys = ("peers", "steps", "sync", "eval_rounds", "validation", "config")
-    if any(any(r.payload[k] != first[k] for k in keys) for r in parts):
-        raise SystemExit(f"--merge: the variants differ in {keys}; only the same setup merges")
-    runs: dict[str, dict[str, Any]] = {}
-    for part in parts:
-        for policy, by_seed in part.payload["runs"].items():
-            have = runs.setdefault(policy, {})
-            for seed, one in by_seed.items():
-                if seed in have and have[seed]["curve"] != one["curve"]:
-                    raise SystemExit(f"--merge: {policy} seed {seed} differs between variants")
-                have.setdefault(seed, one)
+    if differ := shares.differing([r.payload for r in parts], keys):
+        raise SystemExit(f"--merge: the variants differ in {differ}; only the same setup merges")
+    try:
+        joined, again = shares.join([(v, r.payload["runs"]) for v, r in zip(variants, parts)], BASELINE)
+    except shares.MergeError as exc:
+        raise SystemExit(f"--merge: {exc}") from None
+    runs = {p: joined[p] for p in [*POLICIES, *sorted(set(joined) - set(POLICIES))] if p in joined}
+    payload = {**parts[0].payload, "runs": runs}
+    payload["repeats"] = [r for part in parts for r in part.payload.get("repeats", [])] + again
     seeds = sorted({int(s) for by_seed in runs.values() for s in by_seed})
-    finish(results.start("refresh_cadence", variant, seeds=seeds, argv=argv), {**first, "runs": runs}, parts)
+    finish(results.start("refresh_cadence", variant, seeds=seeds, argv=argv), payload, parts)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -749,7 +749,7 @@ ROWS = """
 memory | per-peer memory of weights, gradients and optimizer state, SPES peer vs centralized, tiny / 1B / 7B | .venv/bin/python -m benchmarks.memory | < 1 | main
 comms | bytes per peer per round for every codec on a 4-peer loopback swarm, projected to 1B / 7B | .venv/bin/python -m benchmarks.comms | 5-6 | main topk-dense
 wan | a swarm in network namespaces behind capped links, optionally with a CPU-capped peer (root) | sudo .venv/bin/python -m benchmarks.wan --peers 4 --mbit 20 --steps 150 --variant 4x20 | 3-5 | 4x20 others
-wan_codecs | `wan` once per codec with blocking rounds, 4 peers at 20 Mbit/s (root) | sudo .venv/bin/python -m benchmarks.wan_codecs | 25 | main others
+wan_codecs | `wan` once per codec with blocking rounds, 4 peers at 20 Mbit/s (root) | sudo .venv/bin/python -m benchmarks.wan_codecs | 30 | main others
 round_anchor | our group round beside hivemind's DecentralizedAverager, same tensors, 4 peers at 20 Mbit/s, each round over its link's limit (root) | sudo .venv/bin/python -m benchmarks.round_anchor --codecs none int8 sparse --rounds 3 | 21 | main
 sync_overhead | wall time not computing with blocking rounds, 2 loopback peers | .venv/bin/python -m benchmarks.sync_overhead | 3-4 | main
 residency | partial vs full expert residency: memory, bytes, skipped tokens, loss | .venv/bin/python -m benchmarks.residency | 4 | main

@@ -114,12 +114,17 @@ def validate(config: Config) -> None:
             f"swarm.topk_fraction and swarm.topk_result_fraction must be in (0, 1] (got {sw.topk_fraction}, "
             f"{sw.topk_result_fraction}) and swarm.quorum in [0, 1] (a share of the live peers; got {sw.quorum})"
         )
-    if sw.compression == "sparse" and (sw.aggregation != "mean" or sw.group_size):
+    if sw.compression == "sparse" and sw.aggregation != "mean":
         raise ConfigError(
             "swarm.compression=sparse averages each value over the members that sent it: it runs with "
-            f"swarm.aggregation=mean (got {sw.aggregation}) and in flat groups (swarm.group_size=0, got "
-            f"{sw.group_size}). Every member downloads every other member's message, so its bytes grow with the "
-            "group: for a swarm large enough to need a grid, use swarm.compression=topk or topk-dense"
+            f"swarm.aggregation=mean (got {sw.aggregation})"
+        )
+    if sw.compression == "sparse" and sw.group_size:
+        raise ConfigError(
+            f"swarm.compression=sparse runs in flat groups (swarm.group_size=0, got {sw.group_size}): a grid's "
+            "rows would re-encode their combination, and every member downloads every other member's message, "
+            "so its bytes grow with the group. For a swarm large enough to need a grid, use "
+            "swarm.compression=topk or topk-dense"
         )
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:
         raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")

@@ -61,9 +61,19 @@ def test_each_codec_of_a_merge_is_compared_with_the_uncompressed_run_of_its_own_
     assert summary["sparse"]["gap_curve"] == pytest.approx({"1": 0.1, "2": 0.1})
     [repeat] = payload["repeats"]
     assert repeat["variant"] == "b" and repeat["apart"] == pytest.approx(0.04)
-    share("c", {"none": {"1": fake_run({1: 6.0, 2: 5.0})}, "int8": {"0": fake_run({1: 6.1, 2: 5.1})}})
-    with pytest.raises(SystemExit, match="4 peers int8 seed 0 is in more than one variant"):
+    share("c", {"none": {"0": fake_run({1: 6.0, 2: 5.0})}, "int8": {"0": fake_run({1: 6.1, 2: 5.1})}})
+    with pytest.raises(SystemExit, match="4 peers: int8 seed 0 is in more than one variant"):
         codec_rounds.main(["--merge", "a", "c", "--variant", "ac"])
+    share("d", {"none": {"1": fake_run({1: 6.0, 2: 5.0})}, "int8": {"2": fake_run({1: 6.1, 2: 5.1})}})
+    with pytest.raises(SystemExit, match="int8 seed 2 in d has no none run of its own share"):
+        codec_rounds.main(["--merge", "a", "d", "--variant", "ad"])
+    none = {"0": fake_run({1: 6.0, 2: 5.1}), "1": fake_run({1: 6.0, 2: 5.0})}
+    share("e", {"none": none, "int8": {"1": fake_run({1: 6.1, 2: 5.05})}})
+    codec_rounds.main(["--merge", "ab", "e", "--variant", "again"])  # a merged result merges on, repeats kept
+    again = json.loads(results.path("codec_rounds", "again", base=tmp_path).read_text())
+    assert [r["variant"] for r in again["repeats"]] == ["b", "e"]
+    assert again["summary"]["4"]["int8"]["gaps"] == pytest.approx({"0": 0.02, "1": 0.01})
+    assert again["summary"]["4"]["sparse"]["gaps"] == pytest.approx({"0": 0.1})
 
 
 @pytest.mark.long  # two short runs of the micro model and their validation: 40-60 s on 2 cores

@@ -48,7 +48,10 @@ def test_spes_rule_and_explicit_placement():
         (["model.num_heads=3"], r"must be divisible by model.num_heads"),
         (["model.d_model=0"], r"model.d_model must be positive"),
         (["swarm.overlap=true"], r"swarm.overlap=true is withdrawn: .*set swarm.overlap=false"),
-        (["swarm.compression=sparse", "swarm.group_size=16"], r"in flat groups .*use swarm.compression=topk or topk"),
+        (
+            ["swarm.compression=sparse", "swarm.group_size=16"],
+            r"runs in flat groups .*re-encode.*use swarm.compression=topk or topk",
+        ),
         (
             ["swarm.compression=sparse", "swarm.aggregation=trimmed_mean"],
             r"swarm.aggregation=mean \(got trimmed_mean\)",

@@ -91,10 +91,10 @@ def test_peers_start_alike_each_training_its_own_experts_and_the_run_model_takes
     assert not torch.equal(run_model.expert_tensors(5)[0], models[0].expert_tensors(5)[0])
 
 
-@pytest.mark.long  # two policies, two rounds each, twice: about a minute on 2 cores
+@pytest.mark.long  # three policies, two rounds each, twice: about a minute on 2 cores
 def test_a_short_run_writes_curves_and_shares_merge(tmp_path, monkeypatch):
     monkeypatch.setenv(results.ROOT_ENV, str(tmp_path))
-    common = ["--policies", "every", "every-2", "--sync", "2", "--rounds", "2", "--eval-rounds", "1"]
+    common = ["--policies", "every", "every-2", "tokens-2", "--sync", "2", "--rounds", "2", "--eval-rounds", "1"]
     common += ["--val-windows", "32"]
     refresh_cadence.main([*common, "--seeds", "0", "--variant", "s0"])
     refresh_cadence.main([*common, "--seeds", "1", "--variant", "s1"])
@@ -103,6 +103,8 @@ def test_a_short_run_writes_curves_and_shares_merge(tmp_path, monkeypatch):
     assert payload["seeds"] == [0, 1] and payload["provenance"]["merged"]
     summary = payload["summary"]
     assert summary["every"]["refreshed_share"] == 1.0 and summary["every-2"]["refreshed_share"] == 0.5
+    # the router's counts reach the policy: after two rounds some copies got two even shares, none did after one
+    assert 0 < summary["tokens-2"]["refreshed_share"] <= 0.5
     assert sorted(summary["every-2"]["gaps"]) == ["0", "1"] and sorted(payload["runs"]["every"]["0"]["curve"]) == [
         "1",
         "2",
