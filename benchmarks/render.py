@@ -299,16 +299,31 @@ def head_wan() -> str:
     )
 
 
+SPARSE_LAB = "sparse"  # wan_codecs' run of sparse beside topk, after the main table's
+
+
 def head_wan_codecs() -> str:
     r = load("wan_codecs")
     row = {(x["codec"], x["arm"]): x for x in r.payload["results"]}
     shorter = {c: row[c, "blocking"]["seconds_per_round_times_less_than_none"] for c in ("int8", "topk")}
     blocking, overlap = row["none", "blocking"]["final_val_loss"], row["none", "overlap"]["final_val_loss"]
-    return (
+    text = (
         f"int8 rounds {shorter['int8']:.1f}x shorter than uncompressed, topk {shorter['topk']:.0f}x "
         f"({seeds(r, [r.payload['seed']])}); uncompressed, the withdrawn overlapped rounds ended at "
         f"{span(overlap, '.3f', 'peer')} in validation loss, blocking ones at {span(blocking, '.3f', 'peer')}"
     )
+    extra = _optional("wan_codecs", SPARSE_LAB)
+    if extra is None:
+        return text
+    later = []
+    for x in extra.payload["results"]:
+        shares = f"{x['compute_share_mean']:.0%} ({x['compute_share_min']:.0%}-{x['compute_share_max']:.0%})"
+        ended = "bit-identical" if x["identical"] else "not identical"
+        later.append(
+            f"{x['codec']} {shares} of wall time computing, every peer in {x['rounds_with_everyone']} of "
+            f"{x['rounds']} rounds, {ended} at the end"
+        )
+    return f"{text}; a later run ({seeds(extra, [extra.payload['seed']])}): {'; '.join(later)}"
 
 
 def head_sync_overhead() -> str:
@@ -749,7 +764,7 @@ ROWS = """
 memory | per-peer memory of weights, gradients and optimizer state, SPES peer vs centralized, tiny / 1B / 7B | .venv/bin/python -m benchmarks.memory | < 1 | main
 comms | bytes per peer per round for every codec on a 4-peer loopback swarm, projected to 1B / 7B | .venv/bin/python -m benchmarks.comms | 5-6 | main topk-dense
 wan | a swarm in network namespaces behind capped links, optionally with a CPU-capped peer (root) | sudo .venv/bin/python -m benchmarks.wan --peers 4 --mbit 20 --steps 150 --variant 4x20 | 3-5 | 4x20 others
-wan_codecs | `wan` once per codec with blocking rounds, 4 peers at 20 Mbit/s (root) | sudo .venv/bin/python -m benchmarks.wan_codecs | 30 | main others
+wan_codecs | `wan` once per codec with blocking rounds, 4 peers at 20 Mbit/s (root) | sudo .venv/bin/python -m benchmarks.wan_codecs | 30 | main sparse others
 round_anchor | our group round beside hivemind's DecentralizedAverager, same tensors, 4 peers at 20 Mbit/s, each round over its link's limit (root) | sudo .venv/bin/python -m benchmarks.round_anchor --codecs none int8 sparse --rounds 3 | 21 | main
 sync_overhead | wall time not computing with blocking rounds, 2 loopback peers | .venv/bin/python -m benchmarks.sync_overhead | 3-4 | main
 residency | partial vs full expert residency: memory, bytes, skipped tokens, loss | .venv/bin/python -m benchmarks.residency | 4 | main
