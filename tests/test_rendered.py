@@ -98,6 +98,7 @@ NOT_MEASURED = {
     "simulate": {"16", "3"},
     "equal_time": {"3"},  # its seeds
     "codec_rounds": {"4", "3"},  # the peer count (a key) and the seeds
+    "refresh_cadence": {"3"},  # the seeds
 }
 NUMBER = re.compile(r"[+-]?\d[\d,]*(?:\.\d+)?(?:%|x|B)?")
 
