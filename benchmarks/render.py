@@ -770,8 +770,8 @@ sync_overhead | wall time not computing with blocking rounds, 2 loopback peers |
 residency | partial vs full expert residency: memory, bytes, skipped tokens, loss | .venv/bin/python -m benchmarks.residency | 4 | main
 convergence | validation loss at equal tokens, 3 seeds: centralized vs SPES, DiLoCo and each codec | .venv/bin/python -m benchmarks.convergence | 75 | main lone-holder topk-sync10 topk-dense-sync10 others
 quality | each swarm knob against centralized training at equal tokens, 3 seeds | .venv/bin/python -m benchmarks.quality | 3 per arm and seed | main
-codec_rounds | each codec against uncompressed averaging over 150 rounds, full replicas in one process, 4 and 8 peers | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.codec_rounds --sync 5 --eval-rounds 30 | 8-11 per arm and seed | main others
-refresh_cadence | frozen expert copies refreshed every round, every K rounds or by their router's tokens: loss and the bytes it would save | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.refresh_cadence | 8 per policy and seed | main others
+codec_rounds | each codec against uncompressed averaging over 150 rounds, full replicas in one process, 4 and 8 peers | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.codec_rounds --sync 5 --eval-rounds 30 | 8-14 per arm and seed | main others
+refresh_cadence | frozen expert copies refreshed every round, every K rounds or by their router's tokens: loss and the bytes it would save | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.refresh_cadence | 8-14 per policy and seed | main others
 local_steps | full replicas averaged every H steps in one process: where the gap comes from | .venv/bin/python -m benchmarks.local_steps | 3 per arm and seed | main others
 grad_norms | gradient norm of a peer's batch of 8 vs the batch of 32, at the same weights | .venv/bin/python -m benchmarks.grad_norms | 3 | main
 scale | 8 / 16 / 24 loopback peers with a kill, or 24 under churn | .venv/bin/python -m benchmarks.scale --peers 8 16 24 --steps 150 | 16 | main others
