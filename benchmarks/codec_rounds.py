@@ -40,7 +40,6 @@ curve (loss at every scored round), plus ``<variant>.png`` with the gap to ``non
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -141,23 +140,8 @@ def summarise(runs: dict[str, dict[str, dict[str, Any]]], numel: int) -> dict[st
     for peers, by_arm in runs.items():
         out[peers] = {}
         for arm, by_seed in by_arm.items():
-            base = shares.baselines(by_seed, by_arm.get("none", {}))
-            finals = {s: r["final"] for s, r in by_seed.items()}
-            gaps = {s: finals[s] / base[s]["final"] - 1 for s in finals if s in base}
-            rounds = sorted({int(k) for r in by_seed.values() for k in r["curve"]})
-            curve = {}
-            for k in rounds:
-                at = [r["curve"][str(k)] / base[s]["curve"][str(k)] - 1 for s, r in by_seed.items() if s in base]
-                if at:
-                    curve[str(k)] = statistics.fmean(at)
-            out[peers][arm] = {
-                "finals": finals,
-                "mean": statistics.fmean(finals.values()),
-                "gap": convergence.spread(list(gaps.values())) if gaps and arm != "none" else None,
-                "gaps": gaps,
-                "gap_curve": curve,
-                "bytes": round_bytes(arm, numel, int(peers)),
-            }
+            out[peers][arm] = shares.compare(by_seed, by_arm.get("none", {}), arm == "none")
+            out[peers][arm]["bytes"] = round_bytes(arm, numel, int(peers))
     return out
 
 
@@ -249,12 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--peers", nargs="+", type=int, default=[4, 8], choices=[2, 4, 8, 16, 32])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--sync", type=int, default=10, help="steps between averages (default 10)")
-    parser.add_argument("--rounds", type=int, default=150, help="averages per run (default 150)")
-    parser.add_argument("--eval-rounds", type=int, default=15, help="score every this many rounds (default 15)")
-    parser.add_argument("--val-windows", type=int, default=1024, help="validation windows scored (default 1024)")
-    parser.add_argument("--merge", nargs="+", metavar="VARIANT", help="combine these variants into --variant")
+    shares.add_arguments(parser, sync=10, eval_rounds=15)
     results.add_variant(parser)
     args = parser.parse_args(argv)
     if args.merge:

@@ -226,22 +226,8 @@ def summarise(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Per policy: finals, the gap to ``every`` per seed (and min-max), its curve and the refreshed share."""
     out: dict[str, Any] = {}
     for policy, by_seed in runs.items():
-        base = shares.baselines(by_seed, runs.get(BASELINE, {}))
-        gaps = {s: r["final"] / base[s]["final"] - 1 for s, r in by_seed.items() if s in base}
-        rounds = sorted({int(k) for r in by_seed.values() for k in r["curve"]})
-        curve = {}
-        for k in rounds:
-            at = [r["curve"][str(k)] / base[s]["curve"][str(k)] - 1 for s, r in by_seed.items() if s in base]
-            if at:
-                curve[str(k)] = statistics.fmean(at)
-        out[policy] = {
-            "finals": {s: r["final"] for s, r in by_seed.items()},
-            "mean": statistics.fmean(r["final"] for r in by_seed.values()),
-            "gap": convergence.spread(list(gaps.values())) if gaps and policy != BASELINE else None,
-            "gaps": gaps,
-            "gap_curve": curve,
-            "refreshed_share": statistics.fmean(r["refreshed_share"] for r in by_seed.values()),
-        }
+        out[policy] = shares.compare(by_seed, runs.get(BASELINE, {}), policy == BASELINE)
+        out[policy]["refreshed_share"] = statistics.fmean(r["refreshed_share"] for r in by_seed.values())
     return out
 
 
@@ -326,12 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--peers", type=int, default=4, choices=[2, 4, 8])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--sync", type=int, default=5, help="steps between rounds (default 5)")
-    parser.add_argument("--rounds", type=int, default=150, help="rounds per run (default 150)")
-    parser.add_argument("--eval-rounds", type=int, default=30, help="score every this many rounds (default 30)")
-    parser.add_argument("--val-windows", type=int, default=1024, help="validation windows scored (default 1024)")
-    parser.add_argument("--merge", nargs="+", metavar="VARIANT", help="combine these variants into --variant")
+    shares.add_arguments(parser, sync=5, eval_rounds=30)
     results.add_variant(parser)
     args = parser.parse_args(argv)
     if args.merge:

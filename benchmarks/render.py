@@ -625,9 +625,10 @@ def nat_table() -> str:
     )
 
 
-def _codec_gap(row: dict | None) -> str:
+def _codec_gap(row: dict | None, absent: str = "not run") -> str:
+    """A row's gap to its baseline over seeds (its own seed count said); ``absent`` where it has none."""
     if row is None or row["gap"] is None:
-        return "not run"
+        return absent
     gaps = list(row["gaps"].values())
     if len(gaps) == 1:
         return f"{gaps[0]:+.2%} (one seed)"
@@ -682,15 +683,6 @@ def head_codec_rounds() -> str:
     return f"vs uncompressed after {rounds} rounds, {n} peers: " + "; ".join(parts)
 
 
-def _policy_gap(row: dict) -> str:
-    if row["gap"] is None:
-        return "-"
-    gaps = list(row["gaps"].values())
-    if len(gaps) == 1:
-        return f"{gaps[0]:+.2%} (one seed)"
-    return f"{row['gap']['mean']:+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds)"
-
-
 def refresh_policies_table() -> str:
     """Each frozen-copy refresh policy: the share of copies it refreshed per round, its loss against
     refreshing every round, and each codec's bytes at spes-1b with that share (a projection)."""
@@ -706,7 +698,9 @@ def refresh_policies_table() -> str:
     ]
     for policy, row in p["summary"].items():
         bytes_at = [" / ".join(f"{p['spes_1b'][n][policy][c]['less']:.1f}x" for n in sizes) for c in codecs]
-        lines.append(f"| {policy} | {row['refreshed_share']:.0%} | {_policy_gap(row)} | " + " | ".join(bytes_at) + " |")
+        lines.append(
+            f"| {policy} | {row['refreshed_share']:.0%} | {_codec_gap(row, '-')} | " + " | ".join(bytes_at) + " |"
+        )
     note = (
         f"Validation loss after {p['rounds']} rounds of {p['sync']} steps: {p['peers']} peers of the micro model "
         "in one process, each training its own experts, shared weights averaged uncompressed every round, "
@@ -721,7 +715,7 @@ def refresh_policies_table() -> str:
 def head_refresh_cadence() -> str:
     p = load("refresh_cadence").payload
     parts = [
-        f"{policy} (refreshes {row['refreshed_share']:.0%} of copies) {_policy_gap(row)}"
+        f"{policy} (refreshes {row['refreshed_share']:.0%} of copies) {_codec_gap(row, '-')}"
         for policy, row in p["summary"].items()
         if row["gap"] is not None
     ]

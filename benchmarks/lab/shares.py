@@ -9,6 +9,8 @@ into the gap.
 
 from __future__ import annotations
 
+import argparse
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,3 +64,44 @@ def baselines(by_seed: dict[str, dict[str, Any]], listed: dict[str, dict[str, An
     """Per seed, the baseline run an arm's runs are measured against: their own, else the listed one."""
     out = {s: r.get("baseline", listed.get(s)) for s, r in by_seed.items()}
     return {s: b for s, b in out.items() if b is not None}
+
+
+def add_arguments(parser: argparse.ArgumentParser, sync: int, eval_rounds: int) -> None:
+    """The options every share of such a benchmark takes: its seeds and rounds, the validation windows,
+    and ``--merge`` to join shares run before."""
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--sync", type=int, default=sync, help=f"steps between rounds (default {sync})")
+    parser.add_argument("--rounds", type=int, default=150, help="rounds per run (default 150)")
+    parser.add_argument(
+        "--eval-rounds", type=int, default=eval_rounds, help=f"score every this many rounds (default {eval_rounds})"
+    )
+    parser.add_argument("--val-windows", type=int, default=1024, help="validation windows scored (default 1024)")
+    parser.add_argument("--merge", nargs="+", metavar="VARIANT", help="combine these variants into --variant")
+
+
+def compare(by_seed: dict[str, dict[str, Any]], listed: dict[str, dict[str, Any]], is_baseline: bool) -> dict[str, Any]:
+    """One arm's runs against their baselines (:func:`baselines`): finals and their mean, the gap per seed
+    and its mean, min, max and std (None for the baseline arm itself), and the mean gap at each scored
+    round."""
+    base = baselines(by_seed, listed)
+    finals = {s: r["final"] for s, r in by_seed.items()}
+    gaps = {s: finals[s] / base[s]["final"] - 1 for s in finals if s in base}
+    curve = {}
+    for k in sorted({int(k) for r in by_seed.values() for k in r["curve"]}):
+        at = [r["curve"][str(k)] / base[s]["curve"][str(k)] - 1 for s, r in by_seed.items() if s in base]
+        if at:
+            curve[str(k)] = statistics.fmean(at)
+    values = list(gaps.values())
+    spread = {
+        "mean": statistics.fmean(values) if values else None,
+        "min": min(values, default=None),
+        "max": max(values, default=None),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+    }
+    return {
+        "finals": finals,
+        "mean": statistics.fmean(finals.values()),
+        "gap": spread if values and not is_baseline else None,
+        "gaps": gaps,
+        "gap_curve": curve,
+    }
