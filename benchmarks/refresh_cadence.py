@@ -128,23 +128,22 @@ class Refreshes:
 
     def __init__(self, policy: Policy, experts: int, peers: int, even_share: float) -> None:
         self.policy, self.owner = policy, holders(experts, peers)
+        self.frozen = [[e for e, h in enumerate(self.owner) if h != i] for i in range(peers)]  # each peer's copies
         self.routed = torch.zeros(peers, experts)  # (token, slot) pairs sent to each expert since its refresh
         self.threshold = policy.rounds * even_share
         self.rounds = self.done = self.copies = 0
 
     def due(self, peer: int) -> list[int]:
         """The frozen copies of ``peer`` to refresh after this round."""
-        frozen = [e for e, h in enumerate(self.owner) if h != peer]
         if self.policy.tokens:
-            return [e for e in frozen if self.routed[peer, e] >= self.threshold]
-        return frozen if self.rounds % self.policy.rounds == 0 else []
+            return [e for e in self.frozen[peer] if self.routed[peer, e] >= self.threshold]
+        return self.frozen[peer] if self.rounds % self.policy.rounds == 0 else []
 
     @torch.no_grad()
     def apply(self, models: list[MoETransformer]) -> None:
         self.rounds += 1
         for i, model in enumerate(models):
-            frozen = [e for e, h in enumerate(self.owner) if h != i]
-            self.copies += len(frozen)
+            self.copies += len(self.frozen[i])
             for e in self.due(i):
                 model.write_expert(e, models[self.owner[e]].expert_tensors(e))
                 self.routed[i, e] = 0
