@@ -89,6 +89,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.lab import results
+from benchmarks.lab.spread import spread
 from dht.node import sigterm_as_interrupt
 from p2p_spes.checkpoint import WEIGHTS, load_checkpoint, read_state
 from p2p_spes.config import load_config
@@ -456,15 +457,6 @@ def run_arm(
 
 
 # Reporting -------------------------------------------------------------------------------------------
-def spread(values: list[float]) -> dict[str, float]:
-    return {
-        "mean": statistics.fmean(values),
-        "min": min(values),
-        "max": max(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-    }
-
-
 def summarise(runs: dict[str, list[dict[str, Any]]], budget: int, steps: int, boundaries: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for arm, seeds in runs.items():

@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.lab import results
+from benchmarks.lab.spread import spread
 from benchmarks.step_time import ARMS, CLOCK, Arm, measure_shape, use_clock
 from p2p_spes.config import load_config
 from p2p_spes.optim import build_optimizer
@@ -75,10 +76,6 @@ def train_arm(arm: Arm, seed: int, steps: int, eval_batches: int, extra: list[st
     steady = times[WARM:] or times  # the first steps carry one-time costs (allocation, kernels' first calls)
     per_step = statistics.fmean(steady)
     return {"steps": steps, "train_s": per_step * steps, "wall_s": wall, "s_per_step": per_step, "val_loss": val}
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
 def summarise(

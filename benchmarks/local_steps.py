@@ -140,6 +140,7 @@ from rich.table import Table
 
 from benchmarks import convergence
 from benchmarks.lab import results
+from benchmarks.lab.spread import spread
 from p2p_spes.averaging.compression import BLOCK, Codec
 from p2p_spes.config import Config, SwarmConfig, load_config
 from p2p_spes.corpus import prepare_embedded_data
@@ -753,7 +754,7 @@ def main() -> None:
             "finals": by_seed,
             "mean": statistics.fmean(by_seed.values()),
             "against": against,
-            "gap": convergence.spread(gaps) if gaps else None,
+            "gap": spread(gaps) if gaps else None,
             "spread": spreads.get(arm, {}),
         }
         gap = rows[arm]["gap"]

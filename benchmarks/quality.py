@@ -85,6 +85,7 @@ from rich.table import Table
 
 from benchmarks import convergence  # the scorer and the lockstep launcher
 from benchmarks.lab import results
+from benchmarks.lab.spread import spread
 from dht.node import sigterm_as_interrupt
 from p2p_spes.config import load_config
 
@@ -326,7 +327,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         finals = {r["seed"]: r["final"] for r in seeds}
         metrics = [run_metrics(r) for r in seeds]
         out[name] = {
-            "final": convergence.spread(list(finals.values())),
+            "final": spread(list(finals.values())),
             "finals": finals,
             "seeds": sorted(finals),
             **{
@@ -342,7 +343,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for name, o in out.items():
         base = out.get(ARMS[name].baseline) if name in ARMS else None
         paired = [o["finals"][s] / base["finals"][s] - 1 for s in o["finals"] if base and s in base["finals"]]
-        o["gap"] = convergence.spread(paired) if paired else None
+        o["gap"] = spread(paired) if paired else None
     return out
 
 

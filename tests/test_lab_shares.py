@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.lab import shares
+from benchmarks.lab.spread import spread
 
 
 def run(final: float) -> dict:
@@ -35,3 +36,10 @@ def test_each_arm_keeps_its_own_shares_baseline_and_a_repeated_baseline_is_liste
         shares.join([("a", {"base": {"0": run(5.0)}, "x": {"0": run(5.5)}})] * 2, "base")
     with pytest.raises(shares.MergeError, match="x seed 1 in a has no base run of its own share"):
         shares.join([("a", {"base": {"0": run(5.0)}, "x": {"1": run(5.5)}})], "base")
+
+
+def test_a_spread_is_mean_min_max_and_sample_std_and_none_of_no_seeds():
+    assert spread([1.0, 2.0, 4.0]) == {"mean": 7 / 3, "min": 1.0, "max": 4.0, "std": pytest.approx(1.5275252)}
+    assert spread([3.0]) == {"mean": 3.0, "min": 3.0, "max": 3.0, "std": 0.0}
+    with pytest.raises(ValueError, match="no values"):
+        spread([])

@@ -14,6 +14,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.lab.spread import spread
+
 Runs = dict[str, dict[str, dict[str, Any]]]  # arm -> seed -> run (its "final" and "curve")
 
 
@@ -92,16 +94,10 @@ def compare(by_seed: dict[str, dict[str, Any]], listed: dict[str, dict[str, Any]
         if at:
             curve[str(k)] = statistics.fmean(at)
     values = list(gaps.values())
-    spread = {
-        "mean": statistics.fmean(values) if values else None,
-        "min": min(values, default=None),
-        "max": max(values, default=None),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-    }
     return {
         "finals": finals,
         "mean": statistics.fmean(finals.values()),
-        "gap": spread if values and not is_baseline else None,
+        "gap": spread(values) if values and not is_baseline else None,
         "gaps": gaps,
         "gap_curve": curve,
     }

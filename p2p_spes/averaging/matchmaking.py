@@ -11,10 +11,11 @@ publishes what it computed for the others to adopt. What the records decide is c
 
 **A quorum holds the group open past its window** (``membership.closing_time``). The first arrival also
 says how many arrivals it waits for (``q``: a share of the live peers it saw, ``swarm.quorum``); a group
-that has fewer when its window ends stays open until the arrival that makes them, at most
-``membership.STRETCH`` x ``matchmaking_time`` after the first. Without it, a round opened by a peer that
-left the last one early (it ran it alone, or caught up) closes before the others finish their step: a
-small early group decides and the rest adopt its result, their own progress replaced.
+that has fewer when its window ends stays open until a moment (``membership.QUORUM_GRACE``) after the
+arrival that makes them, at most ``membership.STRETCH`` x ``matchmaking_time`` after the first. Without
+it, a round opened by a peer that left the last one early (it ran it alone, or caught up) closes before
+the others finish their step: a small early group decides and the rest adopt its result, their own
+progress replaced.
 
 **A retry forms at once when its attempt cannot have succeeded** (``ABORT_HOLD``). Normally a retry waits out
 the failed attempt's deadline, so that a member that finished it can say so first (:func:`announce_done`).

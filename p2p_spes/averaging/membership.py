@@ -18,6 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 STRETCH = 3.0  # a group short of its quorum stays open up to this many matchmaking_time after its first arrival
+# seconds a group held open for its quorum stays open after the arrival that makes it: the peers that come
+# right behind it were finishing the same work (the adopters of the last round end within a moment of
+# each other), and a group closed on the first of them leaves the rest to adopt its result again
+QUORUM_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -77,15 +81,16 @@ def longest_wait(matchmaking_time: float) -> float:
 
 def closing_time(records: dict[str, dict], matchmaking_time: float) -> float:
     """When the group closes (DHT clock), the same for every member reading the same records: its agreed
-    window after the first arrival when its quorum has arrived by then, else the arrival that makes the
-    quorum, at most :func:`longest_wait` after the first (that, while the arrival has not come)."""
+    window after the first arrival when its quorum has arrived by then, else :data:`QUORUM_GRACE` after the
+    arrival that makes the quorum, at most :func:`longest_wait` after the first (that, while the arrival
+    has not come)."""
     times = sorted(v["t"] for v in records.values())
     first, need = times[0], quorum_of(records)
     end = first + agreed_window(records, matchmaking_time)
     if need <= 1 or sum(t <= end for t in times) >= need:
         return end
     cap = first + longest_wait(matchmaking_time)
-    return min(times[need - 1], cap) if len(times) >= need else cap
+    return min(times[need - 1] + QUORUM_GRACE, cap) if len(times) >= need else cap
 
 
 def agreed_timeout(records: dict[str, dict], members: list[str]) -> float:
