@@ -66,16 +66,26 @@ DENSE = 4 / 64  # topk-dense: swarm.topk_result_fraction
 MUON_ITERATIONS = "train.muon_ns_steps=5"
 
 
-def probe(arm: str, peers: int, sync: int) -> local_steps.Probe:
-    """The replicas of ``arm``: the trainer's default optimizer (Muon, AdamW at 4x on the rest)."""
+OPTIMIZERS = ("muon", "adamw")
+
+
+def probe(arm: str, peers: int, sync: int, optimizer: str = "muon") -> local_steps.Probe:
+    """The replicas of ``arm``: the trainer's default optimizer (Muon, AdamW at 4x on the rest), or AdamW
+    on everything (``optimizer="adamw"``: whether the codecs' cost depends on the inner optimizer)."""
     codec = None if arm == "none" else arm.removesuffix("-dense")
     fraction = DENSE if arm == "topk-dense" else None
-    return local_steps.Probe(peers, sync, codec=codec, result_fraction=fraction, muon=True, muon_adamw_scale=4.0)
+    muon = optimizer == "muon"
+    return local_steps.Probe(
+        peers, sync, codec=codec, result_fraction=fraction, muon=muon, muon_adamw_scale=4.0 if muon else 1.0
+    )
 
 
-def probes(runs: dict[str, dict[str, Any]], sync: int) -> dict[str, Any]:
+def probes(runs: dict[str, dict[str, Any]], sync: int, optimizer: str) -> dict[str, Any]:
     """What each arm ran, by peer count (``runs[peers][arm]``)."""
-    return {peers: {arm: asdict(probe(arm, int(peers), sync)) for arm in by_arm} for peers, by_arm in runs.items()}
+    return {
+        peers: {arm: asdict(probe(arm, int(peers), sync, optimizer)) for arm in by_arm}
+        for peers, by_arm in runs.items()
+    }
 
 
 def codec_of(arm: str) -> Codec:
@@ -128,7 +138,8 @@ def run(arm: str, peers: int, seed: int, args: argparse.Namespace, data: TokenDa
             curve[str(steps // args.sync)] = validation.loss(model)
 
     t0 = time.monotonic()
-    local_steps.train(cfg, probe(arm, peers, args.sync), TOKENS_BATCH // peers, seed, data, after_step=score)
+    replicas = probe(arm, peers, args.sync, args.optimizer)
+    local_steps.train(cfg, replicas, TOKENS_BATCH // peers, seed, data, after_step=score)
     return {"curve": curve, "final": curve[str(args.rounds)], "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -145,10 +156,11 @@ def summarise(runs: dict[str, dict[str, dict[str, Any]]], numel: int) -> dict[st
     return out
 
 
-def print_table(console: Console, summary: dict[str, Any], rounds: int, sync: int) -> None:
+def print_table(console: Console, summary: dict[str, Any], rounds: int, sync: int, optimizer: str) -> None:
     for peers, by_arm in summary.items():
         seeds = sorted({s for row in by_arm.values() for s in row["finals"]}, key=int)
-        table = Table(title=f"{peers} peers, {rounds} rounds of {sync} steps, seeds {', '.join(seeds)}")
+        title = f"{peers} peers, {rounds} rounds of {sync} steps, {optimizer}, seeds {', '.join(seeds)}"
+        table = Table(title=title)
         for col in (
             "codec",
             "final loss (mean)",
@@ -203,9 +215,11 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
     """One result from several runs of this script with the same setup (shares run as separate processes),
     each codec against the uncompressed run of its own share (``benchmarks/lab/shares.py``)."""
     parts = [results.own("codec_rounds", v) for v in variants]
+    for part in parts:
+        part.payload.setdefault("optimizer", "muon")  # files written before --optimizer ran Muon
     first = parts[0].payload
     if differ := shares.differing(
-        [r.payload for r in parts], ("steps", "sync", "eval_rounds", "parameters", "validation")
+        [r.payload for r in parts], ("steps", "sync", "eval_rounds", "parameters", "validation", "optimizer")
     ):
         raise SystemExit(f"--merge: the variants differ in {differ}; only the same setup merges")
     runs: dict[str, dict[str, dict[str, Any]]] = {}
@@ -220,12 +234,12 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
         repeats += [{"peers": peers, **r} for r in again]
     seeds = sorted({int(s) for by_arm in runs.values() for by_seed in by_arm.values() for s in by_seed})
     summary = summarise(runs, first["parameters"])
-    print_table(Console(width=160), summary, first["steps"] // first["sync"], first["sync"])
+    print_table(Console(width=160), summary, first["steps"] // first["sync"], first["sync"], first["optimizer"])
     for r in repeats:
         print(f"{r['peers']} peers none seed {r['seed']} again in {r['variant']}: {r['apart']:+.3%} from the one kept")
     arms = [arm for arm in ARMS if any(arm in by_arm for by_arm in runs.values())]
     payload = {**first, "seeds": seeds, "runs": runs, "summary": summary, "spes_1b": projection(arms)}
-    payload["probes"], payload["repeats"] = probes(runs, first["sync"]), repeats
+    payload["probes"], payload["repeats"] = probes(runs, first["sync"], first["optimizer"]), repeats
     write(results.start("codec_rounds", variant, seeds=seeds, argv=argv), payload, parts)
 
 
@@ -234,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--peers", nargs="+", type=int, default=[4, 8], choices=[2, 4, 8, 16, 32])
     shares.add_arguments(parser, sync=10, eval_rounds=15)
+    parser.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default="muon", help="the replicas' (default muon: the trainer's default)"
+    )
     results.add_variant(parser)
     args = parser.parse_args(argv)
     if args.merge:
@@ -260,15 +277,16 @@ def main(argv: list[str] | None = None) -> None:
                     f"({result['seconds'] / 60:.1f} min; {(time.monotonic() - t0) / 60:.1f} min so far)"
                 )
         summary = summarise(runs, numel)
-        print_table(console, summary, args.rounds, args.sync)
+        print_table(console, summary, args.rounds, args.sync, args.optimizer)
         payload = {
             "steps": args.steps,
             "sync": args.sync,
+            "optimizer": args.optimizer,
             "eval_rounds": args.eval_rounds,
             "tokens_per_step": TOKENS_BATCH * load_config(None, common).model.max_seq_len,
             "parameters": numel,
             "config": common,
-            "probes": probes(runs, args.sync),
+            "probes": probes(runs, args.sync, args.optimizer),
             "validation": validation.describe,
             "seeds": sorted({int(s) for by_arm in runs.values() for a in by_arm.values() for s in a}),
             "runs": runs,

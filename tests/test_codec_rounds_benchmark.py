@@ -74,6 +74,19 @@ def test_each_codec_of_a_merge_is_compared_with_the_uncompressed_run_of_its_own_
     assert [r["variant"] for r in again["repeats"]] == ["b", "e"]
     assert again["summary"]["4"]["int8"]["gaps"] == pytest.approx({"0": 0.02, "1": 0.01})
     assert again["summary"]["4"]["sparse"]["gaps"] == pytest.approx({"0": 0.1})
+    assert again["optimizer"] == "muon"  # shares written before --optimizer trained with Muon
+    results.start("codec_rounds", "f", seeds=[3], argv=[]).write(
+        {**setup, "optimizer": "adamw", "runs": {"4": {"none": {"3": fake_run({1: 6.0, 2: 5.0})}}}}
+    )
+    with pytest.raises(SystemExit, match=r"differ in \['optimizer'\]"):
+        codec_rounds.main(["--merge", "a", "f", "--variant", "af"])
+
+
+def test_the_adamw_replicas_train_adamw_alone_and_the_default_is_the_trainers_muon():
+    assert codec_rounds.probe("sparse", 4, 5).muon and codec_rounds.probe("sparse", 4, 5).muon_adamw_scale == 4.0
+    adamw = codec_rounds.probe("topk-dense", 4, 5, "adamw")
+    assert not adamw.muon and adamw.muon_adamw_scale == 1.0
+    assert adamw.codec == "topk" and adamw.result_fraction == codec_rounds.DENSE
 
 
 @pytest.mark.long  # two short runs of the micro model and their validation: 40-60 s on 2 cores
