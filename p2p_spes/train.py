@@ -335,14 +335,20 @@ class Trainer:
         metrics = self.train_step()
         if self.first_loss is None:
             self.first_loss = metrics["loss"]
+        computed = self.step
         for hook in self.hooks:
             hook.post_step(self)
         # a hook may move the step past the end (a swarm round's schedule jump): that is the end too
         last = self.step >= tr.max_steps
-        if self.is_main and (self.step % tr.eval_interval == 0 or last):
-            metrics["val_loss"] = self.evaluate()
+        val_loss = self.evaluate() if self.is_main and (self.step % tr.eval_interval == 0 or last) else None
+        if val_loss is not None and self.step == computed:
+            metrics["val_loss"] = val_loss
         if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
             self.log_record(metrics)
+        if val_loss is not None and self.step != computed:
+            # the schedule jumped past the step computed: the evaluation is of the model at the new step, and
+            # logged at it (the round's record is there already; W&B drops a record behind it)
+            self.log_record({"step": self.step, "val_loss": val_loss})
         if self.view is not None:
             self.view.update(self.run_dir.name, {**metrics, "step": self.step})
             self.view.refresh()

@@ -191,6 +191,11 @@ def test_a_hook_that_moves_the_step_past_the_end_still_gets_the_final_evaluation
     summary = trainer.run(progress=False)
     assert summary["step"] == 7 and summary["final_val_loss"] is not None
     assert read_state(find_checkpoint(tmp_path))["step"] == 7
+    # the step computed keeps its loss; the evaluation is of the model at step 7 and logged there, so a
+    # sink whose steps only go forward (W&B) gets it after a round's record at 7
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records if "loss" in r][-1] == 4 and "val_loss" not in records[-2]
+    assert records[-1]["step"] == 7 and records[-1]["val_loss"] == summary["final_val_loss"]
 
 
 def test_a_full_disk_during_a_checkpoint_costs_that_checkpoint_not_the_run(tmp_path, monkeypatch):
