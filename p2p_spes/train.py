@@ -345,9 +345,7 @@ class Trainer:
             metrics["val_loss"] = val_loss
         if self.step % tr.log_interval == 0 or "val_loss" in metrics or self.step == 1:
             self.log_record(metrics)
-        if val_loss is not None and self.step != computed:
-            # the schedule jumped past the step computed: the evaluation is of the model at the new step, and
-            # logged at it (the round's record is there already; W&B drops a record behind it)
+        if val_loss is not None and self.step != computed:  # a jump: at the model's step (W&B drops steps behind)
             self.log_record({"step": self.step, "val_loss": val_loss})
         if self.view is not None:
             self.view.update(self.run_dir.name, {**metrics, "step": self.step})
