@@ -128,6 +128,11 @@ def validate(config: Config) -> None:
         )
     if sw.outer_lr <= 0 or not 0 <= sw.outer_momentum < 1:
         raise ConfigError("swarm.outer_lr must be positive and swarm.outer_momentum in [0, 1)")
+    if sw.expert_sync_rounds < 1:
+        raise ConfigError(
+            f"swarm.expert_sync_rounds must be >= 1 (got {sw.expert_sync_rounds}): 1 averages the experts and "
+            "refreshes every frozen copy every round, K every K rounds"
+        )
     if sw.merge_interval < 0 or not 0 <= sw.merge_alpha_start < 1:
         raise ConfigError("swarm.merge_interval must be >= 0 and swarm.merge_alpha_start in [0, 1)")
     if not 0 <= sw.trim_fraction < 0.5 or sw.clip_tau <= 0 or sw.max_update_ratio < 0:

@@ -85,6 +85,12 @@ class SwarmConfig:
     topk_result_fraction: float | None = setting(
         None, doc="topk: the share a group's averaged parts keep (null: the same)"
     )
+    expert_sync_rounds: int = setting(
+        1,
+        doc="Experts are averaged among their holders, and every frozen copy refreshed, every this many sync "
+        "rounds and at the run's last (the shared weights every round); between, a holder trains on and serves "
+        "its expert's last agreed value, and one update then covers the rounds since (p2p_spes/swarm/sync_round.py)",
+    )
     keep_local_progress: bool = setting(
         False, doc="Lossy codecs: weights keep what messages have not carried (p2p_spes/swarm/outer.py)"
     )

@@ -104,7 +104,8 @@ class SwarmSync(TrainerHook):
         self.tokens_at_last_sync = trainer.tokens
         # every member runs the round at its agreed step (the merge schedule and the served snapshots
         # follow it), wherever its own step count stands
-        self._after(trainer, self.swarm.sync(round_no, round_no * self.sync_steps, weight), trainer.step)
+        last = (round_no + 1) * self.sync_steps > trainer.cfg.train.max_steps
+        self._after(trainer, self.swarm.sync(round_no, round_no * self.sync_steps, weight, last), trainer.step)
 
     def _after(self, trainer: Trainer, report: RoundReport, started: int) -> None:
         """Log the round, take its place in the schedule, rejoin if we fell behind, heal coverage."""

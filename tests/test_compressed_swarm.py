@@ -126,3 +126,69 @@ def test_a_peer_with_another_codec_is_refused_before_sending_anything(tmp_path):
         not (tmp_path / "other" / "metrics.jsonl").exists()
         or "sync_round" not in (tmp_path / "other" / "metrics.jsonl").read_text()
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["none", "sparse"])
+def test_experts_averaged_every_third_round_refresh_copies_only_then(tmp_path, compression):
+    # swarm.expert_sync_rounds=3 over 7 rounds: the experts are averaged (and every frozen copy refreshed)
+    # in rounds 3 and 6 and in the run's last, 7; the shared weights in every round
+    swarm = LocalSwarm(
+        None,
+        SMALL
+        + [
+            "train.max_steps=70",
+            "swarm.merge_interval=20",
+            "swarm.max_experts_per_peer=3",
+            f"swarm.compression={compression}",
+            "swarm.expert_sync_rounds=3",
+        ],
+        peers=2,
+        run_dir=tmp_path,
+    )
+    try:
+        swarm.start()
+        codes = swarm.wait(timeout=300)
+    finally:
+        swarm.stop()
+    assert codes == [0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in range(2)]
+    dirs = [tmp_path / f"peer{i}" for i in range(2)]
+    assert_identical_after_rounds(dirs, min_common=3)
+    summaries = swarm.summaries()
+    for s, d in zip(summaries, dirs):
+        records = rounds(d)
+        assert max(records) == 7 and s["updates_refused"] == 0
+        own = [str(e) for e in s["local_experts"]]
+        for n, r in sorted(records.items()):
+            synced = n in (3, 6, 7)
+            assert r["experts_synced"] == synced, (n, r["experts_synced"])
+            assert any(g.startswith("expert") for g in r["groups"]) == synced, (n, sorted(r["groups"]))
+            if not synced and r["outcome"] == "averaged":
+                # no expert moved for anyone: nothing to refresh or download, and what we publish for
+                # our own experts is the value of the last round that averaged them (or merged them:
+                # warm-up merges at rounds 2 and 4 move every peer's values alike)
+                assert r["refreshed"] == 0 and r["traffic"].get("downloading", [0, 0])[1] == 0, n
+                if n - 1 in records and r["merge_alpha"] is None:
+                    previous = records[n - 1]["expert_digests"]
+                    assert all(r["expert_digests"][e] == previous[e] for e in own), n
+        # once both peers have averaged together, each refresh of the other's 3 experts comes as its
+        # holder's encoded update, covering the rounds since the last
+        first = min(n for n, r in records.items() if r["outcome"] == "averaged")
+        later = [r for n, r in records.items() if n > first and r["experts_synced"]]
+        assert later and all(r["refreshed"] == 3 for r in later), [r["refreshed"] for r in later]
+        if compression == "sparse":
+            assert all(r["refreshed_by_delta"] == 3 for r in later)
+    # the last round averaged the experts: uncompressed, every copy is its holder's weights as trained
+    last = [rounds(d)[7] for d in dirs]
+    held = [checkpoint_digests(d, s["local_experts"]) for d, s in zip(dirs, summaries)]
+    for me, other in ((0, 1), (1, 0)):
+        for e in map(str, summaries[me]["local_experts"]):
+            assert held[other][e] == last[me]["expert_digests"][e]
+            assert (held[me][e] == held[other][e]) == (compression == "none"), e
+
+
+def test_experts_due_every_kth_round_and_the_last():
+    from p2p_spes.swarm.sync_round import experts_due
+
+    assert [n for n in range(1, 11) if experts_due(3, n, last=n == 10)] == [3, 6, 9, 10]
+    assert all(experts_due(1, n, last=False) for n in range(1, 5))

@@ -222,6 +222,13 @@ def test_the_result_share_is_run_wide_but_absent_from_runs_that_leave_it_unset()
     )
 
 
+def test_the_experts_cadence_is_run_wide_but_absent_at_every_round():
+    assert sync_settings("sparse", 1 / 64, None, 1) == sync_settings("sparse", 1 / 64)
+    assert sync_settings("sparse", 1 / 64, None, None) == sync_settings("sparse", 1 / 64)
+    assert sync_settings("none", 1 / 64, None, 4) != sync_settings("none", 1 / 64)
+    assert describe_sync(sync_settings("none", 1 / 64, None, 4)) == "compression none (expert_sync_rounds 4)"
+
+
 @pytest.mark.parametrize("k_share", [1 / 64, 4 / 64])
 def test_a_sparse_last_block_names_only_its_own_positions(k_share):
     """A last block with fewer non-zero values than k (a mean of sparse messages, an expert no token

@@ -56,6 +56,7 @@ def test_spes_rule_and_explicit_placement():
             ["swarm.compression=sparse", "swarm.aggregation=trimmed_mean"],
             r"swarm.aggregation=mean \(got trimmed_mean\)",
         ),
+        (["swarm.expert_sync_rounds=0"], r"swarm.expert_sync_rounds must be >= 1 \(got 0\)"),
         (["train.warmup_steps=1000"], r"train.warmup_steps \(1000\) must be in"),
         (["train.betas=[0.9]"], r"train.betas: expected a list of 2 values"),
         (["model"], r"expected KEY=VALUE"),

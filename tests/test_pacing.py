@@ -138,6 +138,7 @@ class _Swarm:
     def __init__(self) -> None:
         self.opened: set[int] = set()
         self.calls: list[tuple[int, int, float]] = []
+        self.last_flags: list[bool] = []  # whether each round was told it is the run's last
         self.stats = SwarmCounters()
         self.members = 2
         self.others_round: int | None = None  # the newest round another live peer finished
@@ -171,8 +172,9 @@ class _Swarm:
         self.caught_up = [*self.caught_up, self.others_round]
         return {"round": self.others_round, "step": self.others_round * 10}
 
-    def sync(self, round_no, step, weight) -> RoundReport:
+    def sync(self, round_no, step, weight, last=False) -> RoundReport:
         self.calls.append((round_no, step, weight))
+        self.last_flags.append(last)
         if self.others_after_sync is not None:
             self.others_round = self.others_after_sync
         return RoundReport(
@@ -222,6 +224,7 @@ def test_a_peer_runs_its_own_boundary_and_no_round_past_the_end():
         trainer.tokens += 10
         hook.post_step(trainer)
     assert [c[:2] for c in swarm.calls] == [(1, 10), (2, 20)], "no round 3: it would end past max_steps"
+    assert swarm.last_flags == [False, True], "round 2 is the run's last (swarm.expert_sync_rounds averages it)"
     assert swarm.reached == 2, "a peer makes sure it reaches the others before each round it runs"
     swarm.members = 1
     trainer2, hook2 = _trainer(), SwarmSync(swarm, sync_steps=10)

@@ -283,9 +283,9 @@ class Swarm:
         return True
 
     # Sync ----------------------------------------------------------------------------------------
-    def sync(self, round_no: int, step: int, weight: float) -> RoundReport:
-        """One round (``sync_round.py``), recorded and published in our status."""
-        report = self.runner.run(self._model, round_no, step, weight)
+    def sync(self, round_no: int, step: int, weight: float, last: bool = False) -> RoundReport:
+        """One round (``sync_round.py``; ``last``: the run's last), recorded and published in our status."""
+        report = self.runner.run(self._model, round_no, step, weight, last)
         self.rounds.append(report)
         self.update_status(
             round=round_no,

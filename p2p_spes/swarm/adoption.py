@@ -96,11 +96,8 @@ class Adopter:
         the group failed) takes the version the round agreed on when that is not its own, as its value
         and its anchor: the next round's group needs one anchor, and where the holders' anchors differ,
         one private member cannot take another's (nobody can dial either). Returns the experts taken."""
-        behind = [
-            e
-            for e in model.local_experts
-            if not report.groups[f"expert{e}"].ok or report.groups[f"expert{e}"].members < 2
-        ]
+        groups = {e: report.groups.get(f"expert{e}") for e in model.local_experts}  # none: not averaged this round
+        behind = [e for e, g in groups.items() if g is not None and (not g.ok or g.members < 2)]
         taken = self.refresher.take_agreed(model, peers, behind, versions, agreed)
         for e in taken:
             self.outer.set_anchor(f"expert:{e}", flatten(model.expert_tensors(e)), round_no)

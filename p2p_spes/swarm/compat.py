@@ -26,11 +26,16 @@ def describe_difference(ours: dict, theirs: dict) -> str:
     return "; ".join(diffs) or "fingerprints differ"
 
 
-def sync_settings(compression: Any, topk_fraction: Any, topk_result_fraction: Any = None) -> dict[str, Any]:
-    """What peers must share to average together: the protocol (pseudo-gradients since version 2)
-    and the codec; the top-k shares only matter to ``topk`` and ``sparse`` (the result's only to topk,
-    when it is set, so that peers which predate it still match the default)."""
+def sync_settings(
+    compression: Any, topk_fraction: Any, topk_result_fraction: Any = None, expert_sync_rounds: Any = 1
+) -> dict[str, Any]:
+    """What peers must share to average together: the protocol (pseudo-gradients since version 2),
+    the codec and the rounds that average the experts; the top-k shares only matter to ``topk`` and
+    ``sparse`` (the result's only to topk, when it is set, and the experts' cadence only when it is not
+    every round, so that peers which predate them still match the defaults)."""
     out = {"protocol": SYNC_PROTOCOL, "compression": compression}
+    if expert_sync_rounds not in (None, 1):
+        out["expert_sync_rounds"] = expert_sync_rounds
     if compression == "sparse":
         out["topk_fraction"] = topk_fraction
     if compression == "topk":
@@ -43,7 +48,8 @@ def sync_settings(compression: Any, topk_fraction: Any, topk_result_fraction: An
 def describe_sync(settings: Any) -> str:
     if not isinstance(settings, dict) or settings.get("protocol") != SYNC_PROTOCOL:
         return "an older p2p-spes (it averages weights, not pseudo-gradients: upgrade every peer)"
-    extra = "".join(f" ({k} {settings[k]})" for k in ("topk_fraction", "topk_result_fraction") if k in settings)
+    keys = ("topk_fraction", "topk_result_fraction", "expert_sync_rounds")
+    extra = "".join(f" ({k} {settings[k]})" for k in keys if k in settings)
     return f"compression {settings.get('compression')}{extra}"
 
 
@@ -101,7 +107,10 @@ def model_records(view: RunView, ours: Ours) -> dict[str, Any]:
                 "fingerprint": value.get("fingerprint"),
                 "model": {"model": published.get("model", {}), "moe": {k: moe.get(k) for k in ours.model["moe"]}},
                 "sync": sync_settings(
-                    swarm.get("compression"), swarm.get("topk_fraction"), swarm.get("topk_result_fraction")
+                    swarm.get("compression"),
+                    swarm.get("topk_fraction"),
+                    swarm.get("topk_result_fraction"),
+                    swarm.get("expert_sync_rounds"),
                 ),
             },
         )
@@ -127,7 +136,8 @@ def check_run(run_id: str, peer_id: str, view: RunView, ours: Ours) -> None:
             raise SwarmError(
                 f"run {run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
                 f"{describe_sync(other)} there, {describe_sync(ours.sync)} here. swarm.compression and "
-                "swarm.topk_fraction (and topk_result_fraction) are run-wide: set them as the run does, or join "
+                "swarm.topk_fraction (and topk_result_fraction, expert_sync_rounds) are run-wide: set them as the run "
+                "does, or join "
                 "with --config-from-swarm"
             )
     theirs = {v.get("hash") for p, v in view.run_configs.items() if p != peer_id}

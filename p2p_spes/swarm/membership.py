@@ -150,7 +150,7 @@ class Membership:
         rt = self.runtime
         ours = self.cfg.model_defining()
         sw = self.cfg.swarm
-        sync = sync_settings(sw.compression, sw.topk_fraction, sw.topk_result_fraction)
+        sync = sync_settings(sw.compression, sw.topk_fraction, sw.topk_result_fraction, sw.expert_sync_rounds)
         check_run(
             rt.run_id,
             self.peer_id,

@@ -41,6 +41,7 @@ class RoundReport:
     bytes_sent: int = 0  # every byte our streams sent during the round, whatever for (``traffic``)
     bytes_received: int = 0  # every byte they received
     traffic: dict[str, Traffic] = field(default_factory=dict)  # by purpose: averaging, reducing, serving, ...
+    experts_synced: bool = True  # the round averaged the experts (swarm.expert_sync_rounds); else none has a group
     refreshed: int = 0  # frozen experts brought to the agreed version
     refreshed_by_delta: int = 0  # of which rebuilt from their group's encoded average
     taken_agreed: int = 0  # experts we train taken at the agreed version (a private peer whose group missed a holder)
@@ -102,6 +103,7 @@ class RoundReport:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "traffic": {p: [t.sent, t.received] for p, t in self.traffic.items()},  # [sent, received] bytes
+            "experts_synced": self.experts_synced,
             "refreshed": self.refreshed,
             "refreshed_by_delta": self.refreshed_by_delta,
             "taken_agreed": self.taken_agreed,

@@ -4,7 +4,9 @@
    is all-reduced across every live peer, encoded with the run's codec and weighted by tokens since
    the last sync; every member applies the same decoded average to the same anchor (``outer.py``);
 2. each expert this peer trains is all-reduced the same way among that expert's holders, all groups
-   at once (a lone holder's group is itself, through the same codec);
+   at once (a lone holder's group is itself, through the same codec), in the rounds
+   ``swarm.expert_sync_rounds`` says (:func:`experts_due`); in the others a holder keeps training
+   and serves the expert's anchor, so the frozen copies stay where they are;
 3. digests of what each peer now holds are published; every peer brings the experts it does not
    train to the agreed digest (``agreement.py``): from the group's encoded average when its copy is
    the group's anchor, else by downloading the whole expert once;
@@ -70,6 +72,13 @@ class SharedOutcome:
         return set() if self.late else set(self.members)
 
 
+def experts_due(every: int, round_no: int, last: bool) -> bool:
+    """Whether round ``round_no`` averages the experts (and so refreshes every frozen copy): every
+    ``every``-th round and the run's last, so that no expert's training is left out of the final model.
+    Every peer decides alike from the round's number, with no message."""
+    return every <= 1 or last or round_no % every == 0
+
+
 class RoundRunner:
     """Runs sync rounds with the parts of a :class:`~p2p_spes.swarm.Swarm`."""
 
@@ -101,8 +110,9 @@ class RoundRunner:
         round_no: int,
         step: int,
         weight: float,
+        last: bool = False,
     ) -> RoundReport:
-        """One round on ``model`` (see the module docstring)."""
+        """One round on ``model`` (see the module docstring); ``last``: the run's last round."""
         t0 = time.monotonic()
         marks = self.stats.wire.snapshot()  # what our streams carried before the round
         peers = self.membership.live_peers(FRESH)  # the boundary's checks read them a moment ago
@@ -112,7 +122,11 @@ class RoundRunner:
         window = self.deadlines.join_window()
         sending: dict[str, torch.Tensor] = {}  # uid -> the pseudo-gradient (with residual) we send
         shared = self._shared_group(model, round_no, peers, weight, window, sending, report)
-        groups_end = self._expert_groups(model, round_no, shared, weight, window, sending, report)
+        report.experts_synced = experts_due(self.sw.expert_sync_rounds, round_no, last)
+        if report.experts_synced:
+            groups_end = self._expert_groups(model, round_no, shared, weight, window, sending, report)
+        else:
+            groups_end = self._hold_experts(model)
         self.server.take_snapshot(round_no, step, self.outer.momentum)
         self._agree(model, round_no, shared, report, groups_end)
         self._merge_if_due(model, round_no, step, report)
@@ -205,6 +219,14 @@ class RoundRunner:
             report.groups[f"expert{e}"] = self.applier.apply(res, model.expert_tensors(e), uid, flat, sending, round_no)
         return max((r.deadline_at for r in results.values()), default=0.0)
 
+    def _hold_experts(self, model: MoETransformer) -> float:
+        """Phase 2 in a round that does not average the experts: each expert we train keeps its anchor
+        (what we serve and publish, and what every frozen copy holds) while our weights train on; the
+        next round that averages it sends what we trained since as one pseudo-gradient."""
+        for e in model.local_experts:
+            self.outer.ahead.add(f"expert:{e}")
+        return 0.0
+
     def _agree(
         self, model: MoETransformer, round_no: int, shared: SharedOutcome, report: RoundReport, groups_end: float
     ) -> None:
@@ -223,7 +245,7 @@ class RoundRunner:
             {e: self.server.current(f"expert:{e}")["digest"] for e in model.local_experts},
             {e: tensor_digest(model.expert_tensors(e)) for e in orphaned if e in held},
             group=report.shared.members if report.shared.ok else 0,
-            failed=frozenset(e for e in model.local_experts if not report.groups[f"expert{e}"].ok),
+            failed=frozenset(e for e in model.local_experts if f"expert{e}" in report.failed_groups),
         )
         self.runtime.call(
             self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=version_ttl(sw))
