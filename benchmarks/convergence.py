@@ -23,6 +23,9 @@ P x b x seq_len tokens per step for ``--steps`` steps, with the same seeds):
 * ``spes-sparse`` (not run by default): ``spes`` with ``swarm.compression=sparse`` (top-k per chunk of
   4,096 at 2 bits, the members' messages forwarded by the reducers and each value averaged over the
   members that sent it, decaying error feedback);
+* ``spes-every4``, ``spes-topk-dense-every4`` (not run by default): ``spes`` and ``spes-topk-dense`` with
+  ``swarm.expert_sync_rounds=4`` (experts averaged, and frozen copies refreshed, every 4th round and
+  the last; the shared weights every round);
 * ``spes-no-merge`` (not run by default): ``spes`` without the warm-up merge.
 
 The partial-residency arm of earlier versions is gone: its peers' checkpoints hold only their own
@@ -57,8 +60,9 @@ the prediction of tokens 1 .. 64 W of that stream. The training processes' own v
 switched off (``train.eval_batches=1``, once at the end), since its windows follow the batch size.
 A swarm's value at a step is its model: the shared weights with each expert taken from the checkpoint
 of the peer that trains it. After an averaged round uncompressed peers are bit-identical; under a
-lossy codec a lone holder trains ahead of the copies the others follow by encoded deltas, so its own
-checkpoint is where its expert is. The JSON also keeps the mean over the peers' own checkpoints
+lossy codec a lone holder trains ahead of the copies the others follow by encoded deltas, and between
+the rounds that average the experts (``-every4``) every holder does, so its own checkpoint is where its
+expert is. The JSON also keeps the mean over the peers' own checkpoints
 (``peer_mean_curve``) and says at each step how many distinct weight files the peers held. The
 checkpoints are deleted once scored.
 
@@ -149,6 +153,13 @@ ARMS: dict[str, list[str] | None] = {
         "swarm.topk_result_fraction=0.0625",
     ],
     "spes-sparse": [*SPES[:-1], "swarm.compression=sparse"],
+    "spes-every4": [*SPES, "swarm.expert_sync_rounds=4"],
+    "spes-topk-dense-every4": [
+        *SPES[:-1],
+        "swarm.compression=topk",
+        "swarm.topk_result_fraction=0.0625",
+        "swarm.expert_sync_rounds=4",
+    ],
     "spes-no-merge": [
         "experts.placement=spes",
         "swarm.merge_interval=0",
@@ -159,7 +170,16 @@ ARMS: dict[str, list[str] | None] = {
 DEFAULT_ARMS = [
     a
     for a in ARMS
-    if a not in ("spes-no-merge", "spes-topk-keep", "spes-topk-dense", "spes-topk-keep-dense", "spes-sparse")
+    if a
+    not in (
+        "spes-no-merge",
+        "spes-topk-keep",
+        "spes-topk-dense",
+        "spes-topk-keep-dense",
+        "spes-sparse",
+        "spes-every4",
+        "spes-topk-dense-every4",
+    )
 ]
 SUMMARY_KEYS = (
     "step",
