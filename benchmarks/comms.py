@@ -4,6 +4,7 @@ protocol and an fp32 all-reduce of the whole model.
     python -m benchmarks.comms                                 # 5 codecs x 4 loopback peers x 4 rounds: ~5 min
     python -m benchmarks.comms --compressions topk topk-dense --rounds 3 --variant topk-dense
     python -m benchmarks.comms --no-run --run-dir DIR          # tables again from the records of an earlier run
+    python -m benchmarks.comms --compressions topk-dense sparse --expert-sync-rounds 4 --rounds 8 --variant every4
 
 Measured: one real 4-peer loopback swarm per codec (``swarm.compression``: none fp16 int8 int4 topk, and
 ``topk-dense``: topk with ``swarm.topk_result_fraction`` 4/64, averaged parts denser than messages) of a
@@ -13,7 +14,11 @@ peer's ``sync_round`` records in ``metrics.jsonl`` give what it moved as a clien
 the members) and outside the groups (encoded updates of its own experts that others downloaded; what
 it downloaded to refresh the experts it holds frozen). Only rounds after each peer's first, in which
 every peer was in the shared group, no group failed, no refresh was missed and every frozen expert
-came as its group's encoded update (``refreshed_by_delta``), are averaged. Byte counts are hivemind's
+came as its group's encoded update (``refreshed_by_delta``), are averaged. With ``--expert-sync-rounds K``
+(``swarm.expert_sync_rounds``: the experts averaged, and the frozen copies refreshed, every K-th round
+and the last) a round that does not average the experts counts when it refreshed nothing, and a round's
+bytes are the mean over a cycle of K rounds: 1/K of an expert round's plus (K - 1)/K of a round of the
+shared weights alone, each measured as the mean of its kind. Byte counts are hivemind's
 protobuf chunks (``ByteSize``): the codec's payload plus hivemind's framing. What a peer served is
 taken from the downloaders' count (equal in those rounds): a server counts only while its own round
 runs and misses downloads that come after it (its own count is kept in the JSON). Runtime: about a
@@ -115,8 +120,8 @@ def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int, refre
     """This project's payload bytes per peer per round, mean over peers, by component (docstring):
     contributions in the members' codec, averaged parts in that of a mean of P of them, the lone
     holders' updates in ``codec.result``. ``refreshed``: the share of frozen copies brought up to date
-    per round (1: every copy every round, as the swarm does; less under a refresh policy it does not
-    run, ``benchmarks/refresh_cadence.py``), each by one encoded update."""
+    per round (1: every copy every round; 1/K with ``swarm.expert_sync_rounds`` K), each by one encoded
+    update covering the rounds since the last."""
 
     def ring(c: Codec, count: int = 1) -> float:  # (P-1)/P of the shared vector's P parts, each encoded with ``c``
         return (peers - 1) / peers * sum(c.wire_bytes(n, count) for n in part_sizes(shared, peers))
@@ -170,7 +175,7 @@ def serverless_floor(codec: Codec, shared: int, expert: int, experts: int, peers
     per peer, the experts' updates as above.
 
     With only a share ``refreshed`` of the frozen copies brought up to date per round (a refresh policy,
-    ``benchmarks/refresh_cadence.py``), the experts' term is that share of itself."""
+    ``swarm.expert_sync_rounds`` K: 1/K), the experts' term is that share of itself."""
     per_value = codec.body_bytes(BLOCK * BLOCK) / (BLOCK * BLOCK)
     experts_term = 2 * (peers - 1) / peers * experts * expert * refreshed
     if codec.forwards:
@@ -185,6 +190,7 @@ def run_swarm(name: str, codec: Codec, args: argparse.Namespace, run_dir: Path) 
         f"swarm.compression={codec.name}",
         f"swarm.topk_fraction={codec.topk_fraction}",
         f"train.max_steps={SYNC_STEPS * (args.rounds + 1)}",
+        f"swarm.expert_sync_rounds={args.expert_sync_rounds}",
     ]
     if codec.result_fraction is not None:
         overrides.append(f"swarm.topk_result_fraction={codec.result_fraction}")
@@ -206,6 +212,8 @@ def incomplete(record: dict, peers: int) -> str | None:
         return f"failed groups {record['groups_failed']}"
     if record["refresh_missed"]:
         return f"{record['refresh_missed']} refreshes missed"
+    if not record.get("experts_synced", True):  # a round of the shared weights alone: no copy moves
+        return f"{record['refreshed']} experts refreshed in a round that averaged none" if record["refreshed"] else None
     own = sum(1 for g in record["groups"] if g != "shared")
     frozen = len(record["expert_digests"]) - own
     if record["refreshed_by_delta"] != frozen or record["refreshed"] != frozen:
@@ -213,8 +221,9 @@ def incomplete(record: dict, peers: int) -> str | None:
     return None
 
 
-def read_records(run_dir: Path, peers: int) -> dict:
-    """Mean bytes per peer per round by component over the complete rounds after each peer's first."""
+def read_records(run_dir: Path, peers: int, every: int = 1) -> dict:
+    """Mean bytes per peer per round by component over the complete rounds after each peer's first;
+    with the experts averaged every ``every`` rounds, over a cycle of them (the module docstring)."""
     by_round: dict[int, dict[int, dict]] = {}
     for i in range(peers):
         records = round_records(run_dir / f"peer{i}")
@@ -230,17 +239,27 @@ def read_records(run_dir: Path, peers: int) -> dict:
         else:
             counted.append(round_no)
     rows = [by_round[n][i] for n in counted for i in range(peers)]
+    synced = [r for r in rows if r.get("experts_synced", True)]
+    held = [r for r in rows if not r.get("experts_synced", True)]
     out: dict = {"rounds": counted, "records": len(rows), "excluded": excluded}
-    if not rows:
+    out["records_by_kind"] = {"experts_averaged": len(synced), "shared_only": len(held)}
+    if not synced or (every > 1 and not held):
         return out
-    logged = {k: statistics.fmean(r["traffic"][purpose][side] for r in rows) for k, (purpose, side) in FIELDS.items()}
+
+    def mean(kind: list[dict], purpose: str, side: int) -> float:
+        return statistics.fmean(r["traffic"].get(purpose, [0, 0])[side] for r in kind)
+
+    logged = {
+        k: mean(synced, purpose, side) / every + (mean(held, purpose, side) * (every - 1) / every if held else 0.0)
+        for k, (purpose, side) in FIELDS.items()
+    }
     # what a peer served is counted by its server only while its own round runs, and others download
     # its experts' updates at the end of theirs, often after its round closed: those bytes fall between
     # its records. Every frozen expert of a counted round came from its holder in the swarm, so the
     # mean served per peer is the mean the others downloaded, counted by them inside their rounds.
     out["bytes"] = totals({**logged, "served": logged["downloaded"]})
     out["served_logged_by_servers"] = logged["served"]
-    out["own_experts"] = statistics.fmean(sum(1 for g in r["groups"] if g != "shared") for r in rows)
+    out["own_experts"] = statistics.fmean(sum(1 for g in r["groups"] if g != "shared") for r in synced)
     out["refreshed_by_delta"] = sum(r["refreshed_by_delta"] for r in rows)
     out["refreshed"] = sum(r["refreshed"] for r in rows)
     # every byte one peer sends another receives: the counts of both ends should agree
@@ -250,6 +269,11 @@ def read_records(run_dir: Path, peers: int) -> dict:
         "served (server logs) / downloaded": logged["served"] / max(logged["downloaded"], 1),
     }
     out["seconds_per_round"] = statistics.fmean(r["sync_seconds"] for r in rows)
+    if every > 1:
+        out["bytes_by_kind"] = {
+            kind: totals({k: mean(group, purpose, side) for k, (purpose, side) in FIELDS.items()})
+            for kind, group in (("experts_averaged", synced), ("shared_only", held))
+        }
     return out
 
 
@@ -282,6 +306,12 @@ def main() -> None:
     parser.add_argument(
         "--topk-result-fraction", type=float, default=4 / 64, help="swarm.topk_result_fraction of topk-dense"
     )
+    parser.add_argument(
+        "--expert-sync-rounds",
+        type=int,
+        default=1,
+        help="swarm.expert_sync_rounds: experts averaged, and frozen copies refreshed, every K rounds",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may run")
     parser.add_argument("--run-dir", type=Path, help="where the swarms run (default: a new temporary directory)")
     parser.add_argument("--no-run", action="store_true", help="only read the records already in --run-dir")
@@ -303,14 +333,15 @@ def main() -> None:
     }
 
     shared, expert, experts = parameter_split(PAYLOAD)
+    refreshed = 1 / args.expert_sync_rounds  # the share of frozen copies a round refreshes
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="p2p-spes-comms-"))
     t_start = time.monotonic()
     measured, computed, overhead = {}, {}, {}
     for name, codec in codecs.items():
         run = {"seconds": None, "error": None} if args.no_run else run_swarm(name, codec, args, run_dir)
-        got = read_records(run_dir / name, args.peers)
+        got = read_records(run_dir / name, args.peers, args.expert_sync_rounds)
         measured[name] = {**run, **got, "run_dir": str(run_dir / name)}
-        computed[name] = ours(codec, shared, expert, experts, args.peers)
+        computed[name] = ours(codec, shared, expert, experts, args.peers, refreshed)
         if "bytes" in got:
             overhead[name] = got["bytes"]["total"] / computed[name]["total"]
         status = f"error: {run['error']}" if run["error"] else "ok"
@@ -324,6 +355,7 @@ def main() -> None:
         title=f"measured bytes per peer per sync round (MB), {args.peers} loopback peers, {shared / 1e6:.2f}M "
         f"shared + {experts} x {expert / 1e6:.3f}M expert parameters, {experts // args.peers} experts "
         "trained per peer; mean over complete rounds after each peer's first"
+        + (f"; experts averaged every {args.expert_sync_rounds} rounds (a cycle's mean)" if refreshed < 1 else "")
     )
     for col in (
         "codec",
@@ -389,11 +421,11 @@ def main() -> None:
             ar32 = allreduce_fp32(s, x, e, peers)
             rows = {}
             for name, codec in codecs.items():
-                payload = ours(codec, s, x, e, peers)
+                payload = ours(codec, s, x, e, peers, refreshed)
                 factor = overhead.get(name, 1.0)
                 mine = {k: v * factor for k, v in payload.items()}
                 same = spes_reference(codec, s, x, e, peers)
-                floor = serverless_floor(codec, s, x, e, peers)
+                floor = serverless_floor(codec, s, x, e, peers, refreshed)
                 rows[name] = {
                     "ours": mine,
                     "ours_payload": payload,
@@ -552,6 +584,7 @@ def main() -> None:
             "wall_seconds": round(wall, 1),
             "peers": args.peers,
             "rounds": args.rounds,
+            "expert_sync_rounds": args.expert_sync_rounds,
             "codecs": list(codecs),
             "topk_fraction": args.topk_fraction,
             "topk_k_per_block": codecs["topk"].k if "topk" in codecs else None,

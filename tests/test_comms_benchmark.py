@@ -3,6 +3,8 @@ without a server can move (``benchmarks/comms.py``, ``docs/method.md``)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import comms
@@ -63,3 +65,49 @@ def test_sparse_forwards_every_message_so_its_ceiling_falls_with_the_peers():
         assert 1 <= ours / floor < (peers + 1) / peers + 0.01
         ceilings[peers] = reference / floor
     assert ceilings[4] > comms.TARGETS["best_vs_spes_fp32"] > ceilings[16]
+
+
+def _round(n: int, synced: bool, downloaded: int, refreshed: int) -> dict:
+    """A sync_round record of one of 2 peers, each training 1 of 2 experts (the other frozen)."""
+    groups = {"shared": {"ok": True}, **({"expert0": {"ok": True}} if synced else {})}
+    return {
+        "sync_round": n,
+        "step": 10 * n,
+        "shared_ok": True,
+        "shared_members": 2,
+        "outcome": "averaged",
+        "groups_failed": [],
+        "refresh_missed": 0,
+        "experts_synced": synced,
+        "refreshed": refreshed,
+        "refreshed_by_delta": refreshed,
+        "groups": groups,
+        "expert_digests": {"0": "a", "1": "b"},
+        "sync_seconds": 1.0,
+        "traffic": {
+            "averaging": [100, 200],
+            "reducing": [200, 100],
+            "serving": [0, 0],
+            "downloading": [0, downloaded],
+        },
+    }
+
+
+def test_a_cycle_of_expert_rounds_weighs_each_kind_of_round_by_its_share(tmp_path):
+    # experts every 2 rounds: rounds 2 and 4 refresh the frozen copy (1,000 bytes down), 3 and 5 move the
+    # shared weights alone; round 1 is each peer's first (not counted), and a round of the shared weights
+    # alone that refreshed a copy is excluded
+    for peer in range(2):
+        d = tmp_path / f"peer{peer}"
+        d.mkdir()
+        records = [_round(1, False, 5000, 0), _round(2, True, 1000, 1), _round(3, False, 0, 0)]
+        records += [_round(4, True, 1000, 1), _round(5, False, 0, 0), _round(6, False, 700, 1)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = comms.read_records(tmp_path, 2, every=2)
+    assert got["rounds"] == [2, 3, 4, 5] and list(got["excluded"]) == [6]
+    assert got["records_by_kind"] == {"experts_averaged": 4, "shared_only": 4}
+    # half a round of each kind: 1,000 / 2 downloaded and as much served; the shared group's bytes whole
+    b = got["bytes"]
+    assert b["downloaded"] == b["served"] == 500
+    assert (b["client_sent"], b["client_received"], b["reducer_out"], b["reducer_in"]) == (100, 200, 200, 100)
+    assert got["bytes_by_kind"]["shared_only"]["downloaded"] == 0
