@@ -7,8 +7,9 @@
 A SPES peer trains its own experts and holds a frozen copy of every other one: its router sends tokens
 to the copies, and its shared weights learn against them. The swarm brings every copy to its holder's
 version every round, and those downloads are a large share of a round's bytes under the sparse codecs
-(at spes-1b with 4 peers, 41% of what ``sparse`` moves). Refreshing less often is not built into the
-swarm; this benchmark measures what it would cost first.
+(at spes-1b with 4 peers, 41% of what ``sparse`` moves). The swarm runs ``every-K`` as
+``swarm.expert_sync_rounds`` (its swarm runs: ``benchmarks/convergence.py``'s ``-every4`` arms); this
+benchmark simulates it and ``tokens-K``, which the swarm does not run.
 
 One process, P peers of the quality benchmark's micro model (``benchmarks/codec_rounds.py``'s: d_model 64,
 2 layers, 8 experts top-2, seq_len 64, Muon at 5 iterations with AdamW at 4x on the rest), peer i
@@ -33,8 +34,8 @@ assembles it, the shared weights with each expert from its holder. The gap is pe
 
 Bytes, per peer per round at spes-1b (4 and 16 peers, every byte as ``benchmarks/comms.py`` counts
 it): each codec's round with the copies' downloads scaled by the share of copies the policy refreshed
-per round in these runs, over the SPES reference at fp32; a projection for a policy the swarm does not
-run, which assumes each refresh is one encoded update of the codec's size covering the rounds since the
+per round in these runs, over the SPES reference at fp32; a projection (``benchmarks/comms.py
+--expert-sync-rounds K`` measures every-K's bytes on loopback swarms), which assumes each refresh is one encoded update of the codec's size covering the rounds since the
 last (a holder under ``tokens-K`` would encode one per downloader, each copy being at its own version),
 and applies the share measured with 4 peers and 8 experts at 16 peers too. Prints a table and writes ``benchmarks/results/refresh_cadence/<variant>.json`` with each run's
 curve, and ``<variant>.png`` (the gap against rounds; needs matplotlib).

@@ -706,8 +706,8 @@ def refresh_policies_table() -> str:
         "in one process, each training its own experts, shared weights averaged uncompressed every round, "
         "copies set to their holder's weights when the policy says, the run's model scored as export assembles "
         "it, every policy on the same data and validation tokens. Bytes: each codec's round at spes-1b with "
-        "that share of the copies' downloads, over the SPES reference at fp32; a projection, since the swarm "
-        f"refreshes every copy every round: {cite([r], False)}."
+        "that share of the copies' downloads, over the SPES reference at fp32, projected (the swarm runs every-K "
+        f"as swarm.expert_sync_rounds): {cite([r], False)}."
     )
     return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
 
