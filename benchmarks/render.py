@@ -41,7 +41,11 @@ DEFAULTS = (
     ("muon-ns3", "muon-4x-ns3", ""),
     ("main", "muon-4x-2", "with five Newton-Schulz iterations instead of three"),
 )
-MUON_ITERATIONS = "muon-ns3"  # the quality benchmark's run of Muon with 5 and with 3 iterations, side by side
+MUON_ITERATIONS = "muon-ns3"
+SWARM_CODEC = (
+    "every4-150r",
+    "every4",
+)  # the convergence and comms variants of topk-dense, experts every K rounds  # the quality benchmark's run of Muon with 5 and with 3 iterations, side by side
 
 
 class RenderError(ValueError):
@@ -674,6 +678,39 @@ def codecs_table() -> str:
     )
 
 
+def swarm_codec() -> str:
+    """topk-dense in the swarm itself (experts split, each expert's update sent to its copies) with the
+    experts averaged every K rounds: its bytes at spes-1b (``comms``' every-K swarms) and its loss against
+    uncompressed SPES averaging over the convergence benchmark's long run, per seed."""
+    conv, wire = load("convergence", SWARM_CODEC[0]), load("comms", SWARM_CODEC[1])
+    c, w = conv.payload, wire.payload
+    every = w["expert_sync_rounds"]
+    arm = next(a for a in c["arms"] if a.startswith("spes-topk-dense-every"))
+    if f"swarm.expert_sync_rounds={every}" not in c["arms"][arm]:
+        raise RenderError(f"{conv.path}: {arm} is not the cadence {wire.path} measured ({every})")
+    base = c["summary"]["spes"]["finals"]
+    gaps = paired(c["summary"][arm]["finals"], base)
+    projected = w["projections"]["spes-1b"]["peers"]
+    sizes = sorted(projected, key=int)
+    less = " / ".join(
+        f"{projected[n]['codecs']['topk-dense']['times_less_than_spes_reference_fp32']:.1f}x" for n in sizes
+    )
+    framing = w["measured_over_computed"]["topk-dense"]
+    plain = ""
+    if "spes-topk-dense" in c["summary"]:
+        every_round = paired(c["summary"]["spes-topk-dense"]["finals"], base)
+        plain = f"; experts every round: {statistics.fmean(every_round):+.2%} ({span(every_round, '+.2%')})"
+    rounds = c["steps"] // c["sync_steps"]
+    text = (
+        f"In the swarm itself (one holder per expert; only the shared weights averaged across peers), topk-dense "
+        f"with `swarm.expert_sync_rounds: {every}` moves {less} less than SPES at fp32 at spes-1b "
+        f"({' / '.join(sizes)} peers; {framing:.4f}x the computed bytes on {w['peers']} loopback peers) and ends "
+        f"{statistics.fmean(gaps):+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds) against uncompressed averaging "
+        f"after {rounds} rounds of {c['sync_steps']} steps, {c['peers']} peers{plain}: {cite([conv, wire], True)}."
+    )
+    return textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
+
+
 def head_codec_rounds() -> str:
     r = load("codec_rounds")
     p = r.payload
@@ -756,13 +793,13 @@ def headline(script: str) -> str:
 # script | what it measures | command | minutes | the result files its line links ("others": its folder too)
 ROWS = """
 memory | per-peer memory of weights, gradients and optimizer state, SPES peer vs centralized, tiny / 1B / 7B | .venv/bin/python -m benchmarks.memory | < 1 | main
-comms | bytes per peer per round for every codec on a 4-peer loopback swarm, projected to 1B / 7B | .venv/bin/python -m benchmarks.comms | 5-6 | main topk-dense
+comms | bytes per peer per round for every codec on a 4-peer loopback swarm, projected to 1B / 7B | .venv/bin/python -m benchmarks.comms | 5-6 | main topk-dense every4
 wan | a swarm in network namespaces behind capped links, optionally with a CPU-capped peer (root) | sudo .venv/bin/python -m benchmarks.wan --peers 4 --mbit 20 --steps 150 --variant 4x20 | 3-5 | 4x20 others
 wan_codecs | `wan` once per codec with blocking rounds, 4 peers at 20 Mbit/s (root) | sudo .venv/bin/python -m benchmarks.wan_codecs | 30 | main sparse others
 round_anchor | our group round beside hivemind's DecentralizedAverager, same tensors, 4 peers at 20 Mbit/s, each round over its link's limit (root) | sudo .venv/bin/python -m benchmarks.round_anchor --codecs none int8 sparse --rounds 3 | 21 | main
 sync_overhead | wall time not computing with blocking rounds, 2 loopback peers | .venv/bin/python -m benchmarks.sync_overhead | 3-4 | main
 residency | partial vs full expert residency: memory, bytes, skipped tokens, loss | .venv/bin/python -m benchmarks.residency | 4 | main
-convergence | validation loss at equal tokens, 3 seeds: centralized vs SPES, DiLoCo and each codec | .venv/bin/python -m benchmarks.convergence | 75 | main lone-holder topk-sync10 topk-dense-sync10 others
+convergence | validation loss at equal tokens, 3 seeds: centralized vs SPES, DiLoCo and each codec | .venv/bin/python -m benchmarks.convergence | 75 | main lone-holder topk-sync10 topk-dense-sync10 every4-150r others
 quality | each swarm knob against centralized training at equal tokens, 3 seeds | .venv/bin/python -m benchmarks.quality | 3 per arm and seed | main
 codec_rounds | each codec against uncompressed averaging over 150 rounds, full replicas in one process, 4 and 8 peers | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.codec_rounds --sync 5 --eval-rounds 30 | 8-14 per arm and seed | main others
 refresh_cadence | frozen expert copies refreshed every round, every K rounds or by their router's tokens: loss and the bytes it would save | OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.refresh_cadence | 8-14 per policy and seed | main others
@@ -792,7 +829,7 @@ def scripts_table() -> str:
 # -- the files and their markers -----------------------------------------------------------------------
 
 TARGETS: dict[str, dict[str, Callable[[], str]]] = {
-    "README.md": {"numbers": numbers, "nat": nat_table, "codecs": codecs_table},
+    "README.md": {"numbers": numbers, "nat": nat_table, "codecs": codecs_table, "swarm_codec": swarm_codec},
     "benchmarks/README.md": {
         "scripts": scripts_table,
         "performance": performance_table,

@@ -129,7 +129,7 @@ def test_a_peer_with_another_codec_is_refused_before_sending_anything(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["none", "sparse"])
+@pytest.mark.parametrize("compression", [pytest.param("none", marks=pytest.mark.long), "sparse"])
 def test_experts_averaged_every_third_round_refresh_copies_only_then(tmp_path, compression):
     # swarm.expert_sync_rounds=3 over 7 rounds: the experts are averaged (and every frozen copy refreshed)
     # in rounds 3 and 6 and in the run's last, 7; the shared weights in every round
