@@ -23,7 +23,7 @@ from benchmarks.lab.chaos import group_alive
 from dht.node import start_dht
 from p2p_spes.averaging.allreduce import GroupAllReduce
 from p2p_spes.averaging.reducer import PartServer
-from p2p_spes.local_swarm import spawn_bootstrap
+from p2p_spes.local_swarm import LocalSwarm, spawn_bootstrap
 from p2p_spes.metrics_log import round_records
 
 __all__ = [
@@ -189,6 +189,19 @@ def join_once(run_dir: Path, maddrs: list[str], overrides: list[str]) -> subproc
 
 
 # A peer's metrics ----------------------------------------------------------------------------------
+def run_local_swarm(run_dir: Path, overrides: list[str], peers: int, timeout: float = 300) -> LocalSwarm:
+    """A loopback swarm of ``peers`` started in ``run_dir`` and run to its end (stopped in any case), each
+    peer having exited cleanly (else the end of each peer's log)."""
+    swarm = LocalSwarm(None, overrides, peers=peers, run_dir=run_dir)
+    try:
+        swarm.start()
+        codes = swarm.wait(timeout=timeout)
+    finally:
+        swarm.stop()
+    assert codes == [0] * peers, [(run_dir / f"peer{i}.log").read_text()[-2000:] for i in range(peers)]
+    return swarm
+
+
 def rounds(run_dir: Path) -> dict[int, dict]:
     """The ``sync_round`` records of a peer's ``metrics.jsonl``, by round number."""
     return {record["sync_round"]: record for record in round_records(run_dir)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import SMALL, assert_identical_after_rounds, join_once, rounds
+from helpers import SMALL, assert_identical_after_rounds, join_once, rounds, run_local_swarm
 
 from p2p_spes.averaging.transport import tensor_digest
 from p2p_spes.checkpoint import find_checkpoint, load_checkpoint
@@ -42,26 +42,15 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
     # machine a peer whose record came late at two boundaries looked gone, and the other took over
     # one of its experts (then 2 holders averaged it, and the test's premise no longer held). 70 steps give
     # 7 boundaries: a peer that starts late under CI load still joins at least 4 rounds
-    swarm = LocalSwarm(
-        None,
-        SMALL
-        + [
-            "train.max_steps=70",
-            "swarm.merge_interval=20",
-            "swarm.max_experts_per_peer=3",
-            f"swarm.compression={compression}",
-            f"swarm.keep_local_progress={keep}",
-            *dense,
-        ],
-        peers=2,
-        run_dir=tmp_path,
-    )
-    try:
-        swarm.start()
-        codes = swarm.wait(timeout=300)
-    finally:
-        swarm.stop()
-    assert codes == [0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in range(2)]
+    overrides = [
+        "train.max_steps=70",
+        "swarm.merge_interval=20",
+        "swarm.max_experts_per_peer=3",
+        f"swarm.compression={compression}",
+        f"swarm.keep_local_progress={keep}",
+        *dense,
+    ]
+    swarm = run_local_swarm(tmp_path, SMALL + overrides, peers=2)
     dirs = [tmp_path / f"peer{i}" for i in range(2)]
     # every member applies the same decoded average to the same anchor: bit-identical, checked by SHA-256
     # (what each publishes and serves: with keep_local_progress its weights run ahead of that anchor)
@@ -133,25 +122,14 @@ def test_a_peer_with_another_codec_is_refused_before_sending_anything(tmp_path):
 def test_experts_averaged_every_third_round_refresh_copies_only_then(tmp_path, compression):
     # swarm.expert_sync_rounds=3 over 7 rounds: the experts are averaged (and every frozen copy refreshed)
     # in rounds 3 and 6 and in the run's last, 7; the shared weights in every round
-    swarm = LocalSwarm(
-        None,
-        SMALL
-        + [
-            "train.max_steps=70",
-            "swarm.merge_interval=20",
-            "swarm.max_experts_per_peer=3",
-            f"swarm.compression={compression}",
-            "swarm.expert_sync_rounds=3",
-        ],
-        peers=2,
-        run_dir=tmp_path,
-    )
-    try:
-        swarm.start()
-        codes = swarm.wait(timeout=300)
-    finally:
-        swarm.stop()
-    assert codes == [0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in range(2)]
+    overrides = [
+        "train.max_steps=70",
+        "swarm.merge_interval=20",
+        "swarm.max_experts_per_peer=3",
+        f"swarm.compression={compression}",
+        "swarm.expert_sync_rounds=3",
+    ]
+    swarm = run_local_swarm(tmp_path, SMALL + overrides, peers=2)
     dirs = [tmp_path / f"peer{i}" for i in range(2)]
     assert_identical_after_rounds(dirs, min_common=3)
     summaries = swarm.summaries()

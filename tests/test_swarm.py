@@ -22,6 +22,7 @@ from helpers import (
     join_once,
     last_step,
     rounds,
+    run_local_swarm,
 )
 
 from p2p_spes.averaging.allreduce import HOLD
@@ -119,25 +120,14 @@ def test_swarm_trains_syncs_merges_and_ends_identical(tmp_path):
     # the shared group of three runs the robust centered_clip rule: members end bit-identical. AdamW
     # inside: Muon with DiLoCo's Nesterov outer step ends 2.2% behind the plain average in the quality
     # benchmark (docs/limits.md), and this test is about syncing
-    swarm = LocalSwarm(
-        None,
-        SMALL
-        + [
-            "train.max_steps=90",
-            "train.optimizer=adamw",
-            "swarm.merge_interval=20",
-            "swarm.outer_optimizer=nesterov",
-            "swarm.aggregation=centered_clip",
-        ],
-        peers=3,
-        run_dir=tmp_path,
-    )
-    try:
-        swarm.start()
-        codes = swarm.wait(timeout=300)
-    finally:
-        swarm.stop()
-    assert codes == [0, 0, 0], [(tmp_path / f"peer{i}.log").read_text()[-2000:] for i in range(3)]
+    overrides = [
+        "train.max_steps=90",
+        "train.optimizer=adamw",
+        "swarm.merge_interval=20",
+        "swarm.outer_optimizer=nesterov",
+        "swarm.aggregation=centered_clip",
+    ]
+    swarm = run_local_swarm(tmp_path, SMALL + overrides, peers=3)
     summaries = swarm.summaries()
     held = sorted(e for s in summaries for e in s["local_experts"])
     assert held == list(range(6)), "least-covered placement should spread the 6 experts over 3 peers"

@@ -136,9 +136,8 @@ def check_run(run_id: str, peer_id: str, view: RunView, ours: Ours) -> None:
             raise SwarmError(
                 f"run {run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
                 f"{describe_sync(other)} there, {describe_sync(ours.sync)} here. swarm.compression and "
-                "swarm.topk_fraction (and topk_result_fraction, expert_sync_rounds) are run-wide: set them as the run "
-                "does, or join "
-                "with --config-from-swarm"
+                "swarm.topk_fraction (and topk_result_fraction, expert_sync_rounds) are run-wide: set them as the "
+                "run does, or join with --config-from-swarm"
             )
     theirs = {v.get("hash") for p, v in view.run_configs.items() if p != peer_id}
     if theirs and ours.config_hash not in theirs:
