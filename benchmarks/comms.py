@@ -246,12 +246,15 @@ def read_records(run_dir: Path, peers: int, every: int = 1) -> dict:
     if not synced or (every > 1 and not held):
         return out
 
-    def mean(kind: list[dict], purpose: str, side: int) -> float:
-        return statistics.fmean(r["traffic"].get(purpose, [0, 0])[side] for r in kind)
+    def means(kind: list[dict]) -> dict[str, float]:  # each component's mean over one kind of round
+        return {
+            k: statistics.fmean(r["traffic"].get(purpose, [0, 0])[side] for r in kind) if kind else 0.0
+            for k, (purpose, side) in FIELDS.items()
+        }
 
+    by_kind = {"experts_averaged": means(synced), "shared_only": means(held)}
     logged = {
-        k: mean(synced, purpose, side) / every + (mean(held, purpose, side) * (every - 1) / every if held else 0.0)
-        for k, (purpose, side) in FIELDS.items()
+        k: v / every + by_kind["shared_only"][k] * (every - 1) / every for k, v in by_kind["experts_averaged"].items()
     }
     # what a peer served is counted by its server only while its own round runs, and others download
     # its experts' updates at the end of theirs, often after its round closed: those bytes fall between
@@ -270,10 +273,7 @@ def read_records(run_dir: Path, peers: int, every: int = 1) -> dict:
     }
     out["seconds_per_round"] = statistics.fmean(r["sync_seconds"] for r in rows)
     if every > 1:
-        out["bytes_by_kind"] = {
-            kind: totals({k: mean(group, purpose, side) for k, (purpose, side) in FIELDS.items()})
-            for kind, group in (("experts_averaged", synced), ("shared_only", held))
-        }
+        out["bytes_by_kind"] = {kind: totals(m) for kind, m in by_kind.items()}
     return out
 
 

@@ -41,11 +41,9 @@ DEFAULTS = (
     ("muon-ns3", "muon-4x-ns3", ""),
     ("main", "muon-4x-2", "with five Newton-Schulz iterations instead of three"),
 )
-MUON_ITERATIONS = "muon-ns3"
-SWARM_CODEC = (
-    "every4-150r",
-    "every4",
-)  # the convergence and comms variants of topk-dense, experts every K rounds  # the quality benchmark's run of Muon with 5 and with 3 iterations, side by side
+MUON_ITERATIONS = "muon-ns3"  # the quality benchmark's run of Muon with 5 and with 3 iterations, side by side
+# the convergence and comms variants that ran topk-dense with the experts averaged every K rounds
+SWARM_CODEC = ("every4-150r", "every4")
 
 
 class RenderError(ValueError):

@@ -188,7 +188,6 @@ def join_once(run_dir: Path, maddrs: list[str], overrides: list[str]) -> subproc
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True)
 
 
-# A peer's metrics ----------------------------------------------------------------------------------
 def run_local_swarm(run_dir: Path, overrides: list[str], peers: int, timeout: float = 300) -> LocalSwarm:
     """A loopback swarm of ``peers`` started in ``run_dir`` and run to its end (stopped in any case), each
     peer having exited cleanly (else the end of each peer's log)."""
@@ -202,6 +201,7 @@ def run_local_swarm(run_dir: Path, overrides: list[str], peers: int, timeout: fl
     return swarm
 
 
+# A peer's metrics ----------------------------------------------------------------------------------
 def rounds(run_dir: Path) -> dict[int, dict]:
     """The ``sync_round`` records of a peer's ``metrics.jsonl``, by round number."""
     return {record["sync_round"]: record for record in round_records(run_dir)}
