@@ -2,7 +2,7 @@
 (``benchmarks/lab/home_router.py``: it masquerades the peer's network and forwards nothing inbound),
 20 Mbit/s links, started with no NAT-specific flag. Each peer finds out at start whether it can be
 dialled (``dht/reachability.py``): the NATed ones must say private, the first one public. After the
-joiners' catch-up every peer must be in every round and average, none may skip steps, and all must end
+joiners' catch-up (and at most two rounds in which a late starter still trails) every peer must be in every round and average, none may skip steps, and all must end
 with identical weights.
 
 On the code before the dial-back and the client role (issue 43, measured with the tiny config for 150
@@ -58,11 +58,34 @@ def run_lab_swarm(tmp_path: Path, links: list[LinkSpec], run: list[str], timeout
     return swarm
 
 
+def settled_rounds(report: SwarmReport, peers: int, grace: int = 2) -> dict[int, list]:
+    """Per peer, its rounds from the first one after the join that every peer averaged with all.
+
+    A peer that began training seconds after the others reaches each round's step that much later; on
+    two loaded cores the lag can outlast the matchmaking window for a round or two (the late peer adopts
+    the group's result, as it should). At most ``grace`` such rounds are allowed; from the first full
+    round on, every round must be full."""
+    after = report.rounds_after_join()
+    rounds = sorted({r.round for rows in after.values() for r in rows})
+    full = [
+        n
+        for n in rounds
+        if all(
+            any(r.round == n and r.members == peers and r.outcome == "averaged" for r in rows)
+            for rows in after.values()
+        )
+    ]
+    assert full and rounds.index(full[0]) <= grace, (
+        f"no full round within {grace} of the join: {report.describe_rounds()}"
+    )
+    return {peer: [r for r in rows if r.round >= full[0]] for peer, rows in after.items()}
+
+
 def assert_every_round_averaged_and_identical(tmp_path: Path, peers: int) -> SwarmReport:
     """Every peer in every round after the joiners' catch-up, averaged with all; none skipped a step;
     identical weights (shared and every expert) at the last common round and at the end."""
     report = read_swarm(tmp_path, peers)
-    after = report.rounds_after_join()
+    after = settled_rounds(report, peers)
     assert all(len(rows) >= 3 for rows in after.values()), f"too few rounds after the join: {report.describe_rounds()}"
     for peer, rows in after.items():
         missed = [(r.round, r.members, r.outcome) for r in rows if r.members != peers or r.outcome != "averaged"]
@@ -113,7 +136,7 @@ def test_experts_only_natted_peers_hold_are_averaged_and_reach_everyone(tmp_path
     swarm = run_lab_swarm(tmp_path, links, run, timeout=600)
     assert [s.get("reachability", {}).get("role") for s in swarm.summaries()] == ["public"] + ["private"] * 3
     report = assert_every_round_averaged_and_identical(tmp_path, 4)
-    rounds = {r.round for rows in report.rounds_after_join().values() for r in rows}
+    rounds = {r.round for rows in settled_rounds(report, 4).values() for r in rows}
     by_peer = {i: expert_groups(tmp_path, i) for i in range(4)}
     natted_only = set()
     for r in sorted(rounds):
