@@ -699,8 +699,39 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="p2p-spes-convergence-"))
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
     t_start = time.monotonic()
+    png = writer.sibling(".png")
+    png.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(seeds_done: list[int]) -> tuple[Path, bool, dict[str, Any]]:
+        """The result file with the seeds done so far: an hours-long run stopped early keeps them."""
+        summary = summarise(runs, budget, args.steps, boundaries)
+        plotted = plot(runs, tokens_per_step, png)
+        path = writer.write(
+            {
+                "config": common,
+                "arms": {arm: ARMS[arm] for arm in args.arms},
+                "seeds": seeds_done,
+                "complete": seeds_done == list(args.seeds),
+                "peers": args.peers,
+                "batch": args.batch,
+                "steps": args.steps,
+                "sync_steps": args.sync_steps,
+                "eval_every": args.eval_every,
+                "merge_interval": args.merge_interval,
+                "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
+                "tokens_per_step": tokens_per_step,
+                "token_budget": budget,
+                "validation": validation.describe,
+                "wall_seconds": round(time.monotonic() - t_start, 1),
+                "summary": jsonable(summary),
+                "runs": {arm: [jsonable(r) for r in seeds] for arm, seeds in runs.items()},
+                "plot": png.name if plotted else None,
+            }
+        )
+        return path, plotted, summary
+
     try:
-        for seed in args.seeds:  # seed-major: an interrupted benchmark has every arm at the first seeds
+        for n, seed in enumerate(args.seeds):  # seed-major: an interrupted benchmark has every arm at the first seeds
             for arm in args.arms:
                 t0 = time.monotonic()
                 extra = (
@@ -726,40 +757,15 @@ def main() -> None:
                     f"{result['tokens_trained'] / budget:.1%} of the token budget{extra} "
                     f"({time.monotonic() - t0:.0f} s; {(time.monotonic() - t_start) / 60:.1f} min so far)"
                 )
+            save(list(args.seeds[: n + 1]))
     finally:
         if not args.keep_runs:
             shutil.rmtree(work, ignore_errors=True)
-    wall = time.monotonic() - t_start
-
-    summary = summarise(runs, budget, args.steps, boundaries)
+    json_path, plotted, summary = save(list(args.seeds))
     print_table(console, summary, args.seeds, tokens_per_step, args.steps)
     for arm, o in summary.items():
         console.print(sentence(arm, o, len(args.seeds)))
-    console.print(f"total wall time {wall / 60:.1f} min")
-    png = writer.sibling(".png")
-    png.parent.mkdir(parents=True, exist_ok=True)
-    plotted = plot(runs, tokens_per_step, png)
-    json_path = writer.write(
-        {
-            "config": common,
-            "arms": {arm: ARMS[arm] for arm in args.arms},
-            "seeds": args.seeds,
-            "peers": args.peers,
-            "batch": args.batch,
-            "steps": args.steps,
-            "sync_steps": args.sync_steps,
-            "eval_every": args.eval_every,
-            "merge_interval": args.merge_interval,
-            "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
-            "tokens_per_step": tokens_per_step,
-            "token_budget": budget,
-            "validation": validation.describe,
-            "wall_seconds": round(wall, 1),
-            "summary": jsonable(summary),
-            "runs": {arm: [jsonable(r) for r in seeds] for arm, seeds in runs.items()},
-            "plot": png.name if plotted else None,
-        }
-    )
+    console.print(f"total wall time {(time.monotonic() - t_start) / 60:.1f} min")
     console.print(f"wrote {json_path}" + (f" and {png}" if plotted else ""))
 
 
