@@ -89,7 +89,8 @@ class SwarmConfig:
         1,
         doc="Experts are averaged among their holders, and every frozen copy refreshed, every this many sync "
         "rounds and at the run's last (the shared weights every round); between, a holder trains on and serves "
-        "its expert's last agreed value, and one update then covers the rounds since (p2p_spes/swarm/sync_round.py)",
+        "its expert's last agreed value, and one update then covers the rounds since (p2p_spes/swarm/sync_round.py). "
+        "Above 1, peers must agree on train.max_steps too",
     )
     keep_local_progress: bool = setting(
         False, doc="Lossy codecs: weights keep what messages have not carried (p2p_spes/swarm/outer.py)"

@@ -170,3 +170,23 @@ def test_experts_due_every_kth_round_and_the_last():
 
     assert [n for n in range(1, 11) if experts_due(3, n, last=n == 10)] == [3, 6, 9, 10]
     assert all(experts_due(1, n, last=False) for n in range(1, 5))
+
+
+def test_expert_rounds_weigh_the_training_since_the_last_applied_group_and_keep_failures_flagged():
+    """Every 3 rounds of 10 tokens: a holder's expert group is weighted by the 30 tokens its
+    pseudo-gradient carries; an expert whose group failed carries its tokens on and stays flagged in
+    the rounds that skip the experts (its holder serves a stale anchor there), until a group applies."""
+    from p2p_spes.swarm.sync_round import ExpertCycle, experts_due
+
+    cycle, weights, flagged = ExpertCycle(), [], []
+    for n in range(1, 10):
+        local = [0, 1] if n < 5 else [0, 1, 2]  # expert 2 taken over at round 5
+        cycle.trained(local, 10.0)
+        if experts_due(3, n, last=False):
+            weights.append({e: cycle.weight(e) for e in local})
+            cycle.averaged(local, failed={1} if n == 3 else ())
+        flagged.append(sorted(cycle.failed))
+    assert weights == [{0: 30.0, 1: 30.0}, {0: 30.0, 1: 60.0, 2: 20.0}, {0: 30.0, 1: 30.0, 2: 30.0}]
+    assert flagged == [[]] * 2 + [[1]] * 3 + [[]] * 4
+    cycle.trained([0], 10.0)  # experts 1 and 2 handed over: forgotten
+    assert cycle.tokens == {0: 10.0} and cycle.weight(2) == 1e-6

@@ -223,10 +223,33 @@ def test_the_result_share_is_run_wide_but_absent_from_runs_that_leave_it_unset()
 
 
 def test_the_experts_cadence_is_run_wide_but_absent_at_every_round():
-    assert sync_settings("sparse", 1 / 64, None, 1) == sync_settings("sparse", 1 / 64)
+    """Every K > 1 rounds, the run's last step is compared too (its round averages the experts whatever
+    its number); every round, neither is, so peers that predate the setting still match."""
+    assert sync_settings("sparse", 1 / 64, None, 1, 100) == sync_settings("sparse", 1 / 64)
     assert sync_settings("sparse", 1 / 64, None, None) == sync_settings("sparse", 1 / 64)
-    assert sync_settings("none", 1 / 64, None, 4) != sync_settings("none", 1 / 64)
-    assert describe_sync(sync_settings("none", 1 / 64, None, 4)) == "compression none (expert_sync_rounds 4)"
+    assert sync_settings("none", 1 / 64, None, 4, 100) != sync_settings("none", 1 / 64)
+    assert sync_settings("none", 1 / 64, None, 4, 100) != sync_settings("none", 1 / 64, None, 4, 90)
+    assert (
+        describe_sync(sync_settings("none", 1 / 64, None, 4, 100))
+        == "compression none (expert_sync_rounds 4) (max_steps 100)"
+    )
+
+
+def test_a_peer_with_another_last_step_is_refused_when_experts_skip_rounds():
+    """A peer that thinks another round is the run's last would open expert groups nobody else opens."""
+    from p2p_spes.errors import SwarmError
+    from p2p_spes.swarm.compat import Ours, RunView, check_run
+
+    def ours(max_steps: int) -> Ours:
+        return Ours("fp", {"moe": {}}, sync_settings("none", 1 / 64, None, 4, max_steps), "hash")
+
+    def run_config(max_steps: int) -> dict:
+        published = {"swarm": {"compression": "none", "expert_sync_rounds": 4}, "train": {"max_steps": max_steps}}
+        return {"config": published, "hash": "hash", "fingerprint": "fp"}
+
+    check_run("r", "me", RunView({}, {"them": run_config(100)}), ours(100))
+    with pytest.raises(SwarmError, match=r"\(max_steps 90\) there, .*\(max_steps 100\) here\..*train\.max_steps"):
+        check_run("r", "me", RunView({}, {"them": run_config(90)}), ours(100))
 
 
 @pytest.mark.parametrize("k_share", [1 / 64, 4 / 64])

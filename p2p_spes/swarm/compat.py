@@ -27,15 +27,22 @@ def describe_difference(ours: dict, theirs: dict) -> str:
 
 
 def sync_settings(
-    compression: Any, topk_fraction: Any, topk_result_fraction: Any = None, expert_sync_rounds: Any = 1
+    compression: Any,
+    topk_fraction: Any,
+    topk_result_fraction: Any = None,
+    expert_sync_rounds: Any = 1,
+    max_steps: Any = None,
 ) -> dict[str, Any]:
     """What peers must share to average together: the protocol (pseudo-gradients since version 2),
     the codec and the rounds that average the experts; the top-k shares only matter to ``topk`` and
     ``sparse`` (the result's only to topk, when it is set, and the experts' cadence only when it is not
-    every round, so that peers which predate them still match the defaults)."""
+    every round, so that peers which predate them still match the defaults). With the experts averaged
+    every K > 1 rounds the run's last step is shared too: the last round averages them whatever its
+    number, and a peer that saw another last round would wait in expert groups nobody else opens."""
     out = {"protocol": SYNC_PROTOCOL, "compression": compression}
     if expert_sync_rounds not in (None, 1):
         out["expert_sync_rounds"] = expert_sync_rounds
+        out["max_steps"] = max_steps
     if compression == "sparse":
         out["topk_fraction"] = topk_fraction
     if compression == "topk":
@@ -48,7 +55,7 @@ def sync_settings(
 def describe_sync(settings: Any) -> str:
     if not isinstance(settings, dict) or settings.get("protocol") != SYNC_PROTOCOL:
         return "an older p2p-spes (it averages weights, not pseudo-gradients: upgrade every peer)"
-    keys = ("topk_fraction", "topk_result_fraction", "expert_sync_rounds")
+    keys = ("topk_fraction", "topk_result_fraction", "expert_sync_rounds", "max_steps")
     extra = "".join(f" ({k} {settings[k]})" for k in keys if k in settings)
     return f"compression {settings.get('compression')}{extra}"
 
@@ -101,6 +108,7 @@ def model_records(view: RunView, ours: Ours) -> dict[str, Any]:
         published = value.get("config") if isinstance(value.get("config"), dict) else {}
         moe = published.get("moe") if isinstance(published.get("moe"), dict) else {}
         swarm = published.get("swarm") if isinstance(published.get("swarm"), dict) else {}
+        train = published.get("train") if isinstance(published.get("train"), dict) else {}
         records.setdefault(
             peer,
             {
@@ -111,6 +119,7 @@ def model_records(view: RunView, ours: Ours) -> dict[str, Any]:
                     swarm.get("topk_fraction"),
                     swarm.get("topk_result_fraction"),
                     swarm.get("expert_sync_rounds"),
+                    train.get("max_steps"),
                 ),
             },
         )
@@ -136,8 +145,8 @@ def check_run(run_id: str, peer_id: str, view: RunView, ours: Ours) -> None:
             raise SwarmError(
                 f"run {run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
                 f"{describe_sync(other)} there, {describe_sync(ours.sync)} here. swarm.compression and "
-                "swarm.topk_fraction (and topk_result_fraction, expert_sync_rounds) are run-wide: set them as the "
-                "run does, or join with --config-from-swarm"
+                "swarm.topk_fraction (and topk_result_fraction, expert_sync_rounds with train.max_steps) are run-wide: "
+                "set them as the run does, or join with --config-from-swarm"
             )
     theirs = {v.get("hash") for p, v in view.run_configs.items() if p != peer_id}
     if theirs and ours.config_hash not in theirs:

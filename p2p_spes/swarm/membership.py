@@ -150,7 +150,9 @@ class Membership:
         rt = self.runtime
         ours = self.cfg.model_defining()
         sw = self.cfg.swarm
-        sync = sync_settings(sw.compression, sw.topk_fraction, sw.topk_result_fraction, sw.expert_sync_rounds)
+        sync = sync_settings(
+            sw.compression, sw.topk_fraction, sw.topk_result_fraction, sw.expert_sync_rounds, self.cfg.train.max_steps
+        )
         check_run(
             rt.run_id,
             self.peer_id,

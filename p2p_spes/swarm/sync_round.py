@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -79,6 +79,32 @@ def experts_due(every: int, round_no: int, last: bool) -> bool:
     return every <= 1 or last or round_no % every == 0
 
 
+@dataclass
+class ExpertCycle:
+    """What a holder remembers of its experts between the rounds that average them.
+
+    ``tokens``: per expert we train, the tokens trained since its last group applied; an expert round
+    weighs each holder by the training its pseudo-gradient carries (K rounds, fewer for a holder that
+    came in since, more after a failed group), not by the last round's tokens. ``failed``: our experts
+    whose last group failed, flagged in our digests until a round averages them again, so that nobody
+    takes the stale anchor we serve in the rounds between for the agreed version."""
+
+    tokens: dict[int, float] = field(default_factory=dict)
+    failed: frozenset[int] = frozenset()
+
+    def trained(self, local: Iterable[int], tokens: float) -> None:
+        """A round's training; experts we no longer train are forgotten, new ones start from zero."""
+        self.tokens = {e: self.tokens.get(e, 0.0) + tokens for e in local}
+
+    def averaged(self, local: Iterable[int], failed: Iterable[int]) -> None:
+        """A round that averaged the experts: the applied ones start over, the failed ones carry on."""
+        self.failed = frozenset(failed)
+        self.tokens = {e: (n if e in self.failed else 0.0) for e, n in self.tokens.items() if e in set(local)}
+
+    def weight(self, expert: int) -> float:
+        return max(self.tokens.get(expert, 0.0), 1e-6)
+
+
 class RoundRunner:
     """Runs sync rounds with the parts of a :class:`~p2p_spes.swarm.Swarm`."""
 
@@ -103,6 +129,7 @@ class RoundRunner:
         self.applier = GroupApplier(reducer, server, outer, guard, deadlines, stats)
         self.adopter = Adopter(self.peer_id, server, downloader, refresher, outer, self.applier.feedback, stats)
         self.last_versions: dict[str, VersionRecord] = {}  # the digests published in our last round, by peer
+        self.cycle = ExpertCycle()
 
     def run(
         self,
@@ -123,8 +150,12 @@ class RoundRunner:
         sending: dict[str, torch.Tensor] = {}  # uid -> the pseudo-gradient (with residual) we send
         shared = self._shared_group(model, round_no, peers, weight, window, sending, report)
         report.experts_synced = experts_due(self.sw.expert_sync_rounds, round_no, last)
+        self.cycle.trained(model.local_experts, weight)
         if report.experts_synced:
-            groups_end = self._expert_groups(model, round_no, shared, weight, window, sending, report)
+            groups_end = self._expert_groups(model, round_no, shared, window, sending, report)
+            self.cycle.averaged(
+                model.local_experts, {e for e in model.local_experts if f"expert{e}" in report.failed_groups}
+            )
         else:
             groups_end = self._hold_experts(model)
         self.server.take_snapshot(round_no, step, self.outer.momentum)
@@ -176,7 +207,6 @@ class RoundRunner:
         model: MoETransformer,
         round_no: int,
         shared: SharedOutcome,
-        weight: float,
         window: float,
         sending: dict[str, torch.Tensor],
         report: RoundReport,
@@ -198,7 +228,7 @@ class RoundRunner:
                         round_no,
                         f"expert{e}",
                         self.applier.contribution(f"expert:{e}", flats[e], sending),
-                        weight,
+                        self.cycle.weight(e),
                         groups[e],
                         window=window,
                         timeout=self._group_timeout(payload, groups[e], shared.peers),
@@ -245,7 +275,7 @@ class RoundRunner:
             {e: self.server.current(f"expert:{e}")["digest"] for e in model.local_experts},
             {e: tensor_digest(model.expert_tensors(e)) for e in orphaned if e in held},
             group=report.shared.members if report.shared.ok else 0,
-            failed=frozenset(e for e in model.local_experts if f"expert{e}" in report.failed_groups),
+            failed=self.cycle.failed & frozenset(model.local_experts),
         )
         self.runtime.call(
             self.runtime.store(version_key(self.runtime.run_id, round_no), mine.to_value(), ttl=version_ttl(sw))
