@@ -452,6 +452,7 @@ class Lab:
 _SINK = """
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 5201)); s.listen(1)
+print("listening", flush=True)
 s.settimeout(30); c, _ = s.accept(); c.settimeout(30); n, t0 = 0, None
 while True:
     b = c.recv(1 << 16)
@@ -464,12 +465,8 @@ while True:
 print(n, time.perf_counter() - t0)
 """
 _SOURCE = """
-import socket, sys, time
-for _ in range(100):
-    try:
-        s = socket.create_connection((sys.argv[1], 5201), timeout=30); break
-    except OSError:
-        time.sleep(0.1)
+import socket, sys
+s = socket.create_connection((sys.argv[1], 5201), timeout=30)
 s.sendall(b"x" * int(sys.argv[2])); s.close()
 """
 
@@ -486,6 +483,10 @@ def measure_link(lab: Lab, sender: int, receiver: int, nbytes: int = 1_000_000, 
         start_new_session=True,
     )
     try:
+        # the source starts once the sink listens: on loaded cores a sink can take seconds to start
+        ready, _, _ = select.select([sink.stdout], [], [], timeout)
+        if not ready or sink.stdout.readline().strip() != "listening":
+            raise LabError(f"the link measurement's sink did not start listening within {timeout:.0f} s")
         _run(
             [*lab.argv_prefix(sender), sys.executable, "-c", _SOURCE, lab.address(receiver), str(nbytes)],
             timeout=timeout,

@@ -149,10 +149,8 @@ class Membership:
         fingerprints) on other data; nothing of ours is sent before this."""
         rt = self.runtime
         ours = self.cfg.model_defining()
-        sw = self.cfg.swarm
-        sync = sync_settings(
-            sw.compression, sw.topk_fraction, sw.topk_result_fraction, sw.expert_sync_rounds, self.cfg.train.max_steps
-        )
+        sw, steps = self.cfg.swarm, self.cfg.train.max_steps
+        sync = sync_settings(sw.compression, sw.topk_fraction, sw.topk_result_fraction, sw.expert_sync_rounds, steps)
         check_run(
             rt.run_id,
             self.peer_id,
