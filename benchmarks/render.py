@@ -42,8 +42,9 @@ DEFAULTS = (
     ("main", "muon-4x-2", "with five Newton-Schulz iterations instead of three"),
 )
 MUON_ITERATIONS = "muon-ns3"  # the quality benchmark's run of Muon with 5 and with 3 iterations, side by side
-# the convergence and comms variants that ran topk-dense with the experts averaged every K rounds
-SWARM_CODEC = ("every4-150r", "every4")
+# the convergence variants (4 and 8 peers) and the comms variant that ran topk-dense with the experts
+# averaged every K rounds
+SWARM_CODEC = (("every4-150r", "every4-8peers-150r"), "every4")
 
 
 class RenderError(ValueError):
@@ -679,32 +680,42 @@ def codecs_table() -> str:
 def swarm_codec() -> str:
     """topk-dense in the swarm itself (experts split, each expert's update sent to its copies) with the
     experts averaged every K rounds: its bytes at spes-1b (``comms``' every-K swarms) and its loss against
-    uncompressed SPES averaging over the convergence benchmark's long run, per seed."""
-    conv, wire = load("convergence", SWARM_CODEC[0]), load("comms", SWARM_CODEC[1])
-    c, w = conv.payload, wire.payload
+    uncompressed SPES averaging over the convergence benchmark's long runs, per peer count and seed."""
+    convs, wire = [load("convergence", v) for v in SWARM_CODEC[0]], load("comms", SWARM_CODEC[1])
+    w = wire.payload
     every = w["expert_sync_rounds"]
-    arm = next(a for a in c["arms"] if a.startswith("spes-topk-dense-every"))
-    if f"swarm.expert_sync_rounds={every}" not in c["arms"][arm]:
-        raise RenderError(f"{conv.path}: {arm} is not the cadence {wire.path} measured ({every})")
-    base = c["summary"]["spes"]["finals"]
-    gaps = paired(c["summary"][arm]["finals"], base)
+    ends, plain, lengths = [], "", set()
+    for conv in convs:
+        c = conv.payload
+        if not c.get("complete", True):
+            raise RenderError(f"{conv.path}: stopped after seeds {c['seeds']} of {c['provenance']['seeds']}")
+        arm = next(a for a in c["arms"] if a.startswith("spes-topk-dense-every"))
+        if f"swarm.expert_sync_rounds={every}" not in c["arms"][arm]:
+            raise RenderError(f"{conv.path}: {arm} is not the cadence {wire.path} measured ({every})")
+        base = c["summary"]["spes"]["finals"]
+        gaps = paired(c["summary"][arm]["finals"], base)
+        ends.append(f"{statistics.fmean(gaps):+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds) with {c['peers']} peers")
+        lengths.add(f"{c['steps'] // c['sync_steps']} rounds of {c['sync_steps']} steps")
+        if "spes-topk-dense" in c["summary"] and not plain:
+            every_round = paired(c["summary"]["spes-topk-dense"]["finals"], base)
+            plain = (
+                f"; experts every round: {statistics.fmean(every_round):+.2%} ({span(every_round, '+.2%')}, "
+                f"{c['peers']} peers)"
+            )
+    if len(lengths) != 1:
+        raise RenderError(f"the convergence runs {SWARM_CODEC[0]} are not equally long: {sorted(lengths)}")
     projected = w["projections"]["spes-1b"]["peers"]
     sizes = sorted(projected, key=int)
     less = " / ".join(
         f"{projected[n]['codecs']['topk-dense']['times_less_than_spes_reference_fp32']:.1f}x" for n in sizes
     )
     framing = w["measured_over_computed"]["topk-dense"]
-    plain = ""
-    if "spes-topk-dense" in c["summary"]:
-        every_round = paired(c["summary"]["spes-topk-dense"]["finals"], base)
-        plain = f"; experts every round: {statistics.fmean(every_round):+.2%} ({span(every_round, '+.2%')})"
-    rounds = c["steps"] // c["sync_steps"]
     text = (
         f"In the swarm itself (one holder per expert; only the shared weights averaged across peers), topk-dense "
         f"with `swarm.expert_sync_rounds: {every}` moves {less} less than SPES at fp32 at spes-1b "
-        f"({' / '.join(sizes)} peers; {framing:.4f}x the computed bytes on {w['peers']} loopback peers) and ends "
-        f"{statistics.fmean(gaps):+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds) against uncompressed averaging "
-        f"after {rounds} rounds of {c['sync_steps']} steps, {c['peers']} peers{plain}: {cite([conv, wire], True)}."
+        f"({' / '.join(sizes)} peers; {framing:.4f}x the computed bytes on {w['peers']} loopback peers) and, "
+        f"after {lengths.pop()}, ends {' and '.join(ends)} against uncompressed averaging{plain}: "
+        f"{cite([*convs, wire], True)}."
     )
     return textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
 
