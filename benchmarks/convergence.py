@@ -757,11 +757,11 @@ def main() -> None:
                     f"{result['tokens_trained'] / budget:.1%} of the token budget{extra} "
                     f"({time.monotonic() - t0:.0f} s; {(time.monotonic() - t_start) / 60:.1f} min so far)"
                 )
-            save(list(args.seeds[: n + 1]))
+            saved = save(list(args.seeds[: n + 1]))
     finally:
         if not args.keep_runs:
             shutil.rmtree(work, ignore_errors=True)
-    json_path, plotted, summary = save(list(args.seeds))
+    json_path, plotted, summary = saved  # the last seed's save holds every seed
     print_table(console, summary, args.seeds, tokens_per_step, args.steps)
     for arm, o in summary.items():
         console.print(sentence(arm, o, len(args.seeds)))

@@ -688,7 +688,7 @@ def swarm_codec() -> str:
     for conv in convs:
         c = conv.payload
         if not c.get("complete", True):
-            raise RenderError(f"{conv.path}: stopped after seeds {c['seeds']} of {c['provenance']['seeds']}")
+            raise RenderError(f"{conv.path}: stopped after seeds {c['seeds']} of {conv.provenance['seeds']}")
         arm = next(a for a in c["arms"] if a.startswith("spes-topk-dense-every"))
         if f"swarm.expert_sync_rounds={every}" not in c["arms"][arm]:
             raise RenderError(f"{conv.path}: {arm} is not the cadence {wire.path} measured ({every})")

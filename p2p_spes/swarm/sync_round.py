@@ -98,8 +98,8 @@ class ExpertCycle:
 
     def averaged(self, local: Iterable[int], failed: Iterable[int]) -> None:
         """A round that averaged the experts: the applied ones start over, the failed ones carry on."""
-        self.failed = frozenset(failed)
-        self.tokens = {e: (n if e in self.failed else 0.0) for e, n in self.tokens.items() if e in set(local)}
+        self.failed, local = frozenset(failed), set(local)
+        self.tokens = {e: (n if e in self.failed else 0.0) for e, n in self.tokens.items() if e in local}
 
     def weight(self, expert: int) -> float:
         return max(self.tokens.get(expert, 0.0), 1e-6)
