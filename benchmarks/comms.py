@@ -128,7 +128,7 @@ def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int, refre
 
     # under sparse an averaged part is a bundle of the P members' messages of it
     contributions, averaged = ring(codec), ring(codec.result_for(peers), peers if codec.forwards else 1)
-    own, update = experts / peers, codec.result.wire_bytes(expert)
+    own, update = experts / peers, codec.lone.wire_bytes(expert)
     return totals(
         {
             "client_sent": contributions,
@@ -194,6 +194,8 @@ def run_swarm(name: str, codec: Codec, args: argparse.Namespace, run_dir: Path) 
     ]
     if codec.result_fraction is not None:
         overrides.append(f"swarm.topk_result_fraction={codec.result_fraction}")
+    if codec.lone_fraction is not None:
+        overrides.append(f"swarm.topk_lone_fraction={codec.lone_fraction}")
     swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir / name, run_id=f"comms-{name}")
     t0 = time.monotonic()
     error = None
@@ -307,6 +309,11 @@ def main() -> None:
         "--topk-result-fraction", type=float, default=4 / 64, help="swarm.topk_result_fraction of topk-dense"
     )
     parser.add_argument(
+        "--topk-lone-fraction",
+        type=float,
+        help="swarm.topk_lone_fraction of topk-dense (a lone holder's update; default: the result's share)",
+    )
+    parser.add_argument(
         "--expert-sync-rounds",
         type=int,
         default=1,
@@ -328,6 +335,7 @@ def main() -> None:
             name.removesuffix("-dense"),
             args.topk_fraction,
             args.topk_result_fraction if name.endswith("-dense") else None,
+            lone_fraction=args.topk_lone_fraction if name.endswith("-dense") else None,
         )
         for name in args.compressions
     }

@@ -76,6 +76,7 @@ there instead (a quick look, or a setup other than the default).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -151,6 +152,12 @@ ARMS: dict[str, list[str] | None] = {
         "swarm.compression=topk",
         "swarm.keep_local_progress=true",
         "swarm.topk_result_fraction=0.0625",
+    ],
+    "spes-topk-dense-lone5": [
+        *SPES[:-1],
+        "swarm.compression=topk",
+        "swarm.topk_result_fraction=0.0625",
+        "swarm.topk_lone_fraction=0.01953125",
     ],
     "spes-sparse": [*SPES[:-1], "swarm.compression=sparse"],
     "spes-every4": [*SPES, "swarm.expert_sync_rounds=4"],
@@ -476,6 +483,32 @@ def run_arm(
     return result
 
 
+# the payload keys that make two runs of this script the same measurement (with the arm's overrides and the seed)
+SETUP_KEYS = ("config", "peers", "batch", "steps", "sync_steps", "eval_every", "merge_interval", "pacing", "validation")
+BY_STEP = ("curve", "peer_mean_curve", "peers_scored", "distinct_weights", "peer_spread")
+
+
+def reusable(earlier: results.Result, setup: dict[str, Any], arms: list[str]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The runs of an earlier result of this script that this one takes instead of running them again
+    (``--reuse``: an interrupted run resumed, or a baseline whose runs are deterministic): each run of an
+    arm of ``arms`` that the earlier file ran with the same overrides, by (arm, seed). Refused
+    (:class:`results.ResultError`) when the file measured another setup."""
+    setup = json.loads(json.dumps(setup))  # as the file holds it
+    differs = [k for k in SETUP_KEYS if earlier.payload.get(k) != setup[k]]
+    if differs:
+        raise results.ResultError(
+            f"{earlier.path} measured another setup ({', '.join(differs)} differ): its runs are not this one's; "
+            "run without --reuse, or name a result of the same command"
+        )
+    taken = {}
+    for arm, seeds in earlier.payload.get("runs", {}).items():
+        if arm in arms and earlier.payload.get("arms", {}).get(arm) == ARMS[arm]:
+            for run in seeds:
+                run = {k: {int(s): x for s, x in v.items()} if k in BY_STEP else v for k, v in run.items()}
+                taken[(arm, run["seed"])] = {**run, "reused_from": earlier.provenance["commit"]}
+    return taken
+
+
 # Reporting -------------------------------------------------------------------------------------------
 def summarise(runs: dict[str, list[dict[str, Any]]], budget: int, steps: int, boundaries: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -658,6 +691,12 @@ def main() -> None:
         help="do not hold peers at sync boundaries: the swarm's own pacing (peers may skip steps)",
     )
     parser.add_argument("--keep-runs", action="store_true", help="keep the run directories (and checkpoints)")
+    parser.add_argument(
+        "--reuse",
+        metavar="VARIANT",
+        help="take the runs (arm and seed) that convergence/VARIANT.json measured with this same setup instead of "
+        "running them again: resume a stopped run, or keep a deterministic baseline; the file names its commit",
+    )
     results.add_variant(parser, help="writes benchmarks/results/convergence/<variant>.json and .png (default main)")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
     args = parser.parse_args()
@@ -702,31 +741,40 @@ def main() -> None:
     png = writer.sibling(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
 
+    setup = {
+        "config": common,
+        "peers": args.peers,
+        "batch": args.batch,
+        "steps": args.steps,
+        "sync_steps": args.sync_steps,
+        "eval_every": args.eval_every,
+        "merge_interval": args.merge_interval,
+        "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
+        "validation": validation.describe,
+    }
+    earlier = [results.own("convergence", args.reuse)] if args.reuse else []
+    taken = reusable(earlier[0], setup, args.arms) if earlier else {}
+
     def save(seeds_done: list[int]) -> tuple[Path, bool, dict[str, Any]]:
         """The result file with the seeds done so far: an hours-long run stopped early keeps them."""
         summary = summarise(runs, budget, args.steps, boundaries)
         plotted = plot(runs, tokens_per_step, png)
+        reused = {arm: [r["seed"] for r in seeds if "reused_from" in r] for arm, seeds in runs.items()}
         path = writer.write(
             {
-                "config": common,
+                **setup,
                 "arms": {arm: ARMS[arm] for arm in args.arms},
                 "seeds": seeds_done,
                 "complete": seeds_done == list(args.seeds),
-                "peers": args.peers,
-                "batch": args.batch,
-                "steps": args.steps,
-                "sync_steps": args.sync_steps,
-                "eval_every": args.eval_every,
-                "merge_interval": args.merge_interval,
-                "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
+                "reused": {arm: seeds for arm, seeds in reused.items() if seeds},
                 "tokens_per_step": tokens_per_step,
                 "token_budget": budget,
-                "validation": validation.describe,
                 "wall_seconds": round(time.monotonic() - t_start, 1),
                 "summary": jsonable(summary),
                 "runs": {arm: [jsonable(r) for r in seeds] for arm, seeds in runs.items()},
                 "plot": png.name if plotted else None,
-            }
+            },
+            merged=earlier,
         )
         return path, plotted, summary
 
@@ -734,6 +782,13 @@ def main() -> None:
         for n, seed in enumerate(args.seeds):  # seed-major: an interrupted benchmark has every arm at the first seeds
             for arm in args.arms:
                 t0 = time.monotonic()
+                if (arm, seed) in taken:
+                    runs[arm].append(taken[(arm, seed)])
+                    console.print(
+                        f"{arm} seed {seed}: final validation loss {taken[(arm, seed)]['final']:.4f}, "
+                        f"reused from {args.reuse}.json (commit {taken[(arm, seed)]['reused_from'][:7]})"
+                    )
+                    continue
                 extra = (
                     None
                     if ARMS[arm] is None

@@ -114,6 +114,14 @@ def validate(config: Config) -> None:
             f"swarm.topk_fraction and swarm.topk_result_fraction must be in (0, 1] (got {sw.topk_fraction}, "
             f"{sw.topk_result_fraction}) and swarm.quorum in [0, 1] (a share of the live peers; got {sw.quorum})"
         )
+    if sw.topk_lone_fraction is not None:
+        most = sw.topk_fraction if sw.topk_result_fraction is None else sw.topk_result_fraction
+        if sw.compression != "topk" or not sw.topk_fraction <= sw.topk_lone_fraction <= most:
+            raise ConfigError(
+                f"swarm.topk_lone_fraction ({sw.topk_lone_fraction}) sets the share of a lone holder's update under "
+                f"swarm.compression=topk (here {sw.compression}), between swarm.topk_fraction ({sw.topk_fraction}) "
+                f"and swarm.topk_result_fraction ({sw.topk_result_fraction}): set it in that range, or null"
+            )
     if sw.compression == "sparse" and sw.aggregation != "mean":
         raise ConfigError(
             "swarm.compression=sparse averages each value over the members that sent it: it runs with "

@@ -85,6 +85,11 @@ class SwarmConfig:
     topk_result_fraction: float | None = setting(
         None, doc="topk: the share a group's averaged parts keep (null: the same)"
     )
+    topk_lone_fraction: float | None = setting(
+        None,
+        doc="topk: the share a lone holder's expert update keeps, what its frozen copies download "
+        "(null: topk_result_fraction's); between topk_fraction and topk_result_fraction",
+    )
     expert_sync_rounds: int = setting(
         1,
         doc="Experts are averaged among their holders, and every frozen copy refreshed, every this many sync "

@@ -142,7 +142,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     """Run ``cfg.rounds`` rounds of ``cfg.peers`` peers (see the module docstring)."""
     rng = random.Random(cfg.seed)
     sw = cfg.swarm
-    codec = Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction)
+    codec = Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction, lone_fraction=sw.topk_lone_fraction)
     peers = []
     for i in range(cfg.peers):
         pid = f"peer{i:05d}"

@@ -61,6 +61,15 @@ def _padded(x: torch.Tensor) -> torch.Tensor:
     return out.view(-1, BLOCK)
 
 
+def _keep_mask(numel: int, k: int) -> torch.Tensor:
+    """Which of topk's ``blocks x k`` slots are real: the last block keeps at most its own length."""
+    blocks, rest = _blocks(numel), numel % BLOCK
+    mask = torch.ones(blocks, k, dtype=torch.bool)
+    if rest and rest < k:
+        mask[-1, rest:] = False
+    return mask.reshape(-1)
+
+
 def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
     """fp16 per-block scales for values up to ``absmax`` over ``top`` levels (never zero, never inf)."""
     return (absmax / top).clamp(_MIN_SCALE, FP16_MAX).half()
@@ -71,12 +80,14 @@ class Codec:
     """One of :data:`CODECS`; ``topk_fraction`` is the share of each block ``topk`` keeps in a member's
     message, ``result_fraction`` (None: the same) in a group's averaged parts (:attr:`result`).
     ``floor_fraction`` (set on :attr:`result` only) lets a message keep fewer values, down to that share:
-    a group of few members encodes its mean at :meth:`result_for`."""
+    a group of few members encodes its mean at :meth:`result_for`. ``lone_fraction`` (None: the result's)
+    is the share a group of one keeps (:attr:`lone`)."""
 
     name: str = "none"
     topk_fraction: float = 1 / 64
     result_fraction: float | None = None
     floor_fraction: float | None = None
+    lone_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in _WIRE:
@@ -85,9 +96,15 @@ class Codec:
             ("topk_fraction", self.topk_fraction),
             ("topk_result_fraction", self.result_fraction),
             ("floor_fraction", self.floor_fraction),
+            ("topk_lone_fraction", self.lone_fraction),
         ):
             if share is not None and not 0 < share <= 1:
                 raise ValueError(f"{what} must be in (0, 1], got {share}")
+        if self.name == "topk" and self.lone_fraction is not None and not self.k <= self.lone.k <= self.result.k:
+            raise ValueError(
+                f"topk_lone_fraction {self.lone_fraction} keeps {self.lone.k} values a block, outside the "
+                f"{self.k}..{self.result.k} of topk_fraction and topk_result_fraction (what a group's result may hold)"
+            )
 
     @property
     def result(self) -> Codec:
@@ -111,6 +128,15 @@ class Codec:
         if result is self or self.forwards:
             return result
         return Codec(self.name, min(result.k, max(1, contributions) * self.k) / BLOCK)
+
+    @property
+    def lone(self) -> Codec:
+        """The codec of a group of one's result: a lone holder's update, what its frozen copies download.
+        :attr:`result` unless ``lone_fraction`` sets another share (under ``topk``, between the members'
+        k and the result's, so that :attr:`result` decodes it)."""
+        if self.lone_fraction is None or self.name != "topk":
+            return self.result
+        return Codec(self.name, self.lone_fraction)
 
     @property
     def lossless(self) -> bool:
@@ -176,10 +202,10 @@ class Codec:
         return self._sealed(body, x.numel(), self.k)
 
     def alone(self, x: torch.Tensor) -> torch.Tensor:
-        """A group of one's result, in :attr:`result`'s codec (under ``sparse``, a bundle of one message)."""
+        """A group of one's result, in :attr:`lone`'s codec (under ``sparse``, a bundle of one message)."""
         if self.forwards:
             return self.result.bundle([self.encode(x)], [1.0], x.numel())
-        return self.result.encode(x)
+        return self.lone.encode(x)
 
     def bundle(self, messages: list[torch.Tensor], weights: list[float], numel: int) -> torch.Tensor:
         """A reducer's part under ``sparse``: the members' ``messages`` of ``numel`` values each, with their
@@ -223,17 +249,9 @@ class Codec:
         scales = _scales(vals.abs().amax(dim=1), 1.0)
         # nearest of the four levels: -1, -1/3, 1/3, 1 (x scale)
         q = torch.round((vals / scales.float()[:, None]).clamp(-1, 1) * 1.5 + 1.5).clamp(0, 3)
-        keep = self._keep_mask(n)
+        keep = _keep_mask(n, k)
         idx, q = idx.reshape(-1)[keep], q.reshape(-1)[keep]
         return to_bytes(scales) + to_bytes(idx.to(torch.uint8)) + to_bytes(pack2(q))
-
-    def _keep_mask(self, numel: int) -> torch.Tensor:
-        """Which of the ``blocks x k`` slots are real: the last block keeps at most its own length."""
-        blocks, rest = _blocks(numel), numel % BLOCK
-        mask = torch.ones(blocks, self.k, dtype=torch.bool)
-        if rest and rest < self.k:
-            mask[-1, rest:] = False
-        return mask.reshape(-1)
 
     # Decoding ------------------------------------------------------------------------------------
     def decode(self, message: torch.Tensor, numel: int) -> torch.Tensor:
@@ -331,7 +349,7 @@ class Codec:
         kept = self._kept(numel)
         idx, packed = rest[:kept], rest[kept:]
         slots = torch.zeros(_blocks(numel) * self.k, dtype=torch.int64)
-        keep = self._keep_mask(numel)
+        keep = _keep_mask(numel, self.k)
         slots[keep] = idx.long()
         slots = slots.view(-1, self.k)
         mask = keep.view(-1, self.k)

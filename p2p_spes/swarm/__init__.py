@@ -87,7 +87,9 @@ class Swarm:
             self.peer_id,
             self.runtime.run_id,
             owner=self.runtime.identity.owner,
-            compression=Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction),
+            compression=Codec(
+                sw.compression, sw.topk_fraction, sw.topk_result_fraction, lone_fraction=sw.topk_lone_fraction
+            ),
             matchmaking_time=sw.matchmaking_time,
             timeout=sw.averaging_timeout,
             aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),

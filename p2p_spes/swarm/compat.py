@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2p_spes.errors import SwarmError
+
+if TYPE_CHECKING:
+    from p2p_spes.config_swarm import SwarmConfig
 
 log = logging.getLogger(__name__)
 SYNC_PROTOCOL = 2  # 1: groups average weights; 2: pseudo-gradients through a codec (compression.py)
@@ -32,10 +35,11 @@ def sync_settings(
     topk_result_fraction: Any = None,
     expert_sync_rounds: Any = 1,
     max_steps: Any = None,
+    topk_lone_fraction: Any = None,
 ) -> dict[str, Any]:
     """What peers must share to average together: the protocol (pseudo-gradients since version 2),
     the codec and the rounds that average the experts; the top-k shares only matter to ``topk`` and
-    ``sparse`` (the result's only to topk, when it is set, and the experts' cadence only when it is not
+    ``sparse`` (the result's and a lone holder's only to topk, when set, and the experts' cadence only when it is not
     every round, so that peers which predate them still match the defaults). With the experts averaged
     every K > 1 rounds the run's last step is shared too: the last round averages them whatever its
     number, and a peer that saw another last round would wait in expert groups nobody else opens."""
@@ -49,13 +53,27 @@ def sync_settings(
         out["topk_fraction"] = topk_fraction
         if topk_result_fraction is not None:
             out["topk_result_fraction"] = topk_result_fraction
+        if topk_lone_fraction is not None:
+            out["topk_lone_fraction"] = topk_lone_fraction
     return out
+
+
+def sync_settings_of(sw: SwarmConfig, max_steps: int) -> dict[str, Any]:
+    """:func:`sync_settings` of this peer's swarm config."""
+    return sync_settings(
+        sw.compression,
+        sw.topk_fraction,
+        sw.topk_result_fraction,
+        sw.expert_sync_rounds,
+        max_steps,
+        sw.topk_lone_fraction,
+    )
 
 
 def describe_sync(settings: Any) -> str:
     if not isinstance(settings, dict) or settings.get("protocol") != SYNC_PROTOCOL:
         return "an older p2p-spes (it averages weights, not pseudo-gradients: upgrade every peer)"
-    keys = ("topk_fraction", "topk_result_fraction", "expert_sync_rounds", "max_steps")
+    keys = ("topk_fraction", "topk_result_fraction", "topk_lone_fraction", "expert_sync_rounds", "max_steps")
     extra = "".join(f" ({k} {settings[k]})" for k in keys if k in settings)
     return f"compression {settings.get('compression')}{extra}"
 
@@ -120,6 +138,7 @@ def model_records(view: RunView, ours: Ours) -> dict[str, Any]:
                     swarm.get("topk_result_fraction"),
                     swarm.get("expert_sync_rounds"),
                     train.get("max_steps"),
+                    swarm.get("topk_lone_fraction"),
                 ),
             },
         )
@@ -145,7 +164,8 @@ def check_run(run_id: str, peer_id: str, view: RunView, ours: Ours) -> None:
             raise SwarmError(
                 f"run {run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
                 f"{describe_sync(other)} there, {describe_sync(ours.sync)} here. swarm.compression and "
-                "swarm.topk_fraction (and topk_result_fraction, expert_sync_rounds with train.max_steps) are run-wide: "
+                "swarm.topk_fraction (and topk_result_fraction, topk_lone_fraction, expert_sync_rounds with train.max_steps) "
+                "are run-wide: "
                 "set them as the run does, or join with --config-from-swarm"
             )
     theirs = {v.get("hash") for p, v in view.run_configs.items() if p != peer_id}

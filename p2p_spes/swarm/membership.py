@@ -26,7 +26,7 @@ from dht.run_config import run_config_record
 from p2p_spes import __version__
 from p2p_spes.config import Config
 from p2p_spes.placement import free_partition, least_covered
-from p2p_spes.swarm.compat import Ours, RunView, check_run, sync_settings
+from p2p_spes.swarm.compat import Ours, RunView, check_run, sync_settings_of
 from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.runtime import Runtime
 
@@ -149,8 +149,7 @@ class Membership:
         fingerprints) on other data; nothing of ours is sent before this."""
         rt = self.runtime
         ours = self.cfg.model_defining()
-        sw, steps = self.cfg.swarm, self.cfg.train.max_steps
-        sync = sync_settings(sw.compression, sw.topk_fraction, sw.topk_result_fraction, sw.expert_sync_rounds, steps)
+        sync = sync_settings_of(self.cfg.swarm, self.cfg.train.max_steps)
         check_run(
             rt.run_id,
             self.peer_id,
