@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 from helpers import SMALL, assert_identical_after_rounds, join_once, rounds, run_local_swarm
 
+from p2p_spes.averaging.compression import Codec
 from p2p_spes.averaging.transport import tensor_digest
 from p2p_spes.checkpoint import find_checkpoint, load_checkpoint
 from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm
 from p2p_spes.model import MoETransformer
+
+LONE = 5 / 256  # swarm.topk_lone_fraction of the "-lone" case
 
 
 def checkpoint_digests(run_dir, local: list[int]) -> dict[str, str]:
@@ -30,13 +33,17 @@ def expert_bytes() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["topk", "int8", "topk-keep", "topk-dense", "sparse"])
+@pytest.mark.parametrize("compression", ["topk", "int8", "topk-keep", "topk-dense", "topk-lone", "sparse"])
 def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta(tmp_path, compression):
     # "-keep": swarm.keep_local_progress, each member's weights keep what its messages have not carried;
     # "-dense": swarm.topk_result_fraction 4/64, the groups' averaged parts (and updates served) denser;
+    # "-lone": the same, with the lone holders' updates at swarm.topk_lone_fraction 5/256;
     # sparse: reducers forward the members' messages (bundles), each value averaged over its senders
-    dense = ["swarm.topk_result_fraction=0.0625"] if compression.endswith("-dense") else []
-    compression, keep = compression.removesuffix("-dense").removesuffix("-keep"), compression.endswith("-keep")
+    lone = compression.endswith("-lone")
+    dense = ["swarm.topk_result_fraction=0.0625"] if compression.endswith(("-dense", "-lone")) else []
+    dense += [f"swarm.topk_lone_fraction={LONE}"] if lone else []
+    compression = compression.removesuffix("-dense").removesuffix("-lone")
+    compression, keep = compression.removesuffix("-keep"), compression.endswith("-keep")
     # warm-up merges at steps 20, 40 and 60: every peer merges the values all of them hold, and a lone
     # holder keeps its lead over them. Each peer trains its 3 of the 6 experts and no more: on a loaded
     # machine a peer whose record came late at two boundaries looked gone, and the other took over
@@ -96,6 +103,10 @@ def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta
         assert all(d < limit for d in downloaded), (
             f"refreshes downloaded {downloaded} bytes, 3 whole experts are {3 * expert_bytes()}"
         )
+        if lone:  # 3 updates of 5 values a block (plus hivemind's framing), not the 16 of the averaged parts
+            codec, numel = Codec("topk", 1 / 64, 0.0625, lone_fraction=LONE), expert_bytes() // 4
+            update, dense_update = codec.lone.wire_bytes(numel), codec.result.wire_bytes(numel)
+            assert all(3 * update <= d < 3 * dense_update for d in downloaded), (downloaded, update, dense_update)
 
 
 @pytest.mark.slow

@@ -210,6 +210,46 @@ def test_a_group_encodes_its_mean_at_k_per_member_up_to_the_result_share():
         codec.result.decode(Codec("int8").encode(x), 1000)
 
 
+def test_a_lone_holders_update_keeps_its_own_share_which_the_result_codec_decodes():
+    """``lone_fraction``: a group of one (a lone holder's update, what its frozen copies download) keeps
+    that share of each block, between the members' k and the result's, and the result codec decodes it
+    as it decodes any group's part; without it, the result's share as before."""
+    codec = Codec("topk", 1 / 64, 4 / 64, lone_fraction=5 / 256)
+    assert (codec.k, codec.lone.k, codec.result.k) == (4, 5, 16)
+    assert Codec("topk", 1 / 64, 4 / 64).lone == Codec("topk", 1 / 64, 4 / 64).result
+    assert Codec("sparse", lone_fraction=None).lone == Codec("sparse").result
+    torch.manual_seed(5)
+    x = torch.randn(1000)
+    message = codec.alone(x)
+    assert message.numel() == codec.lone.wire_bytes(1000) < codec.result.wire_bytes(1000)
+    decoded = codec.result.decode(message, 1000)
+    assert int((decoded != 0).sum()) == 3 * 5 + min(5, 1000 - 3 * BLOCK)
+    assert torch.equal(decoded, codec.lone.decode(message, 1000))
+    # the 5 kept are the largest of each block
+    for b in range(3):
+        block, kept = x[b * BLOCK : (b + 1) * BLOCK], decoded[b * BLOCK : (b + 1) * BLOCK] != 0
+        assert set(kept.nonzero().flatten().tolist()) == set(block.abs().topk(5).indices.tolist())
+    for bad in (2 / 256, 32 / 256):  # below the members' k, above the result's: no result codec decodes it
+        with pytest.raises(ValueError, match="topk_lone_fraction"):
+            Codec("topk", 1 / 64, 4 / 64, lone_fraction=bad)
+
+
+def test_the_lone_share_is_run_wide_but_absent_from_runs_that_leave_it_unset():
+    assert sync_settings("topk", 1 / 64, 0.0625, 1, 100, None) == sync_settings("topk", 1 / 64, 0.0625)
+    assert sync_settings("topk", 1 / 64, 0.0625, 1, 100, 5 / 256) != sync_settings("topk", 1 / 64, 0.0625)
+    assert describe_sync(sync_settings("topk", 1 / 64, 0.0625, 1, 100, 0.02)) == (
+        "compression topk (topk_fraction 0.015625) (topk_result_fraction 0.0625) (topk_lone_fraction 0.02)"
+    )
+    from p2p_spes.errors import SwarmError
+    from p2p_spes.swarm.compat import Ours, RunView, check_run
+
+    swarm = {"compression": "topk", "topk_fraction": 1 / 64, "topk_result_fraction": 0.0625}
+    theirs = {"config": {"swarm": {**swarm, "topk_lone_fraction": 0.02}}, "hash": "h", "fingerprint": "fp"}
+    ours = Ours("fp", {"moe": {}}, sync_settings("topk", 1 / 64, 0.0625, 1, 100, None), "h")
+    with pytest.raises(SwarmError, match=r"\(topk_lone_fraction 0.02\) there.*topk_lone_fraction"):
+        check_run("r", "me", RunView({}, {"them": theirs}), ours)
+
+
 def test_the_result_share_is_run_wide_but_absent_from_runs_that_leave_it_unset():
     """Peers compare ``sync_settings`` before averaging: a different result share is refused, and a run
     that does not set it publishes what peers which predate the setting publish."""

@@ -166,3 +166,16 @@ def test_a_result_share_outside_zero_one_is_refused():
         with pytest.raises(ConfigError, match="topk_result_fraction"):
             load_config(None, ["swarm.compression=topk", f"swarm.topk_result_fraction={share}"])
     assert load_config(None, ["swarm.topk_result_fraction=0.0625"]).swarm.topk_result_fraction == 0.0625
+
+
+def test_a_lone_share_is_topk_only_and_between_the_members_and_the_results():
+    dense = ["swarm.compression=topk", "swarm.topk_result_fraction=0.0625"]
+    assert load_config(None, [*dense, "swarm.topk_lone_fraction=0.02"]).swarm.topk_lone_fraction == 0.02
+    for bad in (
+        [*dense, "swarm.topk_lone_fraction=0.1"],  # denser than the averaged parts
+        [*dense, "swarm.topk_lone_fraction=0.01"],  # sparser than the members' messages
+        ["swarm.compression=topk", "swarm.topk_lone_fraction=0.02"],  # no denser result to sit under
+        ["swarm.compression=int8", "swarm.topk_result_fraction=0.0625", "swarm.topk_lone_fraction=0.02"],
+    ):
+        with pytest.raises(ConfigError, match="topk_lone_fraction.*set it in that range, or null"):
+            load_config(None, bad)
