@@ -505,7 +505,8 @@ def reusable(earlier: results.Result, setup: dict[str, Any], arms: list[str]) ->
         if arm in arms and earlier.payload.get("arms", {}).get(arm) == ARMS[arm]:
             for run in seeds:
                 run = {k: {int(s): x for s, x in v.items()} if k in BY_STEP else v for k, v in run.items()}
-                taken[(arm, run["seed"])] = {**run, "reused_from": earlier.provenance["commit"]}
+                origin = {"variant": earlier.path.stem, "commit": earlier.provenance["commit"]}
+                taken[(arm, run["seed"])] = {**run, "reused_from": origin}
     return taken
 
 
@@ -693,9 +694,12 @@ def main() -> None:
     parser.add_argument("--keep-runs", action="store_true", help="keep the run directories (and checkpoints)")
     parser.add_argument(
         "--reuse",
+        nargs="+",
+        default=[],
         metavar="VARIANT",
         help="take the runs (arm and seed) that convergence/VARIANT.json measured with this same setup instead of "
-        "running them again: resume a stopped run, or keep a deterministic baseline; the file names its commit",
+        "running them again (the first file that has one): resume a stopped run, or keep a deterministic "
+        "baseline; each run taken names its file's commit",
     )
     results.add_variant(parser, help="writes benchmarks/results/convergence/<variant>.json and .png (default main)")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
@@ -752,14 +756,18 @@ def main() -> None:
         "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
         "validation": validation.describe,
     }
-    earlier = [results.own("convergence", args.reuse)] if args.reuse else []
-    taken = reusable(earlier[0], setup, args.arms) if earlier else {}
+    earlier = [results.own("convergence", v) for v in args.reuse]
+    taken: dict[tuple[str, int], dict[str, Any]] = {}
+    for result in reversed(earlier):  # the first file named wins
+        taken.update(reusable(result, setup, args.arms))
 
     def save(seeds_done: list[int]) -> tuple[Path, bool, dict[str, Any]]:
         """The result file with the seeds done so far: an hours-long run stopped early keeps them."""
         summary = summarise(runs, budget, args.steps, boundaries)
         plotted = plot(runs, tokens_per_step, png)
-        reused = {arm: [r["seed"] for r in seeds if "reused_from" in r] for arm, seeds in runs.items()}
+        reused = {
+            arm: {r["seed"]: r["reused_from"] for r in seeds if "reused_from" in r} for arm, seeds in runs.items()
+        }
         path = writer.write(
             {
                 **setup,
@@ -786,7 +794,7 @@ def main() -> None:
                     runs[arm].append(taken[(arm, seed)])
                     console.print(
                         f"{arm} seed {seed}: final validation loss {taken[(arm, seed)]['final']:.4f}, "
-                        f"reused from {args.reuse}.json (commit {taken[(arm, seed)]['reused_from'][:7]})"
+                        "reused from {variant}.json (commit {commit:.7})".format(**taken[(arm, seed)]["reused_from"])
                     )
                     continue
                 extra = (

@@ -38,7 +38,7 @@ def test_runs_of_the_same_arm_and_setup_are_taken_with_their_steps_as_numbers_an
     assert sorted(taken) == [("spes", 0), ("spes", 1)]
     run = taken[("spes", 1)]
     assert run["curve"] == {150: 6.4, 750: 5.3} and run["distinct_weights"] == {750: 1}
-    assert run["seed"] == 1 and run["reused_from"] == "abc1234"
+    assert run["seed"] == 1 and run["reused_from"] == {"variant": "x", "commit": "abc1234"}
     assert reusable(earlier(), SETUP, ["spes-topk-dense-lone5"]) == {}
 
 
