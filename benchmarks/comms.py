@@ -597,6 +597,7 @@ def main() -> None:
             "topk_fraction": args.topk_fraction,
             "topk_k_per_block": codecs["topk"].k if "topk" in codecs else None,
             "topk_result_fraction": args.topk_result_fraction if "topk-dense" in codecs else None,
+            "topk_lone_fraction": args.topk_lone_fraction if "topk-dense" in codecs else None,
             "bits_per_value": {n: bits_per_value(c) for n, c in codecs.items()},
             "payload_config": PAYLOAD,
             "shared_params": shared,
