@@ -87,8 +87,8 @@ class SwarmConfig:
     )
     topk_lone_fraction: float | None = setting(
         None,
-        doc="topk: the share a lone holder's expert update keeps, what its frozen copies download "
-        "(null: topk_result_fraction's); between topk_fraction and topk_result_fraction",
+        doc="topk: the share a group of one keeps (a lone holder's expert update, what its frozen copies "
+        "download; null: topk_result_fraction's); between topk_fraction and topk_result_fraction",
     )
     expert_sync_rounds: int = setting(
         1,
