@@ -34,7 +34,7 @@ experts (one holder each), S shared parameters and X parameters per expert:
   same in (P-1 contributions to its part) and out (its averaged part to P-1 members); own experts
   (lone holders: no group traffic), u(X) served to each of the P-1 others, where ``u`` is the codec
   of a group of one (``c``, but 16 of 256 values for topk-dense: a lone holder's update is its own
-  dense pseudo-gradient, encoded once); frozen experts, u(X) downloaded for each of the E - E/P;
+  dense pseudo-gradient, encoded once; ``--topk-lone-fraction``'s share when given); frozen experts, u(X) downloaded for each of the E - E/P;
 * SPES reference (central server): upload the shared parameters and the own experts, download the
   whole model; at fp32, and at the codec's own bytes per value (``c`` on the same transfers);
 * an fp32 all-reduce of the whole model (DiLoCo, full replicas): 2(P-1)/P of it each way;
@@ -119,7 +119,7 @@ def totals(parts: dict[str, float]) -> dict[str, float]:
 def ours(codec: Codec, shared: int, expert: int, experts: int, peers: int, refreshed: float = 1.0) -> dict[str, float]:
     """This project's payload bytes per peer per round, mean over peers, by component (docstring):
     contributions in the members' codec, averaged parts in that of a mean of P of them, the lone
-    holders' updates in ``codec.result``. ``refreshed``: the share of frozen copies brought up to date
+    holders' updates in ``codec.lone``. ``refreshed``: the share of frozen copies brought up to date
     per round (1: every copy every round; 1/K with ``swarm.expert_sync_rounds`` K), each by one encoded
     update covering the rounds since the last."""
 

@@ -484,7 +484,19 @@ def run_arm(
 
 
 # the payload keys that make two runs of this script the same measurement (with the arm's overrides and the seed)
-SETUP_KEYS = ("config", "peers", "batch", "steps", "sync_steps", "eval_every", "merge_interval", "pacing", "validation")
+SETUP_KEYS = (
+    "config",
+    "peers",
+    "batch",
+    "steps",
+    "sync_steps",
+    "eval_every",
+    "merge_interval",
+    "pacing",
+    "validation",
+    "threads",
+)
+SETUP_DEFAULTS = {"threads": 1}  # what a result written before the key was recorded ran with
 BY_STEP = ("curve", "peer_mean_curve", "peers_scored", "distinct_weights", "peer_spread")
 
 
@@ -494,7 +506,7 @@ def reusable(earlier: results.Result, setup: dict[str, Any], arms: list[str]) ->
     arm of ``arms`` that the earlier file ran with the same overrides, by (arm, seed). Refused
     (:class:`results.ResultError`) when the file measured another setup."""
     setup = json.loads(json.dumps(setup))  # as the file holds it
-    differs = [k for k in SETUP_KEYS if earlier.payload.get(k) != setup[k]]
+    differs = [k for k in SETUP_KEYS if earlier.payload.get(k, SETUP_DEFAULTS.get(k)) != setup[k]]
     if differs:
         raise results.ResultError(
             f"{earlier.path} measured another setup ({', '.join(differs)} differ): its runs are not this one's; "
@@ -506,8 +518,24 @@ def reusable(earlier: results.Result, setup: dict[str, Any], arms: list[str]) ->
             for run in seeds:
                 run = {k: {int(s): x for s, x in v.items()} if k in BY_STEP else v for k, v in run.items()}
                 origin = {"variant": earlier.path.stem, "commit": earlier.provenance["commit"]}
-                taken[(arm, run["seed"])] = {**run, "reused_from": origin}
+                # a run the earlier result took from another keeps the file that measured it
+                taken[(arm, run["seed"])] = {**run, "reused_from": run.get("reused_from") or origin}
     return taken
+
+
+def take_runs(
+    earlier: list[results.Result], setup: dict[str, Any], arms: list[str], seeds: list[int]
+) -> tuple[dict[tuple[str, int], dict[str, Any]], list[results.Result]]:
+    """:func:`reusable` over several earlier results, the first that has a run winning, for the ``seeds``
+    this run asks for; with the results that gave a run (oldest first, as a provenance lists them)."""
+    taken: dict[tuple[str, int], dict[str, Any]] = {}
+    given: dict[tuple[str, int], results.Result] = {}
+    for result in reversed(earlier):
+        for key, run in reusable(result, setup, arms).items():
+            if key[1] in seeds:
+                taken[key], given[key] = run, result
+    used = {id(r): r for r in given.values()}.values()
+    return taken, sorted(used, key=lambda r: r.provenance.get("date") or "")
 
 
 # Reporting -------------------------------------------------------------------------------------------
@@ -699,7 +727,8 @@ def main() -> None:
         metavar="VARIANT",
         help="take the runs (arm and seed) that convergence/VARIANT.json measured with this same setup instead of "
         "running them again (the first file that has one): resume a stopped run, or keep a deterministic "
-        "baseline; each run taken names its file's commit",
+        "baseline; each run taken names its file's commit. The result holds only this command's arms and seeds, "
+        "also when it writes the variant it reuses",
     )
     results.add_variant(parser, help="writes benchmarks/results/convergence/<variant>.json and .png (default main)")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
@@ -755,11 +784,9 @@ def main() -> None:
         "merge_interval": args.merge_interval,
         "pacing": "swarm" if args.free_pacing else "lockstep (boundary barrier)",
         "validation": validation.describe,
+        "threads": args.threads,
     }
-    earlier = [results.own("convergence", v) for v in args.reuse]
-    taken: dict[tuple[str, int], dict[str, Any]] = {}
-    for result in reversed(earlier):  # the first file named wins
-        taken.update(reusable(result, setup, args.arms))
+    taken, earlier = take_runs([results.own("convergence", v) for v in args.reuse], setup, args.arms, args.seeds)
 
     def save(seeds_done: list[int]) -> tuple[Path, bool, dict[str, Any]]:
         """The result file with the seeds done so far: an hours-long run stopped early keeps them."""
@@ -794,7 +821,7 @@ def main() -> None:
                     runs[arm].append(taken[(arm, seed)])
                     console.print(
                         f"{arm} seed {seed}: final validation loss {taken[(arm, seed)]['final']:.4f}, "
-                        "reused from {variant}.json (commit {commit:.7})".format(**taken[(arm, seed)]["reused_from"])
+                        "reused from {variant}.json (commit {commit})".format(**taken[(arm, seed)]["reused_from"])
                     )
                     continue
                 extra = (

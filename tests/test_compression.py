@@ -217,7 +217,7 @@ def test_a_lone_holders_update_keeps_its_own_share_which_the_result_codec_decode
     codec = Codec("topk", 1 / 64, 4 / 64, lone_fraction=5 / 256)
     assert (codec.k, codec.lone.k, codec.result.k) == (4, 5, 16)
     assert Codec("topk", 1 / 64, 4 / 64).lone == Codec("topk", 1 / 64, 4 / 64).result
-    assert Codec("sparse", lone_fraction=None).lone == Codec("sparse").result
+    assert Codec("sparse", lone_fraction=0.5).lone == Codec("sparse").result  # a bundle of one message
     torch.manual_seed(5)
     x = torch.randn(1000)
     message = codec.alone(x)
@@ -229,7 +229,7 @@ def test_a_lone_holders_update_keeps_its_own_share_which_the_result_codec_decode
     for b in range(3):
         block, kept = x[b * BLOCK : (b + 1) * BLOCK], decoded[b * BLOCK : (b + 1) * BLOCK] != 0
         assert set(kept.nonzero().flatten().tolist()) == set(block.abs().topk(5).indices.tolist())
-    for bad in (2 / 256, 32 / 256):  # below the members' k, above the result's: no result codec decodes it
+    for bad in (2 / 256, 32 / 256, 0.063):  # below the members' share, above the result's (0.063: k 16, still above)
         with pytest.raises(ValueError, match="topk_lone_fraction"):
             Codec("topk", 1 / 64, 4 / 64, lone_fraction=bad)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.convergence import ARMS, reusable
+from benchmarks.convergence import ARMS, reusable, take_runs
 from benchmarks.lab import results
 
 SETUP = {
@@ -17,19 +17,21 @@ SETUP = {
     "merge_interval": 60,
     "pacing": "lockstep (boundary barrier)",
     "validation": {"windows": 1024, "seq_len": 64},
+    "threads": 1,
 }
 
 
-def earlier(**changes) -> results.Result:
-    """A convergence result as read from its file: JSON keys are strings, steps included."""
-    run = {"seed": 0, "final": 5.3, "curve": {"150": 6.4, "750": 5.3}, "distinct_weights": {"750": 1}, "swarm": None}
+def earlier(name: str = "x", final: float = 5.3, date: str = "2026-11-01", **changes) -> results.Result:
+    """A convergence result as read from its file (JSON keys are strings, steps included) that ran spes at
+    seeds 0 and 1, and spes-topk-dense at seed 0 with other overrides than that arm has now."""
+    run = {"seed": 0, "final": final, "curve": {"150": 6.4, "750": final}, "distinct_weights": {"750": 1}}
     payload = {
         **SETUP,
         **changes,
         "arms": {"spes": ARMS["spes"], "spes-topk-dense": ["swarm.compression=int8"]},
         "runs": {"spes": [run, {**run, "seed": 1}], "spes-topk-dense": [run]},
     }
-    return results.Result(results.path("convergence", "x"), payload, {"commit": "abc1234"})
+    return results.Result(results.path("convergence", name), payload, {"commit": f"{name}-commit", "date": date})
 
 
 def test_runs_of_the_same_arm_and_setup_are_taken_with_their_steps_as_numbers_and_their_commit():
@@ -38,11 +40,26 @@ def test_runs_of_the_same_arm_and_setup_are_taken_with_their_steps_as_numbers_an
     assert sorted(taken) == [("spes", 0), ("spes", 1)]
     run = taken[("spes", 1)]
     assert run["curve"] == {150: 6.4, 750: 5.3} and run["distinct_weights"] == {750: 1}
-    assert run["seed"] == 1 and run["reused_from"] == {"variant": "x", "commit": "abc1234"}
-    assert reusable(earlier(), SETUP, ["spes-topk-dense-lone5"]) == {}
+    assert run["seed"] == 1 and run["reused_from"] == {"variant": "x", "commit": "x-commit"}
+    assert reusable(earlier(), SETUP, ["spes-topk-dense"]) == {}
 
 
-@pytest.mark.parametrize("key,value", [("peers", 4), ("steps", 480), ("config", ["model.d_model=32"])])
+def test_the_first_result_named_wins_a_run_keeps_where_it_was_measured_and_only_givers_are_merged():
+    old, new = earlier("old", 5.0, "2026-10-01"), earlier("new", 5.1, "2026-11-01")
+    taken, used = take_runs([new, old], SETUP, ["spes"], [0, 1])
+    assert {k: r["final"] for k, r in taken.items()} == {("spes", 0): 5.1, ("spes", 1): 5.1}
+    assert used == [new]  # old gave nothing: the provenance does not claim it
+    taken, used = take_runs([new, old], SETUP, ["spes"], [2])  # seeds this run does not ask for
+    assert taken == {} and used == []
+    # a result that itself took a run names the file that measured it, not the one it passed through
+    passed = earlier("passed")
+    passed.payload["runs"]["spes"][0]["reused_from"] = {"variant": "old", "commit": "old-commit"}
+    taken, _ = take_runs([passed], SETUP, ["spes"], [0, 1])
+    assert taken[("spes", 0)]["reused_from"]["variant"] == "old"
+    assert taken[("spes", 1)]["reused_from"]["variant"] == "passed"
+
+
+@pytest.mark.parametrize("key,value", [("peers", 4), ("steps", 480), ("config", ["model.d_model=32"]), ("threads", 2)])
 def test_a_result_of_another_setup_is_refused_naming_what_differs(key, value):
     with pytest.raises(results.ResultError, match=f"another setup \\({key} differ"):
         reusable(earlier(**{key: value}), SETUP, ["spes"])

@@ -155,7 +155,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                 Deadlines(sw),
             )
         )
-    expert_wire = codec.result.wire_bytes(cfg.expert_params)  # a lone holder's update: a group of one
+    expert_wire = codec.lone.wire_bytes(cfg.expert_params)  # a lone holder's update: a group of one
     outcomes = []
     for r in range(1, cfg.rounds + 1):
         # a killed peer restarts from its checkpoint at round dead_until, with its experts (--resume)

@@ -100,10 +100,15 @@ class Codec:
         ):
             if share is not None and not 0 < share <= 1:
                 raise ValueError(f"{what} must be in (0, 1], got {share}")
-        if self.name == "topk" and self.lone_fraction is not None and not self.k <= self.lone.k <= self.result.k:
+        most = self.topk_fraction if self.result_fraction is None else self.result_fraction
+        if (
+            self.name == "topk"
+            and self.lone_fraction is not None
+            and not self.topk_fraction <= self.lone_fraction <= most
+        ):
             raise ValueError(
-                f"topk_lone_fraction {self.lone_fraction} keeps {self.lone.k} values a block, outside the "
-                f"{self.k}..{self.result.k} of topk_fraction and topk_result_fraction (what a group's result may hold)"
+                f"topk_lone_fraction {self.lone_fraction} is outside topk_fraction {self.topk_fraction} .. "
+                f"topk_result_fraction {self.result_fraction} (the shares a group's result may keep)"
             )
 
     @property
@@ -123,7 +128,7 @@ class Codec:
         ``result_fraction``, k per contribution up to the result's k. The mean holds no more than that
         many values per block, so a larger k would only spend bytes on zeros (sent as +-1/3 of the
         scale). A lone holder's update is its own dense pseudo-gradient, not such a mean: it goes at
-        :attr:`result` (at the members' k, its frozen copies would trail it, which costs loss)."""
+        :attr:`lone` (by default the result's k: at fewer, its frozen copies trail it, which costs loss)."""
         result = self.result
         if result is self or self.forwards:
             return result
