@@ -92,22 +92,15 @@ class Codec:
     def __post_init__(self) -> None:
         if self.name not in _WIRE:
             raise ValueError(f"unknown compression {self.name!r}; choose one of {', '.join(CODECS)}")
-        for what, share in (
-            ("topk_fraction", self.topk_fraction),
-            ("topk_result_fraction", self.result_fraction),
-            ("floor_fraction", self.floor_fraction),
-            ("topk_lone_fraction", self.lone_fraction),
-        ):
+        shares = {"topk_fraction": self.topk_fraction, "topk_result_fraction": self.result_fraction}
+        shares |= {"floor_fraction": self.floor_fraction, "topk_lone_fraction": self.lone_fraction}
+        for what, share in shares.items():
             if share is not None and not 0 < share <= 1:
                 raise ValueError(f"{what} must be in (0, 1], got {share}")
-        most = self.topk_fraction if self.result_fraction is None else self.result_fraction
-        if (
-            self.name == "topk"
-            and self.lone_fraction is not None
-            and not self.topk_fraction <= self.lone_fraction <= most
-        ):
+        lone, most = self.lone_fraction, self.result_fraction or self.topk_fraction
+        if self.name == "topk" and lone is not None and not self.topk_fraction <= lone <= most:
             raise ValueError(
-                f"topk_lone_fraction {self.lone_fraction} is outside topk_fraction {self.topk_fraction} .. "
+                f"topk_lone_fraction {lone} is outside topk_fraction {self.topk_fraction} .. "
                 f"topk_result_fraction {self.result_fraction} (the shares a group's result may keep)"
             )
 
