@@ -44,7 +44,28 @@ DEFAULTS = (
 MUON_ITERATIONS = "muon-ns3"  # the quality benchmark's run of Muon with 5 and with 3 iterations, side by side
 # the convergence variants (4 and 8 peers) and the comms variant that ran topk-dense with the experts
 # averaged every K rounds
-SWARM_CODEC = (("every4-150r", "every4-8peers-150r"), "every4")
+# topk-dense in the swarm: (label, comms variant, convergence arm, its convergence variants at SWARM_PEERS)
+SWARM_PEERS = (4, 8)
+SWARM_MODES = (
+    (
+        "every round, at the averaged parts' 16/256",
+        "main",
+        "spes-topk-dense",
+        ("every4-150r", "topk-dense-8peers-150r"),
+    ),
+    (
+        "every 4 rounds (`swarm.expert_sync_rounds: 4`)",
+        "every4",
+        "spes-topk-dense-every4",
+        ("every4-150r", "every4-8peers-150r"),
+    ),
+    (
+        "every round at 5/256 (`swarm.topk_lone_fraction: 0.0195`)",
+        "lone5",
+        "spes-topk-dense-lone5",
+        ("lone5-150r", "lone5-8peers-150r"),
+    ),
+)
 
 
 class RenderError(ValueError):
@@ -678,46 +699,50 @@ def codecs_table() -> str:
 
 
 def swarm_codec() -> str:
-    """topk-dense in the swarm itself (experts split, each expert's update sent to its copies) with the
-    experts averaged every K rounds: its bytes at spes-1b (``comms``' every-K swarms) and its loss against
-    uncompressed SPES averaging over the convergence benchmark's long runs, per peer count and seed."""
-    convs, wire = [load("convergence", v) for v in SWARM_CODEC[0]], load("comms", SWARM_CODEC[1])
-    w = wire.payload
-    every = w["expert_sync_rounds"]
-    ends, plain, lengths = [], "", set()
-    for conv in convs:
-        c = conv.payload
-        if not c.get("complete", True):
-            raise RenderError(f"{conv.path}: stopped after seeds {c['seeds']} of {conv.provenance['seeds']}")
-        arm = next(a for a in c["arms"] if a.startswith("spes-topk-dense-every"))
-        if f"swarm.expert_sync_rounds={every}" not in c["arms"][arm]:
-            raise RenderError(f"{conv.path}: {arm} is not the cadence {wire.path} measured ({every})")
-        base = c["summary"]["spes"]["finals"]
-        gaps = paired(c["summary"][arm]["finals"], base)
-        ends.append(f"{statistics.fmean(gaps):+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds) with {c['peers']} peers")
-        lengths.add(f"{c['steps'] // c['sync_steps']} rounds of {c['sync_steps']} steps")
-        if "spes-topk-dense" in c["summary"] and not plain:
-            every_round = paired(c["summary"]["spes-topk-dense"]["finals"], base)
-            plain = (
-                f"; experts every round: {statistics.fmean(every_round):+.2%} ({span(every_round, '+.2%')}, "
-                f"{c['peers']} peers)"
-            )
+    """topk-dense in the swarm itself (experts split, each expert's update sent to its frozen copies), one
+    row per way of sending the experts (:data:`SWARM_MODES`): its bytes at spes-1b (``comms``' loopback
+    swarms, projected) and its loss against uncompressed SPES averaging over the convergence benchmark's
+    long runs at each peer count, per seed. A run stopped before its last seed shows the seeds it has."""
+    lines = [
+        "| topk-dense, experts' updates | less than SPES at fp32, spes-1b, 4 / 16 peers | "
+        + " | ".join(f"loss vs uncompressed, {p} peers" for p in SWARM_PEERS)
+        + " |",
+        "|---|---:|" + "---:|" * len(SWARM_PEERS),
+    ]
+    convs: list[Result] = []
+    wires: list[Result] = []
+    lengths = set()
+    for label, comms_variant, arm, runs in SWARM_MODES:
+        wire = load("comms", comms_variant)
+        projected = wire.payload["projections"]["spes-1b"]["peers"]
+        less = " / ".join(
+            f"{projected[n]['codecs']['topk-dense']['times_less_than_spes_reference_fp32']:.1f}x"
+            for n in sorted(projected, key=int)
+        )
+        cells = []
+        for peers, variant in zip(SWARM_PEERS, runs):
+            conv = load("convergence", variant)
+            c = conv.payload
+            if c["peers"] != peers or arm not in c["summary"]:
+                raise RenderError(f"{conv.path}: no {arm} arm with {peers} peers")
+            gaps = paired(c["summary"][arm]["finals"], c["summary"]["spes"]["finals"])
+            if not c.get("complete", True):  # stopped: the seeds it has, and of how many
+                count = f"seed {', '.join(map(str, c['seeds']))} of {len(conv.provenance['seeds'])}, stopped"
+                cells.append(f"{statistics.fmean(gaps):+.2%} ({count})")
+            else:
+                cells.append(f"{statistics.fmean(gaps):+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds)")
+            lengths.add(f"{c['steps'] // c['sync_steps']} rounds of {c['sync_steps']} steps")
+            convs += [conv] if conv not in convs else []
+        wires.append(wire)
+        lines.append(f"| {label} | {less} | " + " | ".join(cells) + " |")
     if len(lengths) != 1:
-        raise RenderError(f"the convergence runs {SWARM_CODEC[0]} are not equally long: {sorted(lengths)}")
-    projected = w["projections"]["spes-1b"]["peers"]
-    sizes = sorted(projected, key=int)
-    less = " / ".join(
-        f"{projected[n]['codecs']['topk-dense']['times_less_than_spes_reference_fp32']:.1f}x" for n in sizes
+        raise RenderError(f"the swarm modes' convergence runs are not equally long: {sorted(lengths)}")
+    note = (
+        f"One holder per expert; losses after {lengths.pop()} against uncompressed averaging (same seeds and "
+        f"validation tokens); bytes projected from {SWARM_PEERS[0]} loopback peers: {cite(convs, True)}; "
+        f"{cite(wires, True)}."
     )
-    framing = w["measured_over_computed"]["topk-dense"]
-    text = (
-        f"In the swarm itself (one holder per expert; only the shared weights averaged across peers), topk-dense "
-        f"with `swarm.expert_sync_rounds: {every}` moves {less} less than SPES at fp32 at spes-1b "
-        f"({' / '.join(sizes)} peers; {framing:.4f}x the computed bytes on {w['peers']} loopback peers) and, "
-        f"after {lengths.pop()}, ends {' and '.join(ends)} against uncompressed averaging{plain}: "
-        f"{cite([*convs, wire], True)}."
-    )
-    return textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
+    return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
 
 
 def head_codec_rounds() -> str:
