@@ -48,6 +48,7 @@ from p2p_spes.averaging.membership import decide
 from p2p_spes.config import SwarmConfig
 from p2p_spes.healing import plan_takeover
 from p2p_spes.placement import spes_block
+from p2p_spes.swarm.compat import codec_of
 from p2p_spes.swarm.pacing import Deadlines
 
 PHASE_LATENCY = 0.05  # seconds of round trips per all-reduce phase
@@ -142,7 +143,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     """Run ``cfg.rounds`` rounds of ``cfg.peers`` peers (see the module docstring)."""
     rng = random.Random(cfg.seed)
     sw = cfg.swarm
-    codec = Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction, lone_fraction=sw.topk_lone_fraction)
+    codec = codec_of(sw)
     peers = []
     for i in range(cfg.peers):
         pid = f"peer{i:05d}"

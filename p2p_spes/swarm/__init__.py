@@ -27,13 +27,14 @@ import torch
 from dht.auth import load_auth
 from dht.reachability import RECORD_FIELD, private_of
 from dht.records import PeerRecord
-from p2p_spes.averaging import Codec, GroupAllReduce, build_aggregator, tensor_digest
+from p2p_spes.averaging import GroupAllReduce, build_aggregator, tensor_digest
 from p2p_spes.config import Config
 from p2p_spes.data_manifest import FileEntry, Manifest
 from p2p_spes.errors import SwarmError
 from p2p_spes.memory import SyncMemory
 from p2p_spes.model import MoETransformer
 from p2p_spes.swarm.agreement import Refresher
+from p2p_spes.swarm.compat import codec_of
 from p2p_spes.swarm.counters import SwarmCounters
 from p2p_spes.swarm.coverage import Coverage
 from p2p_spes.swarm.data_server import DataServer, Holding, PeerSource, holders_of, holding, peer_sources
@@ -87,9 +88,7 @@ class Swarm:
             self.peer_id,
             self.runtime.run_id,
             owner=self.runtime.identity.owner,
-            compression=Codec(
-                sw.compression, sw.topk_fraction, sw.topk_result_fraction, lone_fraction=sw.topk_lone_fraction
-            ),
+            compression=codec_of(sw),
             matchmaking_time=sw.matchmaking_time,
             timeout=sw.averaging_timeout,
             aggregate=build_aggregator(sw.aggregation, trim_fraction=sw.trim_fraction, clip_tau=sw.clip_tau),

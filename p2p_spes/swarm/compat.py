@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from p2p_spes.averaging.compression import Codec
 from p2p_spes.errors import SwarmError
 
 if TYPE_CHECKING:
@@ -68,6 +69,11 @@ def sync_settings_of(sw: SwarmConfig, max_steps: int) -> dict[str, Any]:
         max_steps,
         sw.topk_lone_fraction,
     )
+
+
+def codec_of(sw: SwarmConfig) -> Codec:
+    """The codec this peer's swarm config names, with every share it sets."""
+    return Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction, lone_fraction=sw.topk_lone_fraction)
 
 
 def describe_sync(settings: Any) -> str:
@@ -164,9 +170,8 @@ def check_run(run_id: str, peer_id: str, view: RunView, ours: Ours) -> None:
             raise SwarmError(
                 f"run {run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
                 f"{describe_sync(other)} there, {describe_sync(ours.sync)} here. swarm.compression and "
-                "swarm.topk_fraction (and topk_result_fraction, topk_lone_fraction, expert_sync_rounds with train.max_steps) "
-                "are run-wide: "
-                "set them as the run does, or join with --config-from-swarm"
+                "swarm.topk_fraction (and topk_result_fraction, topk_lone_fraction, expert_sync_rounds with "
+                "train.max_steps) are run-wide: set them as the run does, or join with --config-from-swarm"
             )
     theirs = {v.get("hash") for p, v in view.run_configs.items() if p != peer_id}
     if theirs and ours.config_hash not in theirs:
