@@ -42,29 +42,14 @@ DEFAULTS = (
     ("main", "muon-4x-2", "with five Newton-Schulz iterations instead of three"),
 )
 MUON_ITERATIONS = "muon-ns3"  # the quality benchmark's run of Muon with 5 and with 3 iterations, side by side
-# the convergence variants (4 and 8 peers) and the comms variant that ran topk-dense with the experts
-# averaged every K rounds
-# topk-dense in the swarm: (label, comms variant, convergence arm, its convergence variants at SWARM_PEERS)
+# topk-dense in the swarm: (how the experts' updates go, comms variant, convergence arm, its convergence
+# variants at SWARM_PEERS); the setting each row names is read from the arm's overrides in those results
 SWARM_PEERS = (4, 8)
+SWARM_SETTINGS = {"swarm.expert_sync_rounds": 1, "swarm.topk_lone_fraction": None}  # with their defaults
 SWARM_MODES = (
-    (
-        "every round, at the averaged parts' 16/256",
-        "main",
-        "spes-topk-dense",
-        ("every4-150r", "topk-dense-8peers-150r"),
-    ),
-    (
-        "every 4 rounds (`swarm.expert_sync_rounds: 4`)",
-        "every4",
-        "spes-topk-dense-every4",
-        ("every4-150r", "every4-8peers-150r"),
-    ),
-    (
-        "every round at 5/256 (`swarm.topk_lone_fraction: 0.0195`)",
-        "lone5",
-        "spes-topk-dense-lone5",
-        ("lone5-150r", "lone5-8peers-150r"),
-    ),
+    ("every round, at the averaged parts' share", "main", "spes-topk-dense", ("every4-150r", "topk-dense-8peers-150r")),
+    ("every K rounds", "every4", "spes-topk-dense-every4", ("every4-150r", "every4-8peers-150r")),
+    ("every round, at a share of their own", "lone5", "spes-topk-dense-lone5", ("lone5-150r", "lone5-8peers-150r")),
 )
 
 
@@ -714,6 +699,15 @@ def swarm_codec() -> str:
     lengths = set()
     for label, comms_variant, arm, runs in SWARM_MODES:
         wire = load("comms", comms_variant)
+        settings = _swarm_mode_settings(load("convergence", runs[0]), arm)
+        measured = {
+            "swarm.expert_sync_rounds": wire.payload.get("expert_sync_rounds") or 1,
+            "swarm.topk_lone_fraction": wire.payload.get("topk_lone_fraction"),
+        }
+        for key, value in measured.items():
+            if settings.get(key, SWARM_SETTINGS[key]) != value:
+                raise RenderError(f"{wire.path} measured {key}={value}, the arm {arm} runs {settings.get(key)}")
+        label += "".join(f" (`{k}: {v:.10g}`)" for k, v in settings.items())
         projected = wire.payload["projections"]["spes-1b"]["peers"]
         less = " / ".join(
             f"{projected[n]['codecs']['topk-dense']['times_less_than_spes_reference_fp32']:.1f}x"
@@ -743,6 +737,13 @@ def swarm_codec() -> str:
         f"{cite(wires, True)}."
     )
     return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
+
+
+def _swarm_mode_settings(conv: Result, arm: str) -> dict[str, float]:
+    """How ``arm`` of a convergence result sends the experts' updates: the :data:`SWARM_SETTINGS` its
+    overrides set (``swarm.key``: number)."""
+    pairs = (o.split("=", 1) for o in conv.payload["arms"][arm])
+    return {k: float(v) for k, v in pairs if k in SWARM_SETTINGS}
 
 
 def head_codec_rounds() -> str:
