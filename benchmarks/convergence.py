@@ -161,6 +161,7 @@ ARMS: dict[str, list[str] | None] = {
     ],
     "spes-sparse": [*SPES[:-1], "swarm.compression=sparse"],
     "spes-every4": [*SPES, "swarm.expert_sync_rounds=4"],
+    "spes-every16": [*SPES, "swarm.expert_sync_rounds=16"],
     "spes-topk-dense-every4": [
         *SPES[:-1],
         "swarm.compression=topk",
@@ -185,6 +186,7 @@ DEFAULT_ARMS = [
         "spes-topk-keep-dense",
         "spes-sparse",
         "spes-every4",
+        "spes-every16",
         "spes-topk-dense-every4",
     )
 ]
