@@ -60,7 +60,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.lab import results
-from p2p_spes.averaging.compression import BLOCK, CODECS, Codec, bits_per_value
+from p2p_spes.averaging.compression import BLOCK, CODECS, DENSE, Codec
 from p2p_spes.config import load_config
 from p2p_spes.errors import SwarmError
 from p2p_spes.local_swarm import LocalSwarm
@@ -101,6 +101,11 @@ def parameter_split(overrides: list[str] | None = None, name: str | None = None)
     total = sum(p.numel() for p in model.parameters())
     per_expert = cfg.model.num_layers * 3 * cfg.model.d_model * cfg.moe.ffn_dim
     return total - cfg.moe.num_experts * per_expert, per_expert, cfg.moe.num_experts
+
+
+def bits_per_value(codec: Codec, numel: int = 1 << 20) -> float:
+    """Wire bits per value of ``codec`` for a message of ``numel`` values (header included)."""
+    return 8 * codec.wire_bytes(numel) / numel
 
 
 def part_sizes(numel: int, parts: int) -> list[int]:
@@ -196,6 +201,8 @@ def run_swarm(name: str, codec: Codec, args: argparse.Namespace, run_dir: Path) 
         overrides.append(f"swarm.topk_result_fraction={codec.result_fraction}")
     if codec.lone_fraction is not None:
         overrides.append(f"swarm.topk_lone_fraction={codec.lone_fraction}")
+    if codec.lone_compression is not None:
+        overrides.append(f"swarm.lone_compression={codec.lone_compression}")
     swarm = LocalSwarm(None, overrides, peers=args.peers, run_dir=run_dir / name, run_id=f"comms-{name}")
     t0 = time.monotonic()
     error = None
@@ -314,6 +321,11 @@ def main() -> None:
         help="swarm.topk_lone_fraction of topk-dense (a lone holder's update; default: the result's share)",
     )
     parser.add_argument(
+        "--lone-compression",
+        choices=DENSE,
+        help="swarm.lone_compression of topk-dense (a dense codec for a lone holder's update)",
+    )
+    parser.add_argument(
         "--expert-sync-rounds",
         type=int,
         default=1,
@@ -336,6 +348,7 @@ def main() -> None:
             args.topk_fraction,
             args.topk_result_fraction if name.endswith("-dense") else None,
             lone_fraction=args.topk_lone_fraction if name.endswith("-dense") else None,
+            lone_compression=args.lone_compression if name.endswith("-dense") else None,
         )
         for name in args.compressions
     }
@@ -598,6 +611,7 @@ def main() -> None:
             "topk_k_per_block": codecs["topk"].k if "topk" in codecs else None,
             "topk_result_fraction": args.topk_result_fraction if "topk-dense" in codecs else None,
             "topk_lone_fraction": args.topk_lone_fraction if "topk-dense" in codecs else None,
+            "lone_compression": args.lone_compression if "topk-dense" in codecs else None,
             "bits_per_value": {n: bits_per_value(c) for n, c in codecs.items()},
             "payload_config": PAYLOAD,
             "shared_params": shared,

@@ -159,6 +159,13 @@ ARMS: dict[str, list[str] | None] = {
         "swarm.topk_result_fraction=0.0625",
         "swarm.topk_lone_fraction=0.01953125",
     ],
+    "spes-topk-dense-int4-every16": [
+        *SPES[:-1],
+        "swarm.compression=topk",
+        "swarm.topk_result_fraction=0.0625",
+        "swarm.lone_compression=int4",
+        "swarm.expert_sync_rounds=16",
+    ],
     "spes-sparse": [*SPES[:-1], "swarm.compression=sparse"],
     "spes-every4": [*SPES, "swarm.expert_sync_rounds=4"],
     "spes-every16": [*SPES, "swarm.expert_sync_rounds=16"],
@@ -188,6 +195,7 @@ DEFAULT_ARMS = [
         "spes-every4",
         "spes-every16",
         "spes-topk-dense-every4",
+        "spes-topk-dense-int4-every16",
     )
 ]
 SUMMARY_KEYS = (

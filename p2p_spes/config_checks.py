@@ -122,6 +122,12 @@ def validate(config: Config) -> None:
                 f"swarm.compression=topk (here {sw.compression}), between swarm.topk_fraction ({sw.topk_fraction}) "
                 f"and swarm.topk_result_fraction ({sw.topk_result_fraction}): set it in that range, or null"
             )
+    if sw.lone_compression is not None and (sw.compression != "topk" or sw.topk_lone_fraction is not None):
+        raise ConfigError(
+            f"swarm.lone_compression ({sw.lone_compression}) sets the codec of a lone holder's update under "
+            f"swarm.compression=topk (here {sw.compression}) in place of swarm.topk_lone_fraction (here "
+            f"{sw.topk_lone_fraction}): use compression topk with topk_lone_fraction null, or lone_compression null"
+        )
     if sw.compression == "sparse" and sw.aggregation != "mean":
         raise ConfigError(
             "swarm.compression=sparse averages each value over the members that sent it: it runs with "

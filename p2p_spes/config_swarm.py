@@ -90,6 +90,12 @@ class SwarmConfig:
         doc="topk: the share a group of one keeps (a lone holder's expert update, what its frozen copies "
         "download; null: topk_result_fraction's); between topk_fraction and topk_result_fraction",
     )
+    lone_compression: Literal["none", "fp16", "int8", "int4"] | None = setting(
+        None,
+        doc="topk: a dense codec for a group of one's result instead of top-k (a lone holder's expert update, "
+        "what its frozen copies download; null: top-k at topk_lone_fraction). With expert_sync_rounds K, a "
+        "copy then lags its holder by at most K rounds instead of by what top-k has not carried yet",
+    )
     expert_sync_rounds: int = setting(
         1,
         doc="Experts are averaged among their holders, and every frozen copy refreshed, every this many sync "

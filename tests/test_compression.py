@@ -234,6 +234,64 @@ def test_a_lone_holders_update_keeps_its_own_share_which_the_result_codec_decode
             Codec("topk", 1 / 64, 4 / 64, lone_fraction=bad)
 
 
+@pytest.mark.parametrize("dense", ["int4", "int8", "fp16", "none"])
+def test_a_lone_holders_update_in_a_dense_codec_which_the_result_codec_decodes(dense):
+    """``lone_compression``: a group of one's result goes in that dense codec; every codec of the run (the
+    result's, which frozen copies decode parts with, and the members') reads it by its header, while a
+    run without it refuses such a message, and other dense messages are still refused."""
+    codec = Codec("topk", 1 / 64, 4 / 64, lone_compression=dense)
+    assert codec.lone == Codec(dense) and codec.result.lone == Codec(dense)
+    torch.manual_seed(6)
+    x = torch.randn(1000)
+    message = codec.alone(x)
+    assert message.numel() == Codec(dense).wire_bytes(1000)
+    expected = Codec(dense).decode(Codec(dense).encode(x), 1000)
+    assert int((expected != 0).sum()) > 500  # dense (int4 rounds the smallest to 0), not top-k's 63
+    for reader in (codec, codec.result):
+        assert torch.equal(reader.decode(message, 1000), expected)
+        assert torch.equal(reader.decode_parts([message], 1000), expected)
+    with pytest.raises(TransportError, match=f"compressed with {dense}, this run uses topk"):
+        Codec("topk", 1 / 64, 4 / 64).result.decode(message, 1000)
+    other = "int8" if dense != "int8" else "int4"
+    with pytest.raises(TransportError, match=f"compressed with {other}"):
+        codec.result.decode(Codec(other).encode(x), 1000)
+    with pytest.raises(TransportError, match="1001"):
+        codec.result.decode(message, 1001)
+    corrupt = message.clone()
+    corrupt[-1] ^= 1
+    with pytest.raises(TransportError, match="checksum"):
+        codec.result.decode(corrupt, 1000)
+
+
+def test_a_lone_codec_is_dense_and_only_under_topk():
+    for bad in (
+        {"name": "int8", "lone_compression": "int4"},  # not topk
+        {"name": "topk", "lone_compression": "topk"},  # not dense
+        {"name": "topk", "lone_compression": "sparse"},
+        {"name": "topk", "result_fraction": 4 / 64, "lone_compression": "int4", "lone_fraction": 5 / 256},
+    ):
+        with pytest.raises(ValueError, match="lone_compression"):
+            Codec(**bad)
+
+
+def test_the_lone_codec_is_run_wide_but_absent_from_runs_that_leave_it_unset():
+    from p2p_spes.errors import SwarmError
+    from p2p_spes.swarm.compat import Ours, RunView, check_run
+
+    plain = sync_settings("topk", 1 / 64, 0.0625)
+    assert sync_settings("topk", 1 / 64, 0.0625, 1, 100, None, None) == plain
+    assert sync_settings("topk", 1 / 64, 0.0625, 1, 100, None, "int4") != plain
+    assert sync_settings("int8", 1 / 64, None, 1, 100, None, "int4") == sync_settings("int8", 1 / 64)
+    assert describe_sync(sync_settings("topk", 1 / 64, 0.0625, 1, 100, None, "int4")) == (
+        "compression topk (topk_fraction 0.015625) (topk_result_fraction 0.0625) (lone_compression int4)"
+    )
+    swarm = {"compression": "topk", "topk_fraction": 1 / 64, "topk_result_fraction": 0.0625}
+    theirs = {"config": {"swarm": {**swarm, "lone_compression": "int4"}}, "hash": "h", "fingerprint": "fp"}
+    ours = Ours("fp", {"moe": {}}, plain, "h")
+    with pytest.raises(SwarmError, match=r"\(lone_compression int4\) there.*lone_compression"):
+        check_run("r", "me", RunView({}, {"them": theirs}), ours)
+
+
 def test_the_lone_share_is_run_wide_but_absent_from_runs_that_leave_it_unset():
     assert sync_settings("topk", 1 / 64, 0.0625, 1, 100, None) == sync_settings("topk", 1 / 64, 0.0625)
     assert sync_settings("topk", 1 / 64, 0.0625, 1, 100, 5 / 256) != sync_settings("topk", 1 / 64, 0.0625)

@@ -168,6 +168,20 @@ def test_a_result_share_outside_zero_one_is_refused():
     assert load_config(None, ["swarm.topk_result_fraction=0.0625"]).swarm.topk_result_fraction == 0.0625
 
 
+def test_a_lone_codec_is_topk_only_dense_and_not_beside_a_lone_share():
+    dense = ["swarm.compression=topk", "swarm.topk_result_fraction=0.0625"]
+    assert load_config(None, [*dense, "swarm.lone_compression=int4"]).swarm.lone_compression == "int4"
+    assert load_config(None, []).swarm.lone_compression is None
+    for bad in (
+        ["swarm.compression=int8", "swarm.lone_compression=int4"],
+        [*dense, "swarm.topk_lone_fraction=0.02", "swarm.lone_compression=int4"],
+    ):
+        with pytest.raises(ConfigError, match="swarm.lone_compression.*or lone_compression null"):
+            load_config(None, bad)
+    with pytest.raises(ConfigError, match=r"lone_compression: expected 'none' \| 'fp16' \| 'int8' \| 'int4' \| null"):
+        load_config(None, [*dense, "swarm.lone_compression=topk"])
+
+
 def test_a_lone_share_is_topk_only_and_between_the_members_and_the_results():
     dense = ["swarm.compression=topk", "swarm.topk_result_fraction=0.0625"]
     assert load_config(None, [*dense, "swarm.topk_lone_fraction=0.02"]).swarm.topk_lone_fraction == 0.02

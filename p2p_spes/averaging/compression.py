@@ -14,8 +14,8 @@ Codecs (``swarm.compression``), values in blocks of :data:`BLOCK`:
   positions as uint8 offsets in increasing order, their values at 2 bits on the levels
   ``{-1, -1/3, 1/3, 1} x scale`` with one fp16 scale (the block's largest kept magnitude).
 
-Why not hivemind's codecs alone: they are per-tensor (its blockwise 8-bit needs bitsandbytes), have
-no 4-bit or top-k, and carry no integrity check. hivemind still serializes and streams the result.
+Not hivemind's codecs: per-tensor (its blockwise 8-bit needs bitsandbytes), no 4-bit, top-k or integrity
+check. hivemind still serializes and streams the result.
 
 Every message is one uint8 tensor: a 32-byte header (magic with version, codec, numel, topk k, a
 BLAKE2b-64 checksum of the body) and the body. A message whose header, size, checksum, index order
@@ -37,6 +37,7 @@ from p2p_spes.averaging.transport import TransportError
 
 BLOCK = 256
 CODECS = ("none", "fp16", "int8", "int4", "topk", "sparse")  # what swarm.compression may name
+DENSE = CODECS[:4]  # what swarm.lone_compression may name
 BUNDLE = "sparse-bundle"  # a sparse group's result: the members' messages, forwarded (sparse.py)
 _WIRE = (*CODECS, BUNDLE)  # codec ids in the header
 SPARSE_DECAY = 0.95  # the sparse codec's error feedback decays (error_feedback.py)
@@ -75,19 +76,41 @@ def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
     return (absmax / top).clamp(_MIN_SCALE, FP16_MAX).half()
 
 
+def _encode_int(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _padded(x)
+    scales = _scales(rows.abs().amax(dim=1), top)
+    q = torch.round(rows / scales.float()[:, None]).clamp(-top, top).to(torch.int8).reshape(-1)[: x.numel()]
+    return scales, q
+
+
+def _scales_of(body: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cut = 2 * _blocks(numel)
+    scales = body[:cut].view(torch.float16).float()
+    if not torch.isfinite(scales).all() or (scales < 0).any():
+        raise TransportError("compressed message has invalid block scales")
+    return scales, body[cut:]
+
+
+def _decode_int(q: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+    rows = torch.zeros(_blocks(numel) * BLOCK)
+    rows[:numel] = q.float()
+    return (rows.view(-1, BLOCK) * scales[:, None]).reshape(-1)[:numel].contiguous()
+
+
 @dataclass(frozen=True)
 class Codec:
     """One of :data:`CODECS`; ``topk_fraction`` is the share of each block ``topk`` keeps in a member's
     message, ``result_fraction`` (None: the same) in a group's averaged parts (:attr:`result`).
     ``floor_fraction`` (set on :attr:`result` only) lets a message keep fewer values, down to that share:
     a group of few members encodes its mean at :meth:`result_for`. ``lone_fraction`` (None: the result's)
-    is the share a group of one keeps (:attr:`lone`)."""
+    is the share a group of one keeps, or ``lone_compression`` a dense codec it uses instead (:attr:`lone`)."""
 
     name: str = "none"
     topk_fraction: float = 1 / 64
     result_fraction: float | None = None
     floor_fraction: float | None = None
     lone_fraction: float | None = None
+    lone_compression: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in _WIRE:
@@ -103,6 +126,10 @@ class Codec:
                 f"topk_lone_fraction {lone} is outside topk_fraction {self.topk_fraction} .. "
                 f"topk_result_fraction {self.result_fraction} (the shares a group's result may keep)"
             )
+        dense = self.lone_compression
+        if dense is not None and (self.name != "topk" or dense not in DENSE or lone is not None):
+            what = f"topk (not {self.name}), one of {', '.join(DENSE)} and no topk_lone_fraction"
+            raise ValueError(f"lone_compression {dense!r} needs {what}")
 
     @property
     def result(self) -> Codec:
@@ -114,7 +141,8 @@ class Codec:
             return Codec(BUNDLE, self.topk_fraction)
         if self.name != "topk" or self.result_fraction is None:
             return self
-        return Codec(self.name, self.result_fraction, floor_fraction=min(self.topk_fraction, self.result_fraction))
+        floor = min(self.topk_fraction, self.result_fraction)
+        return Codec(self.name, self.result_fraction, floor_fraction=floor, lone_compression=self.lone_compression)
 
     def result_for(self, contributions: int) -> Codec:
         """The codec that encodes the mean of ``contributions`` encoded messages (a reducer's part): with
@@ -129,9 +157,10 @@ class Codec:
 
     @property
     def lone(self) -> Codec:
-        """The codec of a group of one's result: a lone holder's update, what its frozen copies download.
-        :attr:`result` unless ``lone_fraction`` sets another share (under ``topk``, between the members'
-        k and the result's, so that :attr:`result` decodes it)."""
+        """A group of one's result (a lone holder's update, what its copies download): :attr:`result`'s,
+        at ``lone_fraction`` (between the members' k and the result's) or ``lone_compression`` if set."""
+        if self.lone_compression is not None:
+            return Codec(self.lone_compression)
         if self.lone_fraction is None or self.name != "topk":
             return self.result
         return Codec(self.name, self.lone_fraction)
@@ -221,18 +250,12 @@ class Codec:
     def _encode_fp16(self, x: torch.Tensor) -> bytes:
         return to_bytes(x.clamp(-FP16_MAX, FP16_MAX).half())
 
-    def _encode_int(self, x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = _padded(x)
-        scales = _scales(rows.abs().amax(dim=1), top)
-        q = torch.round(rows / scales.float()[:, None]).clamp(-top, top).to(torch.int8).reshape(-1)[: x.numel()]
-        return scales, q
-
     def _encode_int8(self, x: torch.Tensor) -> bytes:
-        scales, q = self._encode_int(x, 127)
+        scales, q = _encode_int(x, 127)
         return to_bytes(scales) + to_bytes(q)
 
     def _encode_int4(self, x: torch.Tensor) -> bytes:
-        scales, q = self._encode_int(x, 7)
+        scales, q = _encode_int(x, 7)
         return to_bytes(scales) + to_bytes(pack4(q.to(torch.int16) + 8))
 
     def _encode_topk(self, x: torch.Tensor) -> bytes:
@@ -255,7 +278,7 @@ class Codec:
     def decode(self, message: torch.Tensor, numel: int) -> torch.Tensor:
         """The fp32 values of ``message``, which must hold ``numel`` values in this codec."""
         opened = self._open(message, numel)
-        if isinstance(opened, Codec):  # a group of few members: its mean, at fewer values
+        if isinstance(opened, Codec):  # a group of few members' mean (fewer values), or a lone update
             return opened.decode(message, numel)
         body, k = opened
         if not numel:  # an empty part (more reducers than values): torch.frombuffer refuses an empty buffer
@@ -289,6 +312,8 @@ class Codec:
         magic, codec, count, k = _HEADER.unpack(raw[: _HEADER.size])
         if magic != MAGIC:
             raise TransportError("not a p2p-spes compressed message (bad magic)")
+        if self.lone_compression not in (None, self.name) and _WIRE[codec : codec + 1] == (self.lone_compression,):
+            return self.lone  # a lone holder's update, in its own codec
         if codec >= len(_WIRE) or _WIRE[codec] != self.name:
             theirs = _WIRE[codec] if codec < len(_WIRE) else f"unknown ({codec})"
             raise TransportError(f"message compressed with {theirs}, this run uses {self.name} (swarm.compression)")
@@ -316,34 +341,22 @@ class Codec:
     def _decode_fp16(self, body: torch.Tensor, numel: int) -> torch.Tensor:
         return body.view(torch.float16).float()
 
-    def _scales_of(self, body: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cut = 2 * _blocks(numel)
-        scales = body[:cut].view(torch.float16).float()
-        if not torch.isfinite(scales).all() or (scales < 0).any():
-            raise TransportError("compressed message has invalid block scales")
-        return scales, body[cut:]
-
-    def _decode_int(self, q: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
-        rows = torch.zeros(_blocks(numel) * BLOCK)
-        rows[:numel] = q.float()
-        return (rows.view(-1, BLOCK) * scales[:, None]).reshape(-1)[:numel].contiguous()
-
     def _decode_int8(self, body: torch.Tensor, numel: int) -> torch.Tensor:
-        scales, rest = self._scales_of(body, numel)
+        scales, rest = _scales_of(body, numel)
         q = rest.view(torch.int8)
         if (q == -128).any():
             raise TransportError("int8 message holds -128, outside the symmetric range")
-        return self._decode_int(q, scales, numel)
+        return _decode_int(q, scales, numel)
 
     def _decode_int4(self, body: torch.Tensor, numel: int) -> torch.Tensor:
-        scales, rest = self._scales_of(body, numel)
+        scales, rest = _scales_of(body, numel)
         q = unpack4(rest, numel).to(torch.int16) - 8
         if (q < -7).any():
             raise TransportError("int4 message holds -8, outside the symmetric range")
-        return self._decode_int(q, scales, numel)
+        return _decode_int(q, scales, numel)
 
     def _decode_topk(self, body: torch.Tensor, numel: int) -> torch.Tensor:
-        scales, rest = self._scales_of(body, numel)
+        scales, rest = _scales_of(body, numel)
         kept = self._kept(numel)
         idx, packed = rest[:kept], rest[kept:]
         slots = torch.zeros(_blocks(numel) * self.k, dtype=torch.int64)
@@ -383,15 +396,3 @@ def message_numel(message: torch.Tensor) -> int:
     if magic != MAGIC:
         raise TransportError("not a p2p-spes compressed message (bad magic)")
     return count
-
-
-def bits_per_value(codec: Codec, numel: int = 1 << 20) -> float:
-    """Wire bits per value of ``codec`` for a message of ``numel`` values (header included)."""
-    return 8 * codec.wire_bytes(numel) / numel
-
-
-def fraction_label(codec: Codec) -> str:
-    """``topk`` with its kept share, e.g. ``topk 1.56%``; other codecs by name."""
-    if codec.name != "topk":
-        return codec.name
-    return f"topk {100 * codec.k / BLOCK:.3g}%"

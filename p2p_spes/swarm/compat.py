@@ -37,10 +37,11 @@ def sync_settings(
     expert_sync_rounds: Any = 1,
     max_steps: Any = None,
     topk_lone_fraction: Any = None,
+    lone_compression: Any = None,
 ) -> dict[str, Any]:
     """What peers must share to average together: the protocol (pseudo-gradients since version 2),
     the codec and the rounds that average the experts; the top-k shares only matter to ``topk`` and
-    ``sparse`` (the result's and a lone holder's only to topk, when set, and the experts' cadence only when it is not
+    ``sparse`` (the result's and a lone holder's share or codec only to topk, when set, and the experts' cadence only when it is not
     every round, so that peers which predate them still match the defaults). With the experts averaged
     every K > 1 rounds the run's last step is shared too: the last round averages them whatever its
     number, and a peer that saw another last round would wait in expert groups nobody else opens."""
@@ -56,6 +57,8 @@ def sync_settings(
             out["topk_result_fraction"] = topk_result_fraction
         if topk_lone_fraction is not None:
             out["topk_lone_fraction"] = topk_lone_fraction
+        if lone_compression is not None:
+            out["lone_compression"] = lone_compression
     return out
 
 
@@ -68,18 +71,21 @@ def sync_settings_of(sw: SwarmConfig, max_steps: int) -> dict[str, Any]:
         sw.expert_sync_rounds,
         max_steps,
         sw.topk_lone_fraction,
+        sw.lone_compression,
     )
 
 
 def codec_of(sw: SwarmConfig) -> Codec:
     """The codec this peer's swarm config names, with every share it sets."""
-    return Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction, lone_fraction=sw.topk_lone_fraction)
+    lone = {"lone_fraction": sw.topk_lone_fraction, "lone_compression": sw.lone_compression}
+    return Codec(sw.compression, sw.topk_fraction, sw.topk_result_fraction, **lone)
 
 
 def describe_sync(settings: Any) -> str:
     if not isinstance(settings, dict) or settings.get("protocol") != SYNC_PROTOCOL:
         return "an older p2p-spes (it averages weights, not pseudo-gradients: upgrade every peer)"
-    keys = ("topk_fraction", "topk_result_fraction", "topk_lone_fraction", "expert_sync_rounds", "max_steps")
+    keys = ("topk_fraction", "topk_result_fraction", "topk_lone_fraction", "lone_compression")
+    keys += ("expert_sync_rounds", "max_steps")
     extra = "".join(f" ({k} {settings[k]})" for k in keys if k in settings)
     return f"compression {settings.get('compression')}{extra}"
 
@@ -145,6 +151,7 @@ def model_records(view: RunView, ours: Ours) -> dict[str, Any]:
                     swarm.get("expert_sync_rounds"),
                     train.get("max_steps"),
                     swarm.get("topk_lone_fraction"),
+                    swarm.get("lone_compression"),
                 ),
             },
         )
@@ -170,8 +177,9 @@ def check_run(run_id: str, peer_id: str, view: RunView, ours: Ours) -> None:
             raise SwarmError(
                 f"run {run_id!r} encodes its sync rounds differently than this config (peer {peer}): "
                 f"{describe_sync(other)} there, {describe_sync(ours.sync)} here. swarm.compression and "
-                "swarm.topk_fraction (and topk_result_fraction, topk_lone_fraction, expert_sync_rounds with "
-                "train.max_steps) are run-wide: set them as the run does, or join with --config-from-swarm"
+                "swarm.topk_fraction (and topk_result_fraction, topk_lone_fraction, lone_compression, "
+                "expert_sync_rounds with train.max_steps) are run-wide: set them as the run does, or join with "
+                "--config-from-swarm"
             )
     theirs = {v.get("hash") for p, v in view.run_configs.items() if p != peer_id}
     if theirs and ours.config_hash not in theirs:
