@@ -34,14 +34,17 @@ experts (one holder each), S shared parameters and X parameters per expert:
   same in (P-1 contributions to its part) and out (its averaged part to P-1 members); own experts
   (lone holders: no group traffic), u(X) served to each of the P-1 others, where ``u`` is the codec
   of a group of one (``c``, but 16 of 256 values for topk-dense: a lone holder's update is its own
-  dense pseudo-gradient, encoded once; ``--topk-lone-fraction``'s share when given); frozen experts, u(X) downloaded for each of the E - E/P;
+  dense pseudo-gradient, encoded once; ``--topk-lone-fraction``'s share, or ``--lone-compression``'s
+  dense codec, when given); frozen experts, u(X) downloaded for each of the E - E/P;
 * SPES reference (central server): upload the shared parameters and the own experts, download the
   whole model; at fp32, and at the codec's own bytes per value (``c`` on the same transfers);
 * an fp32 all-reduce of the whole model (DiLoCo, full replicas): 2(P-1)/P of it each way;
 * the least any round with no server can move (:func:`serverless_floor`, ``docs/method.md``, "The least
   a round can move"), at the codec's bytes per value: what no protocol in which every peer ends the
   round holding the shared average and every expert's update can go below, whatever its topology.
-  Its ratio to the SPES reference at fp32 is the ceiling of a codec's "times less".
+  Its ratio to the SPES reference at fp32 is the ceiling of a codec's "times less". It prices the
+  experts' updates at the members' bytes per value, so with a dense lone codec it is far below what
+  any round of that codec moves.
 
 The framing overhead of a codec is measured / computed on the loopback run; the projections to
 spes-1b and spes-7b at 4 and 16 peers multiply the computed payload by it. Writes

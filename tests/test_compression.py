@@ -236,9 +236,9 @@ def test_a_lone_holders_update_keeps_its_own_share_which_the_result_codec_decode
 
 @pytest.mark.parametrize("dense", ["int4", "int8", "fp16", "none"])
 def test_a_lone_holders_update_in_a_dense_codec_which_the_result_codec_decodes(dense):
-    """``lone_compression``: a group of one's result goes in that dense codec; every codec of the run (the
-    result's, which frozen copies decode parts with, and the members') reads it by its header, while a
-    run without it refuses such a message, and other dense messages are still refused."""
+    """``lone_compression``: a group of one's result goes in that dense codec. Only a frozen copy's read
+    of an update (``decode_update``) takes it, by its header; a reducer's or a member's read of a part
+    refuses it (else a member could send values no top-k scale can carry), as does a run without it."""
     codec = Codec("topk", 1 / 64, 4 / 64, lone_compression=dense)
     assert codec.lone == Codec(dense) and codec.result.lone == Codec(dense)
     torch.manual_seed(6)
@@ -247,20 +247,29 @@ def test_a_lone_holders_update_in_a_dense_codec_which_the_result_codec_decodes(d
     assert message.numel() == Codec(dense).wire_bytes(1000)
     expected = Codec(dense).decode(Codec(dense).encode(x), 1000)
     assert int((expected != 0).sum()) > 500  # dense (int4 rounds the smallest to 0), not top-k's 63
-    for reader in (codec, codec.result):
-        assert torch.equal(reader.decode(message, 1000), expected)
-        assert torch.equal(reader.decode_parts([message], 1000), expected)
+    assert torch.equal(codec.result.decode_update([message], 1000), expected)
+    assert torch.equal(codec.lone.decode(message, 1000), expected)  # what the holder applies (a group of one)
+    for reader in (codec, codec.result):  # members' contributions, a reducer's averaged parts
+        with pytest.raises(TransportError, match=f"compressed with {dense}, this run uses topk"):
+            reader.decode(message, 1000)
+        with pytest.raises(TransportError, match=f"compressed with {dense}, this run uses topk"):
+            reader.decode_parts([message], 1000)
     with pytest.raises(TransportError, match=f"compressed with {dense}, this run uses topk"):
-        Codec("topk", 1 / 64, 4 / 64).result.decode(message, 1000)
+        Codec("topk", 1 / 64, 4 / 64).result.decode_update([message], 1000)
+    with pytest.raises(TransportError, match=f"compressed with {dense}"):  # one of several parts: a group's
+        codec.result.decode_update([message, message], 2000)
     other = "int8" if dense != "int8" else "int4"
     with pytest.raises(TransportError, match=f"compressed with {other}"):
-        codec.result.decode(Codec(other).encode(x), 1000)
+        codec.result.decode_update([Codec(other).encode(x)], 1000)
     with pytest.raises(TransportError, match="1001"):
-        codec.result.decode(message, 1001)
+        codec.result.decode_update([message], 1001)
     corrupt = message.clone()
     corrupt[-1] ^= 1
     with pytest.raises(TransportError, match="checksum"):
-        codec.result.decode(corrupt, 1000)
+        codec.result.decode_update([corrupt], 1000)
+    # a group's parts still decode as before
+    parts = [codec.result.encode(x[:500]), codec.result.encode(x[500:])]
+    assert torch.equal(codec.result.decode_update(parts, 1000), codec.result.decode_parts(parts, 1000))
 
 
 def test_a_lone_codec_is_dense_and_only_under_topk():

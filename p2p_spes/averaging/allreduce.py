@@ -170,7 +170,7 @@ class GroupAllReduce:
         """A group of one: its result is our own tensor as the codec carries it (what a rebuild gets)."""
         result = result or GroupResult(None, [self.peer_id])
         message = self.codec.alone(tensor)  # served as the group's update, as a group's result is
-        result.tensor = result.sent = self.codec.result.decode(message, tensor.numel())
+        result.tensor = result.sent = self.codec.lone.decode(message, tensor.numel())
         result.messages = [message]
         return result
 

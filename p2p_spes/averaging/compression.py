@@ -33,9 +33,19 @@ import torch
 
 from p2p_spes.averaging import sparse
 from p2p_spes.averaging.bitpack import pack2, pack4, to_bytes, unpack2, unpack4
+from p2p_spes.averaging.blockwise import (
+    BLOCK,
+    FP16_MAX,
+    as_blocks,
+    block_count,
+    block_scales,
+    dequantize,
+    keep_mask,
+    quantize,
+    read_scales,
+)
 from p2p_spes.averaging.transport import TransportError
 
-BLOCK = 256
 CODECS = ("none", "fp16", "int8", "int4", "topk", "sparse")  # what swarm.compression may name
 DENSE = CODECS[:4]  # what swarm.lone_compression may name
 BUNDLE = "sparse-bundle"  # a sparse group's result: the members' messages, forwarded (sparse.py)
@@ -46,55 +56,7 @@ MAGIC = b"PSG1"
 _HEADER = struct.Struct("<4sBxxxQH6x")  # magic, codec id, numel, topk k (24 bytes; the checksum follows)
 _CHECK = 8
 HEADER_BYTES = _HEADER.size + _CHECK
-FP16_MAX = 65504.0
-_MIN_SCALE = 2.0**-14  # fp16's smallest normal: scales never underflow to zero or subnormals
 _TOPK_LEVELS = torch.tensor([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0])
-
-
-def _blocks(numel: int) -> int:
-    return -(-numel // BLOCK)
-
-
-def _padded(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (flat) as rows of :data:`BLOCK`, zero-padded."""
-    out = torch.zeros(_blocks(x.numel()) * BLOCK, dtype=torch.float32)
-    out[: x.numel()] = x
-    return out.view(-1, BLOCK)
-
-
-def _keep_mask(numel: int, k: int) -> torch.Tensor:
-    """Which of topk's ``blocks x k`` slots are real: the last block keeps at most its own length."""
-    blocks, rest = _blocks(numel), numel % BLOCK
-    mask = torch.ones(blocks, k, dtype=torch.bool)
-    if rest and rest < k:
-        mask[-1, rest:] = False
-    return mask.reshape(-1)
-
-
-def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
-    """fp16 per-block scales for values up to ``absmax`` over ``top`` levels (never zero, never inf)."""
-    return (absmax / top).clamp(_MIN_SCALE, FP16_MAX).half()
-
-
-def _encode_int(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = _padded(x)
-    scales = _scales(rows.abs().amax(dim=1), top)
-    q = torch.round(rows / scales.float()[:, None]).clamp(-top, top).to(torch.int8).reshape(-1)[: x.numel()]
-    return scales, q
-
-
-def _scales_of(body: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    cut = 2 * _blocks(numel)
-    scales = body[:cut].view(torch.float16).float()
-    if not torch.isfinite(scales).all() or (scales < 0).any():
-        raise TransportError("compressed message has invalid block scales")
-    return scales, body[cut:]
-
-
-def _decode_int(q: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
-    rows = torch.zeros(_blocks(numel) * BLOCK)
-    rows[:numel] = q.float()
-    return (rows.view(-1, BLOCK) * scales[:, None]).reshape(-1)[:numel].contiguous()
 
 
 @dataclass(frozen=True)
@@ -197,7 +159,7 @@ class Codec:
             return sparse.body_bytes(numel, self.k)
         if self.name == BUNDLE:
             return sparse.bundle_bytes(count, self.member.wire_bytes(numel))
-        blocks = _blocks(numel)
+        blocks = block_count(numel)
         if self.name == "none":
             return 4 * numel
         if self.name == "fp16":
@@ -251,15 +213,15 @@ class Codec:
         return to_bytes(x.clamp(-FP16_MAX, FP16_MAX).half())
 
     def _encode_int8(self, x: torch.Tensor) -> bytes:
-        scales, q = _encode_int(x, 127)
+        scales, q = quantize(x, 127)
         return to_bytes(scales) + to_bytes(q)
 
     def _encode_int4(self, x: torch.Tensor) -> bytes:
-        scales, q = _encode_int(x, 7)
+        scales, q = quantize(x, 7)
         return to_bytes(scales) + to_bytes(pack4(q.to(torch.int16) + 8))
 
     def _encode_topk(self, x: torch.Tensor) -> bytes:
-        rows = _padded(x)
+        rows = as_blocks(x)
         n, k = x.numel(), self.k
         # the padding ranks below every real value, zeros included: a last block with fewer than k
         # non-zero values must still name positions inside itself (the receiver refuses any past it)
@@ -267,10 +229,10 @@ class Codec:
         score.view(-1)[n:] = -1.0
         idx = score.topk(k, dim=1).indices.sort(dim=1).values  # positions in increasing order
         vals = rows.gather(1, idx)
-        scales = _scales(vals.abs().amax(dim=1), 1.0)
+        scales = block_scales(vals.abs().amax(dim=1), 1.0)
         # nearest of the four levels: -1, -1/3, 1/3, 1 (x scale)
         q = torch.round((vals / scales.float()[:, None]).clamp(-1, 1) * 1.5 + 1.5).clamp(0, 3)
-        keep = _keep_mask(n, k)
+        keep = keep_mask(n, k)
         idx, q = idx.reshape(-1)[keep], q.reshape(-1)[keep]
         return to_bytes(scales) + to_bytes(idx.to(torch.uint8)) + to_bytes(pack2(q))
 
@@ -278,7 +240,7 @@ class Codec:
     def decode(self, message: torch.Tensor, numel: int) -> torch.Tensor:
         """The fp32 values of ``message``, which must hold ``numel`` values in this codec."""
         opened = self._open(message, numel)
-        if isinstance(opened, Codec):  # a group of few members' mean (fewer values), or a lone update
+        if isinstance(opened, Codec):  # a group of few members: its mean, at fewer values
             return opened.decode(message, numel)
         body, k = opened
         if not numel:  # an empty part (more reducers than values): torch.frombuffer refuses an empty buffer
@@ -312,8 +274,6 @@ class Codec:
         magic, codec, count, k = _HEADER.unpack(raw[: _HEADER.size])
         if magic != MAGIC:
             raise TransportError("not a p2p-spes compressed message (bad magic)")
-        if self.lone_compression not in (None, self.name) and _WIRE[codec : codec + 1] == (self.lone_compression,):
-            return self.lone  # a lone holder's update, in its own codec
         if codec >= len(_WIRE) or _WIRE[codec] != self.name:
             theirs = _WIRE[codec] if codec < len(_WIRE) else f"unknown ({codec})"
             raise TransportError(f"message compressed with {theirs}, this run uses {self.name} (swarm.compression)")
@@ -342,25 +302,25 @@ class Codec:
         return body.view(torch.float16).float()
 
     def _decode_int8(self, body: torch.Tensor, numel: int) -> torch.Tensor:
-        scales, rest = _scales_of(body, numel)
+        scales, rest = read_scales(body, numel)
         q = rest.view(torch.int8)
         if (q == -128).any():
             raise TransportError("int8 message holds -128, outside the symmetric range")
-        return _decode_int(q, scales, numel)
+        return dequantize(q, scales, numel)
 
     def _decode_int4(self, body: torch.Tensor, numel: int) -> torch.Tensor:
-        scales, rest = _scales_of(body, numel)
+        scales, rest = read_scales(body, numel)
         q = unpack4(rest, numel).to(torch.int16) - 8
         if (q < -7).any():
             raise TransportError("int4 message holds -8, outside the symmetric range")
-        return _decode_int(q, scales, numel)
+        return dequantize(q, scales, numel)
 
     def _decode_topk(self, body: torch.Tensor, numel: int) -> torch.Tensor:
-        scales, rest = _scales_of(body, numel)
+        scales, rest = read_scales(body, numel)
         kept = self._kept(numel)
         idx, packed = rest[:kept], rest[kept:]
-        slots = torch.zeros(_blocks(numel) * self.k, dtype=torch.int64)
-        keep = _keep_mask(numel, self.k)
+        slots = torch.zeros(block_count(numel) * self.k, dtype=torch.int64)
+        keep = keep_mask(numel, self.k)
         slots[keep] = idx.long()
         slots = slots.view(-1, self.k)
         mask = keep.view(-1, self.k)
@@ -379,6 +339,14 @@ class Codec:
         return out[:numel].contiguous()
 
     # Splitting -----------------------------------------------------------------------------------
+    def decode_update(self, messages: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+        """A group's result as a frozen copy downloads it: its parts (:meth:`decode_parts`), or a lone
+        holder's one message in :attr:`lone`'s dense codec, which only this reads (a reducer never does)."""
+        lone = self.lone
+        if len(messages) == 1 and lone.name != self.name and _header(messages[0])[1] == _WIRE.index(lone.name):
+            return lone.decode(messages[0], numel)
+        return self.decode_parts(messages, numel)
+
     def decode_parts(self, messages: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
         """A tensor of ``numel`` values sent as parts in order. Each part's size is read from its header:
         a group splits among its reducers in proportion to their bandwidth, not always in equal parts."""
@@ -388,11 +356,16 @@ class Codec:
         return torch.cat([self.decode(m, n) for m, n in zip(messages, sizes)])
 
 
-def message_numel(message: torch.Tensor) -> int:
-    """The values a message says it holds (its header; :meth:`Codec.decode` checks the rest)."""
+def _header(message: torch.Tensor) -> tuple[bytes, int, int, int]:
+    """A message's header (magic, codec id, numel, k), unchecked but for its length and magic."""
     if message.dtype != torch.uint8 or message.dim() != 1 or message.numel() < HEADER_BYTES:
         raise TransportError("not a p2p-spes compressed message (too short or not flat uint8)")
-    magic, _, count, _ = _HEADER.unpack(to_bytes(message[: _HEADER.size]))
-    if magic != MAGIC:
+    header = _HEADER.unpack(to_bytes(message[: _HEADER.size]))
+    if header[0] != MAGIC:
         raise TransportError("not a p2p-spes compressed message (bad magic)")
-    return count
+    return header
+
+
+def message_numel(message: torch.Tensor) -> int:
+    """The values a message says it holds (its header; :meth:`Codec.decode` checks the rest)."""
+    return _header(message)[2]

@@ -6,7 +6,8 @@ peer then brings the experts it does not train to the version the others name mo
 the larger digest; a holder whose group failed counts only when no other holder names a version), so
 all peers pick the same one from the same records, and downloads are asked for by that digest. A peer
 whose copy is the anchor the version was computed from takes the group's encoded average instead
-(``update:expert:E@digest``, a few percent of the expert under top-k) and applies the outer step the
+(``update:expert:E@digest``: a few percent of the expert under top-k, an eighth in int4 with
+``swarm.lone_compression``) and applies the outer step the
 members applied; the result must hash to the agreed digest, else the expert is downloaded whole, once.
 """
 
@@ -165,18 +166,18 @@ class Refresher:
         like = model.expert_tensors(e)
         copy = flatten(like)
         base = tensor_digest([copy])
+        # its expected size, for the transfer's time limit: a group's parts, or a lone holder's update
+        size = max(self.codec.wire_bytes(copy.numel(), len(holders)), self.codec.lone.wire_bytes(copy.numel()))
         for holder in holders[:2]:
             try:
-                meta, messages = self.downloader.update(
-                    holder, f"expert:{e}", digest, self.codec.wire_bytes(copy.numel(), len(holders)) + 64 * len(holders)
-                )
+                meta, messages = self.downloader.update(holder, f"expert:{e}", digest, size + 64 * len(holders))
             except Exception as exc:
                 log.info("no update of expert %d from %s (%s): downloading it whole", e, holder, exc)
                 continue
             if meta.get("base") != base:
                 return False  # our copy is not the anchor the group moved from
             try:
-                average = self.codec.decode_parts(messages, copy.numel())
+                average = self.codec.decode_update(messages, copy.numel())
             except TransportError as exc:
                 log.warning("refused the update of expert %d from %s: %s", e, holder, exc)
                 continue
