@@ -159,13 +159,17 @@ ARMS: dict[str, list[str] | None] = {
         "swarm.topk_result_fraction=0.0625",
         "swarm.topk_lone_fraction=0.01953125",
     ],
-    "spes-topk-dense-int4-every16": [
-        *SPES[:-1],
-        "swarm.compression=topk",
-        "swarm.topk_result_fraction=0.0625",
-        "swarm.lone_compression=int4",
-        "swarm.expert_sync_rounds=16",
-    ],
+    # the lone holders' updates in a dense codec, the experts every K rounds
+    **{
+        f"spes-topk-dense-{codec}-every{k}": [
+            *SPES[:-1],
+            "swarm.compression=topk",
+            "swarm.topk_result_fraction=0.0625",
+            f"swarm.lone_compression={codec}",
+            f"swarm.expert_sync_rounds={k}",
+        ]
+        for codec, k in (("int4", 16), ("int8", 32), ("none", 16))
+    },
     "spes-sparse": [*SPES[:-1], "swarm.compression=sparse"],
     "spes-every4": [*SPES, "swarm.expert_sync_rounds=4"],
     "spes-every16": [*SPES, "swarm.expert_sync_rounds=16"],
@@ -196,6 +200,8 @@ DEFAULT_ARMS = [
         "spes-every16",
         "spes-topk-dense-every4",
         "spes-topk-dense-int4-every16",
+        "spes-topk-dense-int8-every32",
+        "spes-topk-dense-none-every16",
     )
 ]
 SUMMARY_KEYS = (
