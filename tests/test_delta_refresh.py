@@ -33,6 +33,7 @@ class FakeDownloader:
 
     def update(self, peer, uid, digest, wire_bytes):
         self.calls["update"] += 1
+        self.expected_bytes = wire_bytes
         assert uid == f"expert:{EXPERT}" and digest == self.update_entry[0]["digest"]
         return self.update_entry
 
@@ -42,19 +43,23 @@ class FakeDownloader:
         return {"digest": tensor_digest(self.whole)}, [t.clone() for t in self.whole]
 
 
-def setup(codec: Codec, outer_optimizer: str = "average"):
+def setup(codec: Codec, outer_optimizer: str = "average", lone: bool = False):
+    """``lone``: the holder trains expert 1 alone, its update one message in ``codec.lone``."""
     cfg = load_config(None, SMALL_MODEL + [f"swarm.outer_optimizer={outer_optimizer}"])
     torch.manual_seed(0)
     model = MoETransformer(cfg.model, cfg.moe, local_experts=[0])  # expert 1 is frozen here
     anchor = flatten(model.expert_tensors(EXPERT))
     average = torch.randn(anchor.numel()) * 1e-3
     messages = [codec.encode(c) for c in torch.tensor_split(average, 3)]  # three reducers' parts
+    if lone:
+        messages = [codec.alone(average)]
+    decoded = codec.lone.decode(messages[0], anchor.numel()) if lone else codec.decode_parts(messages, anchor.numel())
     holder = OuterOptimizer(cfg.swarm)
     holder.set_anchor(f"expert:{EXPERT}", anchor.clone(), 3)
-    value = holder.step(f"expert:{EXPERT}", codec.decode_parts(messages, anchor.numel()), 4)
+    value = holder.step(f"expert:{EXPERT}", decoded, 4)
     tensors = [t.clone() for t in split_like(value, model.expert_tensors(EXPERT))]
     digest = tensor_digest(tensors)
-    update = ({"digest": digest, "base": tensor_digest([anchor]), "parts": 3}, messages)
+    update = ({"digest": digest, "base": tensor_digest([anchor]), "parts": len(messages)}, messages)
     peers = {"holder": PeerRecord("holder", [EXPERT], 40, 4, "fp", [])}
     versions = {"holder": VersionRecord("holder", True, "s", {EXPERT: digest}, {})}
     return cfg, model, FakeDownloader(update, tensors), peers, versions, digest
@@ -77,6 +82,23 @@ def test_a_copy_at_the_anchor_takes_the_encoded_average_only(name):
     # already at the agreed version: nothing to fetch at all
     assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (0, 0)
     assert downloader.calls == Counter(update=1)
+
+
+@pytest.mark.parametrize("lone", [{"lone_compression": "int4"}, {"lone_fraction": 5 / 256}, {}])
+def test_a_lone_holders_update_in_its_own_codec_is_taken_by_delta_and_given_time_for_its_size(lone):
+    """A lone holder's update comes as one message in the lone codec (``swarm.lone_compression`` or
+    ``topk_lone_fraction``): the copy decodes it with the run's result codec and asks for it with a time
+    limit counted for at least its size, not for the (smaller) top-k result's."""
+    codec = Codec("topk", 1 / 64, 4 / 64, **lone)
+    cfg, model, downloader, peers, versions, digest = setup(codec, lone=True)
+    refresher = Refresher("me", downloader, SwarmCounters(), OuterOptimizer(cfg.swarm), codec.result)
+    assert refresher.refresh(model, peers, [EXPERT], versions, versions) == (1, 0)
+    assert downloader.calls == Counter(update=1), "the whole expert was downloaded"
+    assert tensor_digest(model.expert_tensors(EXPERT)) == digest
+    message = downloader.update_entry[1][0]
+    assert downloader.expected_bytes >= message.numel()
+    numel = flatten(model.expert_tensors(EXPERT)).numel()
+    assert (message.numel() > codec.result.wire_bytes(numel)) == ("lone_compression" in lone)
 
 
 def test_a_copy_off_the_anchor_downloads_the_whole_expert_once():
