@@ -173,6 +173,7 @@ ARMS: dict[str, list[str] | None] = {
     "spes-sparse": [*SPES[:-1], "swarm.compression=sparse"],
     "spes-every4": [*SPES, "swarm.expert_sync_rounds=4"],
     "spes-every16": [*SPES, "swarm.expert_sync_rounds=16"],
+    "spes-int8-every16": [*SPES[:-1], "swarm.compression=int8", "swarm.expert_sync_rounds=16"],
     "spes-topk-dense-every4": [
         *SPES[:-1],
         "swarm.compression=topk",
@@ -198,6 +199,7 @@ DEFAULT_ARMS = [
         "spes-sparse",
         "spes-every4",
         "spes-every16",
+        "spes-int8-every16",
         "spes-topk-dense-every4",
         "spes-topk-dense-int4-every16",
         "spes-topk-dense-int8-every32",
