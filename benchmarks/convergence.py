@@ -170,6 +170,14 @@ ARMS: dict[str, list[str] | None] = {
         ]
         for codec, k in (("int4", 16), ("int8", 32), ("none", 16))
     },
+    "spes-topk-dense-int4-every16-decay": [
+        *SPES[:-1],
+        "swarm.compression=topk",
+        "swarm.topk_result_fraction=0.0625",
+        "swarm.lone_compression=int4",
+        "swarm.expert_sync_rounds=16",
+        "swarm.feedback_decay=0.95",
+    ],
     "spes-sparse": [*SPES[:-1], "swarm.compression=sparse"],
     "spes-every4": [*SPES, "swarm.expert_sync_rounds=4"],
     "spes-every16": [*SPES, "swarm.expert_sync_rounds=16"],
@@ -204,6 +212,7 @@ DEFAULT_ARMS = [
         "spes-topk-dense-int4-every16",
         "spes-topk-dense-int8-every32",
         "spes-topk-dense-none-every16",
+        "spes-topk-dense-int4-every16-decay",
     )
 ]
 SUMMARY_KEYS = (

@@ -45,17 +45,11 @@ MUON_ITERATIONS = "muon-ns3"  # the quality benchmark's run of Muon with 5 and w
 # topk-dense in the swarm: (how the experts' updates go, comms variant, convergence arm, its convergence
 # variants at SWARM_PEERS); the setting each row names is read from the arm's overrides in those results
 SWARM_PEERS = (4, 8)
-SWARM_SETTINGS = {"swarm.expert_sync_rounds": 1, "swarm.topk_lone_fraction": None, "swarm.lone_compression": None}
+SWARM_SETTINGS = {"swarm.expert_sync_rounds": 1, "swarm.topk_lone_fraction": None}  # with their defaults
 SWARM_MODES = (
     ("every round, at the averaged parts' share", "main", "spes-topk-dense", ("every4-150r", "topk-dense-8peers-150r")),
     ("every K rounds", "every4", "spes-topk-dense-every4", ("every4-150r", "every4-8peers-150r")),
     ("every round, at a share of their own", "lone5", "spes-topk-dense-lone5", ("lone5-150r", "lone5-8peers-150r")),
-    (
-        "every K rounds, in a dense codec of their own",
-        "int4-every16",
-        "spes-topk-dense-int4-every16",
-        ("int4-every16-150r", "int4-every16-8peers-150r"),
-    ),
 )
 
 
@@ -709,12 +703,11 @@ def swarm_codec() -> str:
         measured = {
             "swarm.expert_sync_rounds": wire.payload.get("expert_sync_rounds") or 1,
             "swarm.topk_lone_fraction": wire.payload.get("topk_lone_fraction"),
-            "swarm.lone_compression": wire.payload.get("lone_compression"),
         }
         for key, value in measured.items():
             if settings.get(key, SWARM_SETTINGS[key]) != value:
                 raise RenderError(f"{wire.path} measured {key}={value}, the arm {arm} runs {settings.get(key)}")
-        label += "".join(f" (`{k}: {v if isinstance(v, str) else f'{v:.10g}'}`)" for k, v in settings.items())
+        label += "".join(f" (`{k}: {v:.10g}`)" for k, v in settings.items())
         projected = wire.payload["projections"]["spes-1b"]["peers"]
         less = " / ".join(
             f"{projected[n]['codecs']['topk-dense']['times_less_than_spes_reference_fp32']:.1f}x"
@@ -746,11 +739,11 @@ def swarm_codec() -> str:
     return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
 
 
-def _swarm_mode_settings(conv: Result, arm: str) -> dict[str, float | str]:
+def _swarm_mode_settings(conv: Result, arm: str) -> dict[str, float]:
     """How ``arm`` of a convergence result sends the experts' updates: the :data:`SWARM_SETTINGS` its
-    overrides set (``swarm.key``: a number, or a codec's name)."""
+    overrides set (``swarm.key``: number)."""
     pairs = (o.split("=", 1) for o in conv.payload["arms"][arm])
-    return {k: v if k == "swarm.lone_compression" else float(v) for k, v in pairs if k in SWARM_SETTINGS}
+    return {k: float(v) for k, v in pairs if k in SWARM_SETTINGS}
 
 
 def head_codec_rounds() -> str:

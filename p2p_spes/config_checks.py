@@ -122,6 +122,8 @@ def validate(config: Config) -> None:
                 f"swarm.compression=topk (here {sw.compression}), between swarm.topk_fraction ({sw.topk_fraction}) "
                 f"and swarm.topk_result_fraction ({sw.topk_result_fraction}): set it in that range, or null"
             )
+    if sw.feedback_decay is not None and not 0 < sw.feedback_decay <= 1:
+        raise ConfigError(f"swarm.feedback_decay must be in (0, 1] or null (got {sw.feedback_decay})")
     if sw.lone_compression is not None and (sw.compression != "topk" or sw.topk_lone_fraction is not None):
         raise ConfigError(
             f"swarm.lone_compression ({sw.lone_compression}) sets the codec of a lone holder's update under "

@@ -106,6 +106,11 @@ class SwarmConfig:
     keep_local_progress: bool = setting(
         False, doc="Lossy codecs: weights keep what messages have not carried (p2p_spes/swarm/outer.py)"
     )
+    feedback_decay: float | None = setting(
+        None,
+        doc="Lossy codecs: what a peer's residual of error feedback is multiplied by each time it is sent "
+        "again, in (0, 1] (null: the codec's, 0.95 under sparse and 1 otherwise)",
+    )
     overlap: bool = setting(
         False,
         scope="local",

@@ -372,3 +372,23 @@ def test_a_sparse_last_block_names_only_its_own_positions(k_share):
         assert out[2 * BLOCK + rest - 1] == pytest.approx(0.5, rel=1e-3)
         zeros = codec.decode(codec.encode(torch.zeros(rest)), rest)  # nothing to send: the smallest scale
         assert zeros.abs().max() <= 2.0**-14
+
+
+def test_a_set_feedback_decay_replaces_the_codecs_and_is_checked():
+    """``swarm.feedback_decay``: the residual sent again is multiplied by it, under any lossy codec."""
+    from p2p_spes.config import load_config
+    from p2p_spes.errors import ConfigError
+
+    x, sent, decoded = torch.ones(4), torch.full((4,), 2.0), torch.full((4,), 1.0)
+    for codec, decay, expected in (
+        (Codec("topk"), None, 2.0),
+        (Codec("topk"), 0.5, 1.5),
+        (Codec("sparse"), None, 1.95),
+    ):
+        feedback = ErrorFeedback(codec, decay)
+        feedback.settle("u", sent, decoded)  # residual 1
+        assert torch.allclose(feedback.compensate("u", x), torch.full((4,), expected))
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ConfigError, match="swarm.feedback_decay must be in"):
+            load_config(None, [f"swarm.feedback_decay={bad}"])
+    assert load_config(None, ["swarm.feedback_decay=0.95"]).swarm.feedback_decay == 0.95

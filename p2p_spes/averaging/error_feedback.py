@@ -21,9 +21,10 @@ class ErrorFeedback:
     grow until it went out stale, many rounds after the update it came from.
     """
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, decay: float | None = None) -> None:
+        """``decay``: in place of the codec's (``swarm.feedback_decay``)."""
         self.codec = codec
-        self.decay = codec.feedback_decay
+        self.decay = codec.feedback_decay if decay is None else decay
         self.residual: dict[str, torch.Tensor] = {}
 
     def compensate(self, uid: str, x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,8 @@ class GroupApplier:
     ) -> None:
         self.reducer, self.server, self.outer, self.guard = reducer, server, outer, guard
         self.deadlines, self.stats = deadlines, stats
-        self.feedback = ErrorFeedback(reducer.codec)  # what our messages dropped, sent next round
+        # what our messages dropped, sent next round
+        self.feedback = ErrorFeedback(reducer.codec, outer.sw.feedback_decay)
 
     def contribution(
         self, uid: str, current: torch.Tensor, sending: dict[str, torch.Tensor]
