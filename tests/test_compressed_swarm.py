@@ -32,8 +32,13 @@ def expert_bytes() -> int:
     return sum(t.numel() for t in model.expert_tensors(0)) * 4
 
 
+# the lone share's own path (k between the members' and the result's) is also in test_compression and
+# test_delta_refresh: its swarm runs with the long tests, to keep the default suite near 15 minutes
+LONE_SHARE = pytest.param("topk-lone", marks=pytest.mark.long)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["topk", "int8", "topk-keep", "topk-dense", "topk-lone", "topk-int4", "sparse"])
+@pytest.mark.parametrize("compression", ["topk", "int8", "topk-keep", "topk-dense", LONE_SHARE, "topk-int4", "sparse"])
 def test_compressed_rounds_end_bit_identical_and_refresh_frozen_experts_by_delta(tmp_path, compression):
     # "-keep": swarm.keep_local_progress, each member's weights keep what its messages have not carried;
     # "-dense": swarm.topk_result_fraction 4/64, the groups' averaged parts (and updates served) denser;
