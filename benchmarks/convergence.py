@@ -159,25 +159,18 @@ ARMS: dict[str, list[str] | None] = {
         "swarm.topk_result_fraction=0.0625",
         "swarm.topk_lone_fraction=0.01953125",
     ],
-    # the lone holders' updates in a dense codec, the experts every K rounds
+    # the lone holders' updates in a dense codec, the experts every K rounds ("-decay": residuals x 0.95)
     **{
-        f"spes-topk-dense-{codec}-every{k}": [
+        f"spes-topk-dense-{codec}-every{k}{'-decay' if decay else ''}": [
             *SPES[:-1],
             "swarm.compression=topk",
             "swarm.topk_result_fraction=0.0625",
             f"swarm.lone_compression={codec}",
             f"swarm.expert_sync_rounds={k}",
+            *(["swarm.feedback_decay=0.95"] if decay else []),
         ]
-        for codec, k in (("int4", 16), ("int8", 32), ("none", 16))
+        for codec, k, decay in (("int4", 16, False), ("int8", 32, False), ("none", 16, False), ("int4", 16, True))
     },
-    "spes-topk-dense-int4-every16-decay": [
-        *SPES[:-1],
-        "swarm.compression=topk",
-        "swarm.topk_result_fraction=0.0625",
-        "swarm.lone_compression=int4",
-        "swarm.expert_sync_rounds=16",
-        "swarm.feedback_decay=0.95",
-    ],
     "spes-sparse": [*SPES[:-1], "swarm.compression=sparse"],
     "spes-every4": [*SPES, "swarm.expert_sync_rounds=4"],
     "spes-every16": [*SPES, "swarm.expert_sync_rounds=16"],

@@ -11,9 +11,9 @@ FP16_MAX = 65504.0
 MIN_SCALE = 2.0**-14  # fp16's smallest normal: scales never underflow to zero or subnormals
 
 
-def block_count(numel: int) -> int:
-    """How many blocks of :data:`BLOCK` hold ``numel`` values (the last one may be short)."""
-    return -(-numel // BLOCK)
+def block_count(numel: int, size: int = BLOCK) -> int:
+    """How many blocks of ``size`` hold ``numel`` values (the last one may be short)."""
+    return -(-numel // size)
 
 
 def as_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -23,9 +23,10 @@ def as_blocks(x: torch.Tensor) -> torch.Tensor:
     return out.view(-1, BLOCK)
 
 
-def keep_mask(numel: int, k: int) -> torch.Tensor:
-    """Which of topk's ``blocks x k`` slots are real: the last block keeps at most its own length."""
-    blocks, rest = block_count(numel), numel % BLOCK
+def keep_mask(numel: int, k: int, size: int = BLOCK) -> torch.Tensor:
+    """Which of the ``blocks x k`` slots of a top-k message are real (blocks of ``size``: topk's, or
+    sparse's chunks), flat: the last block keeps at most its own length."""
+    blocks, rest = block_count(numel, size), numel % size
     mask = torch.ones(blocks, k, dtype=torch.bool)
     if rest and rest < k:
         mask[-1, rest:] = False

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from p2p_spes.averaging.bitpack import pack2, pack12, pack12_bytes, to_bytes, unpack2, unpack12
+from p2p_spes.averaging.blockwise import keep_mask
 from p2p_spes.averaging.transport import TransportError
 
 CHUNK = 4096  # values per chunk: positions fit in 12 bits
@@ -54,15 +55,6 @@ def body_bytes(numel: int, k: int) -> int:
     return 16 * chunks(numel) + pack12_bytes(n) + (n + 3) // 4
 
 
-def _keep_mask(numel: int, k: int) -> torch.Tensor:
-    """Which of the ``chunks x k`` slots are real: the last chunk keeps at most its own length."""
-    mask = torch.ones(chunks(numel), k, dtype=torch.bool)
-    rest = numel % CHUNK
-    if rest and rest < k:
-        mask[-1, rest:] = False
-    return mask
-
-
 def encode(x: torch.Tensor, k: int) -> bytes:
     """The body of ``x`` (flat fp32, finite) at ``k`` values per chunk."""
     n, c = x.numel(), chunks(x.numel())
@@ -73,7 +65,7 @@ def encode(x: torch.Tensor, k: int) -> bytes:
     score.view(-1)[n:] = -1.0  # padding ranks below every real value (a short last chunk names only its own)
     idx = score.topk(k, dim=1).indices.sort(dim=1).values
     vals = rows.gather(1, idx)
-    mask = _keep_mask(n, k)
+    mask = keep_mask(n, k, CHUNK).view(-1, k)
     mags = vals.abs() * mask
     threshold = mags.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True)
     strong = mags >= threshold
@@ -106,7 +98,7 @@ def decode_sparse(body: torch.Tensor, numel: int, k: int) -> tuple[torch.Tensor,
     split = cut + pack12_bytes(n)
     offsets = unpack12(body[cut:split], n)
     bins = unpack2(body[split:], n).long()
-    mask = _keep_mask(numel, k)
+    mask = keep_mask(numel, k, CHUNK).view(-1, k)
     slots = torch.zeros(c * k, dtype=torch.int64)
     slots[mask.reshape(-1)] = offsets
     slots = slots.view(c, k)
