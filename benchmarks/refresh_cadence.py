@@ -3,6 +3,7 @@
     python -m benchmarks.refresh_cadence                      # 5 policies x 3 seeds, 4 peers: ~2 h on 2 cores
     python -m benchmarks.refresh_cadence --policies every every-4 --seeds 0 --rounds 30 --variant quick
     python -m benchmarks.refresh_cadence --merge s0 s12 --variant main   # one result from several shares
+    python -m benchmarks.refresh_cadence --peers 8 --optimizer adamw --shared topk-dense --policies every every-16
 
 A SPES peer trains its own experts and holds a frozen copy of every other one: its router sends tokens
 to the copies, and its shared weights learn against them. The swarm brings every copy to its holder's
@@ -26,8 +27,12 @@ holder's weights when the policy says so:
   use more are refreshed sooner. The count starts again from zero at each refresh, so a copy whose
   share fell just short waits a round more: ``tokens-K`` refreshes somewhat less than 1/K of the copies.
 
-This is a simulation (no swarm code, network or codec), and refreshes are exact, so what is measured
-is staleness alone (no warm-up merge either). Every policy
+This is a simulation (no swarm code or network), and refreshes are exact, so what is measured
+is staleness alone (no warm-up merge either). ``--shared topk-dense`` averages the shared weights through
+the project's codec as the swarm does (each peer's error feedback, the reducer's re-encoding with its own
+residual; ``SharedAverage``), where the swarm's probes found stale copies costly; ``--exact`` keeps kinds
+of the shared weights (the token embeddings and output head, or the rest) out of the codec, to find
+where that cost sits; ``--optimizer adamw`` trains as the convergence swarm does. Every policy
 starts from the same initialisation, reads the same data and is scored on the same validation windows
 (``convergence.Validation``, ``--val-windows``) every ``--eval-rounds`` rounds: the run's model as export
 assembles it, the shared weights with each expert from its holder. The gap is per seed, to ``every``.
@@ -55,15 +60,19 @@ from rich.table import Table
 
 from benchmarks import codec_rounds, comms, convergence
 from benchmarks.lab import results, shares
+from p2p_spes.averaging.compression import Codec
 from p2p_spes.config import Config, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer, lr_at, set_lr, trainable_parameters
+from p2p_spes.swarm.outer import flatten, split_like
 
 POLICIES = ("every", "every-2", "every-4", "every-8", "tokens-4")
 CODECS = ("int8", "topk-dense", "sparse")  # the codecs whose rounds the projection shows
 BASELINE = "every"
+SHARED = ("none", "topk-dense")  # how the shared weights are averaged (--shared)
+KINDS = ("embeddings", "rest")  # the shared weights' kinds --exact can keep out of the codec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +133,52 @@ def average_shared(models: list[MoETransformer]) -> None:
             p.copy_(mean)
 
 
+def kind_of(name: str) -> str:
+    """``embeddings`` for the token embeddings and the output head, ``rest`` for attention, norms and routers."""
+    return "embeddings" if name.startswith(("embed_tokens.", "lm_head.")) else "rest"
+
+
+class SharedAverage:
+    """A round's shared group through a codec, as the swarm runs it: each peer sends its pseudo-gradient
+    (anchor - weights) plus its error-feedback residual and keeps what its message dropped; the mean of
+    the decoded messages is encoded again at the group's result codec with the reducer's own residual,
+    and every peer takes the anchor minus that. The values of the ``exact`` kinds (:func:`kind_of`) skip
+    the codec: their pseudo-gradients are averaged uncompressed. Blocks run over the shared weights
+    flattened in order, where the swarm encodes the vector in P slices."""
+
+    def __init__(self, codec: Codec, models: list[MoETransformer], exact: tuple[str, ...] = ()) -> None:
+        self.codec, self.result = codec, codec.result_for(len(models))
+        named = models[0].shared_parameters()
+        self.anchor = flatten(p for _, p in named)
+        self.exact = torch.cat([torch.full((p.numel(),), kind_of(n) in exact) for n, p in named])
+        self.residuals = [torch.zeros_like(self.anchor) for _ in models]
+        self.reducer_residual = torch.zeros_like(self.anchor)
+
+    def through(self, codec: Codec, x: torch.Tensor) -> torch.Tensor:
+        return codec.decode(codec.encode(x), x.numel())
+
+    @torch.no_grad()
+    def __call__(self, models: list[MoETransformer]) -> None:
+        pseudo = [self.anchor - flatten(p for _, p in m.shared_parameters()) for m in models]
+        decoded = []
+        for i, delta in enumerate(pseudo):
+            sent = delta + self.residuals[i]
+            decoded.append(self.through(self.codec, sent))
+            self.residuals[i] = sent - decoded[-1]
+        compensated = torch.stack(decoded).mean(0) + self.reducer_residual
+        mean = self.through(self.result, compensated)
+        self.reducer_residual = compensated - mean
+        exact = torch.stack(pseudo).mean(0)
+        mean = torch.where(self.exact, exact, mean)
+        for kept in (*self.residuals, self.reducer_residual):
+            kept.masked_fill_(self.exact, 0.0)
+        self.anchor = self.anchor - mean
+        for m in models:
+            params = [p for _, p in m.shared_parameters()]
+            for p, v in zip(params, split_like(self.anchor, params)):
+                p.copy_(v)
+
+
 class Refreshes:
     """Which frozen copies a policy brings up to date, and how many it did."""
 
@@ -160,7 +215,12 @@ def run(policy_name: str, peers: int, seed: int, args: argparse.Namespace, data,
     """One policy at one seed: the assembled model's loss every ``--eval-rounds`` rounds."""
     cfg = load_config(None, [*common(args.steps), f"train.seed={seed}"])
     models = build_peers(cfg, peers, seed)
-    tr = dataclasses.replace(cfg.train, optimizer="muon", muon_adamw_lr_scale=4.0)
+    tr = cfg.train  # the convergence benchmark's (AdamW), or the trainer's default:
+    if args.optimizer == "muon":
+        tr = dataclasses.replace(cfg.train, optimizer="muon", muon_adamw_lr_scale=4.0)
+    shared = average_shared
+    if args.shared != "none":
+        shared = SharedAverage(codec_rounds.codec_of(args.shared), models, tuple(args.exact))
     optimizers = [build_optimizer(m, tr) for m in models]
     batch = codec_rounds.TOKENS_BATCH // peers
     loaders = [
@@ -184,7 +244,7 @@ def run(policy_name: str, peers: int, seed: int, args: argparse.Namespace, data,
             opt.step()
             opt.zero_grad(set_to_none=True)
         if (step + 1) % args.sync == 0:
-            average_shared(models)
+            shared(models)
             refreshes.apply(models)
             if refreshes.rounds % args.eval_rounds == 0 or step + 1 == args.steps:
                 curve[str(refreshes.rounds)] = validation.loss(assemble(cfg, models))
@@ -234,8 +294,10 @@ def summarise(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 def print_table(console: Console, payload: dict[str, Any]) -> None:
     summary, bytes_at = payload["summary"], payload["spes_1b"]
     seeds = ", ".join(str(s) for s in payload["seeds"])
+    shared = payload.get("shared", "none") + "".join(f", {k} exact" for k in payload.get("exact", []))
     table = Table(
-        title=f"{payload['peers']} peers, {payload['rounds']} rounds of {payload['sync']} steps, seeds {seeds}"
+        title=f"{payload['peers']} peers, {payload['rounds']} rounds of {payload['sync']} steps, seeds {seeds}; "
+        f"shared weights {shared}, {payload.get('optimizer', 'muon')}"
     )
     for col in (
         "policy",
@@ -294,7 +356,7 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
     """One result from shares run as separate processes with the same setup, each policy against the
     ``every`` run of its own share (``benchmarks/lab/shares.py``)."""
     parts = [results.own("refresh_cadence", v) for v in variants]
-    keys = ("peers", "steps", "sync", "eval_rounds", "validation", "config")
+    keys = ("peers", "shared", "exact", "optimizer", "steps", "sync", "eval_rounds", "validation", "config")
     if differ := shares.differing([r.payload for r in parts], keys):
         raise SystemExit(f"--merge: the variants differ in {differ}; only the same setup merges")
     try:
@@ -312,6 +374,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--peers", type=int, default=4, choices=[2, 4, 8])
+    parser.add_argument(
+        "--shared", default="none", choices=SHARED, help="the shared weights' codec, with error feedback (default none)"
+    )
+    parser.add_argument(
+        "--exact", nargs="+", default=[], choices=KINDS, help="with --shared: these kinds averaged uncompressed"
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="muon",
+        choices=codec_rounds.OPTIMIZERS,
+        help="muon: the trainer's default (AdamW at 4x on the rest); adamw: the convergence swarm's",
+    )
     shares.add_arguments(parser, sync=5, eval_rounds=30)
     results.add_variant(parser)
     args = parser.parse_args(argv)
@@ -324,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(exc))
     if BASELINE not in args.policies:
         parser.error(f"the policies are measured against {BASELINE}: include it")
+    if args.exact and args.shared == "none":
+        parser.error("--exact keeps kinds of the shared weights out of a codec: give --shared too")
     args.steps = args.sync * args.rounds
     writer = results.start("refresh_cadence", args.variant, seeds=args.seeds, argv=argv)
     torch.set_num_threads(1)
@@ -332,6 +408,9 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(width=200)
     payload: dict[str, Any] = {
         "peers": args.peers,
+        "shared": args.shared,
+        "exact": args.exact,
+        "optimizer": args.optimizer,
         "steps": args.steps,
         "sync": args.sync,
         "rounds": args.rounds,

@@ -112,3 +112,49 @@ def test_a_short_run_writes_curves_and_shares_merge(tmp_path, monkeypatch):
     # round 1 of every-2 trained against stale copies: its model is not every's
     assert payload["runs"]["every-2"]["0"]["curve"]["2"] != payload["runs"]["every"]["0"]["curve"]["2"]
     assert payload["spes_1b"]["4"]["every-2"]["sparse"]["less"] > payload["spes_1b"]["4"]["every"]["sparse"]["less"]
+
+
+def _trained_peers(peers: int = 4) -> list:
+    cfg = load_config(None, refresh_cadence.common(10))
+    models = refresh_cadence.build_peers(cfg, peers, seed=0)
+    with torch.no_grad():
+        for i, m in enumerate(models):  # each peer's local steps moved its shared weights its own way
+            gen = torch.Generator().manual_seed(i)
+            for _, p in m.shared_parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    return models
+
+
+def _shared(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for _, p in model.shared_parameters()])
+
+
+def test_shared_weights_through_a_codec_end_alike_and_exact_kinds_take_the_plain_mean():
+    models = _trained_peers()
+    mean = torch.stack([_shared(m) for m in models]).mean(0)
+    embeddings = torch.cat(
+        [torch.full((p.numel(),), refresh_cadence.kind_of(n) == "embeddings") for n, p in models[0].shared_parameters()]
+    )
+    assert 0 < embeddings.sum() < embeddings.numel()
+    average = refresh_cadence.SharedAverage(Codec("topk", result_fraction=1 / 16), models, exact=("embeddings",))
+    average(models)
+    after = [_shared(m) for m in models]
+    assert all(torch.equal(after[0], a) for a in after[1:])  # one result for every peer
+    assert torch.allclose(after[0][embeddings], mean[embeddings], atol=1e-6)  # exact: the mean
+    rest = ~embeddings
+    assert not torch.allclose(after[0][rest], mean[rest], atol=1e-4)  # through topk: not the mean
+    # what the codec dropped is kept, for the kinds it carried only
+    assert all(r[embeddings].abs().max() == 0 and r[rest].abs().max() > 0 for r in average.residuals)
+
+
+def test_shared_weights_with_every_kind_exact_are_the_plain_average():
+    models, reference = _trained_peers(), _trained_peers()
+    refresh_cadence.SharedAverage(Codec("topk", result_fraction=1 / 16), models, exact=refresh_cadence.KINDS)(models)
+    refresh_cadence.average_shared(reference)
+    assert torch.allclose(_shared(models[0]), _shared(reference[0]), atol=1e-6)
+
+
+def test_exact_kinds_without_a_shared_codec_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        refresh_cadence.main(["--exact", "embeddings", "--rounds", "1"])
+    assert "--shared" in capsys.readouterr().err
