@@ -150,7 +150,11 @@ class SharedAverage:
         self.codec, self.result = codec, codec.result_for(len(models))
         named = models[0].shared_parameters()
         self.anchor = flatten(p for _, p in named)
-        self.exact = torch.cat([torch.full((p.numel(),), kind_of(n) in exact) for n, p in named])
+        self.kinds = {k: torch.cat([torch.full((p.numel(),), kind_of(n) == k) for n, p in named]) for k in KINDS}
+        self.exact = torch.zeros_like(self.anchor, dtype=torch.bool)
+        for k in exact:
+            self.exact |= self.kinds[k]
+        self.backlog: dict[str, dict[str, float]] = {}  # the last round's, by kind (:meth:`__call__`)
         self.residuals = [torch.zeros_like(self.anchor) for _ in models]
         self.reducer_residual = torch.zeros_like(self.anchor)
 
@@ -172,6 +176,15 @@ class SharedAverage:
         mean = torch.where(self.exact, exact, mean)
         for kept in (*self.residuals, self.reducer_residual):
             kept.masked_fill_(self.exact, 0.0)
+        # what the peers' messages still hold back against what the round's uncompressed mean would move
+        self.backlog = {
+            k: {
+                "member_residual": statistics.fmean(float(r[mask].norm()) for r in self.residuals),
+                "reducer_residual": float(self.reducer_residual[mask].norm()),
+                "round_mean": float(exact[mask].norm()),
+            }
+            for k, mask in self.kinds.items()
+        }
         self.anchor = self.anchor - mean
         for m in models:
             params = [p for _, p in m.shared_parameters()]
@@ -232,6 +245,7 @@ def run(policy_name: str, peers: int, seed: int, args: argparse.Namespace, data,
     for model in models:  # each forward's (token, slot) pairs per expert, summed over layers
         model.register_forward_hook(lambda _m, _in, out: routed.append(sum(s.tokens_per_expert for s in out[1])))
     curve: dict[str, float] = {}
+    backlog: dict[str, dict[str, dict[str, float]]] = {}  # under a codec, at each scored round
     t0 = time.monotonic()
     for step in range(args.steps):
         for i, (model, loader, opt) in enumerate(zip(models, loaders, optimizers)):
@@ -248,11 +262,14 @@ def run(policy_name: str, peers: int, seed: int, args: argparse.Namespace, data,
             refreshes.apply(models)
             if refreshes.rounds % args.eval_rounds == 0 or step + 1 == args.steps:
                 curve[str(refreshes.rounds)] = validation.loss(assemble(cfg, models))
+                if isinstance(shared, SharedAverage):
+                    backlog[str(refreshes.rounds)] = shared.backlog
     return {
         "curve": curve,
         "final": curve[str(args.rounds)],
         "refreshed_share": refreshes.share,
         "seconds": round(time.monotonic() - t0, 1),
+        **({"backlog": backlog} if backlog else {}),
     }
 
 

@@ -158,3 +158,13 @@ def test_exact_kinds_without_a_shared_codec_are_refused(capsys):
     with pytest.raises(SystemExit):
         refresh_cadence.main(["--exact", "embeddings", "--rounds", "1"])
     assert "--shared" in capsys.readouterr().err
+
+
+def test_the_backlog_each_kind_holds_is_reported_by_kind():
+    models = _trained_peers()
+    average = refresh_cadence.SharedAverage(Codec("topk", result_fraction=1 / 16), models, exact=("rest",))
+    average(models)
+    assert set(average.backlog) == set(refresh_cadence.KINDS)
+    embeddings, rest = average.backlog["embeddings"], average.backlog["rest"]
+    assert embeddings["member_residual"] > 0 and embeddings["round_mean"] > 0
+    assert rest["member_residual"] == 0 and rest["reducer_residual"] == 0 and rest["round_mean"] > 0
