@@ -60,7 +60,7 @@ from rich.table import Table
 
 from benchmarks import codec_rounds, comms, convergence
 from benchmarks.lab import results, shares
-from p2p_spes.averaging.compression import Codec
+from p2p_spes.averaging.compression import BLOCK, Codec
 from p2p_spes.config import Config, load_config
 from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
@@ -71,26 +71,42 @@ from p2p_spes.swarm.outer import flatten, split_like
 POLICIES = ("every", "every-2", "every-4", "every-8", "tokens-4")
 CODECS = ("int8", "topk-dense", "sparse")  # the codecs whose rounds the projection shows
 BASELINE = "every"
-SHARED = ("none", "topk-dense")  # how the shared weights are averaged (--shared)
+SHARED = ("none", "topk-dense", "structured")  # how the shared weights are averaged (--shared)
+# --shared structured: the token embeddings by whole rows, these shares of them (members, a group's result)
+ROWS_MEMBER, ROWS_RESULT = 1 / 8, 1 / 4
+LEVELS = (-1.0, -1 / 3, 1 / 3, 1.0)  # a kept row's values at 2 bits, times the row's largest magnitude
 KINDS = ("embeddings", "rest")  # the shared weights' kinds --exact can keep out of the codec
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """When a frozen copy is brought to its holder's weights: every ``rounds`` rounds, or (``tokens``)
-    once its peer's router sent it ``rounds`` rounds' worth of an even share of its (token, slot) pairs."""
+    once its peer's router sent it ``rounds`` rounds' worth of an even share of its (token, slot) pairs.
+    With ``lone`` K (``topk-K``) a copy is not set to its holder's weights but moved every round by a top-k
+    update of K values a block of what they lead it by, the holder keeping the rest for later rounds
+    (the swarm's ``swarm.topk_lone_fraction`` K/256)."""
 
     rounds: int = 1
     tokens: bool = False
+    lone: int = 0
 
     @classmethod
     def parse(cls, name: str) -> Policy:
         if name == "every":
             return cls()
         kind, _, count = name.partition("-")
+        if kind == "topk" and count.isdigit() and 1 <= int(count) <= BLOCK:
+            return cls(lone=int(count))
         if kind not in ("every", "tokens") or not count.isdigit() or int(count) < 1:
-            raise ValueError(f"policy {name!r}: every, every-K or tokens-K with K >= 1")
+            raise ValueError(
+                f"policy {name!r}: every, every-K or tokens-K with K >= 1, or topk-K with 1 <= K <= {BLOCK}"
+            )
         return cls(int(count), kind == "tokens")
+
+    @property
+    def codec(self) -> Codec | None:
+        """The copies' update codec under ``topk-K``."""
+        return Codec("topk", self.lone / BLOCK) if self.lone else None
 
 
 def holders(experts: int, peers: int) -> list[int]:
@@ -138,6 +154,29 @@ def kind_of(name: str) -> str:
     return "embeddings" if name.startswith(("embed_tokens.", "lm_head.")) else "rest"
 
 
+def by_rows(x: torch.Tensor, width: int, share: float) -> torch.Tensor:
+    """``x`` as rows of ``width`` values, the ``share`` of them with the largest norms kept, each value at
+    2 bits (:data:`LEVELS` times its row's largest magnitude), every other row zero: an embedding's
+    update moves the rows of the tokens it saw, each in every coordinate, where top-k would keep a few
+    values of many rows."""
+    rows = x.reshape(-1, width)
+    keep = rows.norm(dim=1).topk(max(1, round(share * rows.shape[0]))).indices
+    scale = rows[keep].abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    levels = torch.tensor(LEVELS)
+    nearest = ((rows[keep] / scale).unsqueeze(-1) - levels).abs().argmin(-1)
+    out = torch.zeros_like(rows)
+    out[keep] = levels[nearest] * scale
+    return out.reshape(-1)
+
+
+def rank_one(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The best rank-one approximation of ``x`` as a matrix of rows of ``width`` values: an output head's
+    update is nearly rank one (every token's logit pushed along the same hidden direction), which top-k
+    values cannot carry."""
+    u, s, vh = torch.linalg.svd(x.reshape(-1, width), full_matrices=False)
+    return (s[0] * torch.outer(u[:, 0], vh[0])).reshape(-1)
+
+
 class SharedAverage:
     """A round's shared group through a codec, as the swarm runs it: each peer sends its pseudo-gradient
     (anchor - weights) plus its error-feedback residual and keeps what its message dropped; the mean of
@@ -146,10 +185,18 @@ class SharedAverage:
     the codec: their pseudo-gradients are averaged uncompressed. Blocks run over the shared weights
     flattened in order, where the swarm encodes the vector in P slices."""
 
-    def __init__(self, codec: Codec, models: list[MoETransformer], exact: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, codec: Codec, models: list[MoETransformer], exact: tuple[str, ...] = (), structured: bool = False
+    ) -> None:
         self.codec, self.result = codec, codec.result_for(len(models))
         named = models[0].shared_parameters()
         self.anchor = flatten(p for _, p in named)
+        self.width = models[0].cfg.d_model
+        offsets = torch.tensor([0, *[p.numel() for _, p in named]]).cumsum(0).tolist()
+        where = {n: (offsets[i], offsets[i + 1]) for i, (n, _) in enumerate(named)}
+        # --shared structured: the token embeddings by rows, the output head as rank one plus top-k of the rest
+        self.rows = where["embed_tokens.weight"] if structured else None
+        self.head = where["lm_head.weight"] if structured else None
         self.kinds = {k: torch.cat([torch.full((p.numel(),), kind_of(n) == k) for n, p in named]) for k in KINDS}
         self.exact = torch.zeros_like(self.anchor, dtype=torch.bool)
         for k in exact:
@@ -158,8 +205,17 @@ class SharedAverage:
         self.residuals = [torch.zeros_like(self.anchor) for _ in models]
         self.reducer_residual = torch.zeros_like(self.anchor)
 
-    def through(self, codec: Codec, x: torch.Tensor) -> torch.Tensor:
-        return codec.decode(codec.encode(x), x.numel())
+    def through(self, codec: Codec, x: torch.Tensor, share: float = ROWS_MEMBER) -> torch.Tensor:
+        """``x`` as its message decodes: through ``codec``, or by rows at ``share`` and rank one plus
+        ``codec`` for the embeddings and head when structured."""
+        out = codec.decode(codec.encode(x), x.numel())
+        if self.rows is not None:
+            a, b = self.rows
+            out[a:b] = by_rows(x[a:b], self.width, share)
+            a, b = self.head
+            low = rank_one(x[a:b], self.width)
+            out[a:b] = low + codec.decode(codec.encode(x[a:b] - low), b - a)
+        return out
 
     @torch.no_grad()
     def __call__(self, models: list[MoETransformer]) -> None:
@@ -170,7 +226,7 @@ class SharedAverage:
             decoded.append(self.through(self.codec, sent))
             self.residuals[i] = sent - decoded[-1]
         compensated = torch.stack(decoded).mean(0) + self.reducer_residual
-        mean = self.through(self.result, compensated)
+        mean = self.through(self.result, compensated, ROWS_RESULT)
         self.reducer_residual = compensated - mean
         exact = torch.stack(pseudo).mean(0)
         mean = torch.where(self.exact, exact, mean)
@@ -200,6 +256,7 @@ class Refreshes:
         self.frozen = [[e for e, h in enumerate(self.owner) if h != i] for i in range(peers)]  # each peer's copies
         self.routed = torch.zeros(peers, experts)  # (token, slot) pairs sent to each expert since its refresh
         self.threshold = policy.rounds * even_share
+        self.public: dict[int, torch.Tensor] = {}  # under topk-K: each expert as its copies hold it
         self.rounds = self.done = self.copies = 0
 
     def due(self, peer: int) -> list[int]:
@@ -211,12 +268,29 @@ class Refreshes:
     @torch.no_grad()
     def apply(self, models: list[MoETransformer]) -> None:
         self.rounds += 1
+        if self.policy.lone:
+            return self.follow(models)
         for i, model in enumerate(models):
             self.copies += len(self.frozen[i])
             for e in self.due(i):
                 model.write_expert(e, models[self.owner[e]].expert_tensors(e))
                 self.routed[i, e] = 0
                 self.done += 1
+
+    def follow(self, models: list[MoETransformer]) -> None:
+        """``topk-K``: every copy of expert e moved to ``public[e]`` plus the update of its holder's lead."""
+        codec = self.policy.codec
+        for e, holder in enumerate(self.owner):
+            others = [i for i in range(len(models)) if i != holder]
+            if e not in self.public:  # the copies were never written: the value every peer started from
+                self.public[e] = flatten(models[others[0]].expert_tensors(e))
+            lead = flatten(models[holder].expert_tensors(e)) - self.public[e]
+            self.public[e] += codec.decode(codec.encode(lead), lead.numel())
+            for i in others:
+                targets = models[i].expert_tensors(e)
+                models[i].write_expert(e, split_like(self.public[e], targets))
+            self.copies += len(others)
+            self.done += len(others)
 
     @property
     def share(self) -> float:
@@ -233,7 +307,8 @@ def run(policy_name: str, peers: int, seed: int, args: argparse.Namespace, data,
         tr = dataclasses.replace(cfg.train, optimizer="muon", muon_adamw_lr_scale=4.0)
     shared = average_shared
     if args.shared != "none":
-        shared = SharedAverage(codec_rounds.codec_of(args.shared), models, tuple(args.exact))
+        codec = codec_rounds.codec_of("topk-dense")
+        shared = SharedAverage(codec, models, tuple(args.exact), structured=args.shared == "structured")
     optimizers = [build_optimizer(m, tr) for m in models]
     batch = codec_rounds.TOKENS_BATCH // peers
     loaders = [
@@ -277,22 +352,59 @@ def common(steps: int) -> list[str]:
     return [*convergence.CONFIG, codec_rounds.MUON_ITERATIONS, *convergence.schedule(steps)]
 
 
+def policy_codec(arm: str, policy: str) -> Codec | None:
+    """``arm``'s codec with ``policy``'s copies: under ``topk-K`` topk-dense's with the lone share K/256
+    (None for the other codecs, which have no such setting)."""
+    lone = Policy.parse(policy).lone
+    if not lone:
+        return codec_rounds.codec_of(arm.replace("structured", "topk-dense"))
+    if arm not in ("topk-dense", "structured"):
+        return None
+    return Codec("topk", result_fraction=codec_rounds.DENSE, lone_fraction=lone / BLOCK)
+
+
+def structured_extra(codec: Codec, peers: int, rows: int, width: int) -> float:
+    """What ``--shared structured`` moves for a token embedding and an output head of ``rows`` x
+    ``width`` per peer per round: a ring's (P - 1) / P of the members' messages and of the groups'
+    results, both ways. Embedding rows at 2 bits a value with an fp16 scale and a 32-bit index each; the
+    head's rank one in fp16 (its rows' factor, and the other factor once per part) plus top-k of the rest
+    in the codec's member and result shares. Message headers are left out."""
+
+    def row_bytes(share: float) -> float:
+        return share * rows * (2 * width + 16 + 32) / 8
+
+    rank_one_bytes = 2 * (rows + peers * width)
+    member = row_bytes(ROWS_MEMBER) + rank_one_bytes + codec.wire_bytes(rows * width)
+    result = row_bytes(ROWS_RESULT) + rank_one_bytes + codec.result_for(peers).wire_bytes(rows * width)
+    return 2 * (peers - 1) / peers * (member + result)
+
+
 def projection(shares: dict[str, float], peer_counts: tuple[int, ...] = (4, 16)) -> dict[str, Any]:
     """Each codec's bytes per peer per round at spes-1b under each policy's refreshed share, and their
-    ratio to the SPES reference at fp32."""
+    ratio to the SPES reference at fp32 (None where the policy does not apply to the codec). The
+    ``structured`` column is topk-dense with ``--shared structured``'s embeddings and head."""
     shared, expert, experts = comms.parameter_split(name="spes-1b")
+    cfg = load_config("spes-1b", [])
+    vocab, width = cfg.model.vocab_size, cfg.model.d_model
+
+    def per_peer(arm: str, policy: str, share: float, peers: int) -> float | None:
+        codec = policy_codec(arm, policy)
+        if codec is None:
+            return None
+        if arm != "structured":
+            return comms.ours(codec, shared, expert, experts, peers, share)["total"]
+        rest = comms.ours(codec, shared - 2 * vocab * width, expert, experts, peers, share)["total"]
+        return rest + structured_extra(codec, peers, vocab, width)
+
     out: dict[str, Any] = {}
     for peers in peer_counts:
         reference = comms.spes_reference(None, shared, expert, experts, peers)["total"]
         out[str(peers)] = {
             policy: {
-                arm: {
-                    "per_peer": (
-                        b := comms.ours(codec_rounds.codec_of(arm), shared, expert, experts, peers, share)["total"]
-                    ),
-                    "less": reference / b,
-                }
-                for arm in CODECS
+                arm: None
+                if (b := per_peer(arm, policy, share, peers)) is None
+                else {"per_peer": b, "less": reference / b}
+                for arm in (*CODECS, "structured")
             }
             for policy, share in shares.items()
         }
@@ -306,6 +418,10 @@ def summarise(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         out[policy] = shares.compare(by_seed, runs.get(BASELINE, {}), policy == BASELINE)
         out[policy]["refreshed_share"] = statistics.fmean(r["refreshed_share"] for r in by_seed.values())
     return out
+
+
+def less(cell: dict[str, float] | None) -> str:
+    return "-" if cell is None else f"{cell['less']:.1f}x"
 
 
 def print_table(console: Console, payload: dict[str, Any]) -> None:
@@ -325,7 +441,7 @@ def print_table(console: Console, payload: dict[str, Any]) -> None:
     ):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for peers in bytes_at:
-        for arm in CODECS:
+        for arm in (*CODECS, "structured"):
             table.add_column(f"{arm} at {peers} peers: less than SPES fp32", justify="right")
     for policy, row in summary.items():
         gap = row["gap"]
@@ -335,7 +451,7 @@ def print_table(console: Console, payload: dict[str, Any]) -> None:
             f"{row['mean']:.4f}",
             "-" if gap is None else f"{gap['mean']:+.2%} ({gap['min']:+.2%} .. {gap['max']:+.2%})",
             "-" if gap is None else " ".join(f"{row['gaps'][s]:+.2%}" for s in sorted(row["gaps"], key=int)),
-            *[f"{bytes_at[p][policy][arm]['less']:.1f}x" for p in bytes_at for arm in CODECS],
+            *[less(bytes_at[p][policy][arm]) for p in bytes_at for arm in (*CODECS, "structured")],
         )
     console.print(table)
 

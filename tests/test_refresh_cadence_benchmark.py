@@ -17,9 +17,28 @@ def test_policies_parse_and_a_bad_name_says_what_is_accepted():
     assert refresh_cadence.Policy.parse("every") == refresh_cadence.Policy(1, False)
     assert refresh_cadence.Policy.parse("every-4") == refresh_cadence.Policy(4, False)
     assert refresh_cadence.Policy.parse("tokens-2") == refresh_cadence.Policy(2, True)
-    for bad in ("every-0", "sometimes-2", "tokens", "every-x"):
+    assert refresh_cadence.Policy.parse("topk-5") == refresh_cadence.Policy(lone=5)
+    for bad in ("every-0", "sometimes-2", "tokens", "every-x", "topk-0", "topk-257"):
         with pytest.raises(ValueError, match="every, every-K or tokens-K"):
             refresh_cadence.Policy.parse(bad)
+
+
+def test_topk_k_moves_every_copy_every_round_by_a_top_k_update_and_the_holder_keeps_the_rest():
+    peers, experts = 2, 2
+    refreshes = refresh_cadence.Refreshes(refresh_cadence.Policy(lone=2), experts, peers, even_share=10.0)
+    models = [Copies(experts) for _ in range(peers)]
+    for m in models:
+        m.weights = [torch.zeros(512) for _ in range(experts)]
+    lead = torch.linspace(-1, 1, 512)
+    models[0].weights[0] = lead.clone()  # peer 0 trained expert 0; peer 1's copy starts where both began
+    refreshes.apply(models)
+    copy = models[1].weights[0]
+    assert models[1].written == [0] and models[0].written == [1]  # each copy, never the holder
+    assert int((copy != 0).sum()) == 2 * 2  # 2 values in each of the 2 blocks: the largest magnitudes
+    assert set(torch.nonzero(copy).flatten().tolist()) == {0, 1, 510, 511}
+    refreshes.apply(models)  # the holder did not move: the copy takes the next largest of what it lags
+    assert int((models[1].weights[0] != 0).sum()) == 8
+    assert refreshes.share == 1.0
 
 
 class Copies:
@@ -168,3 +187,49 @@ def test_the_backlog_each_kind_holds_is_reported_by_kind():
     embeddings, rest = average.backlog["embeddings"], average.backlog["rest"]
     assert embeddings["member_residual"] > 0 and embeddings["round_mean"] > 0
     assert rest["member_residual"] == 0 and rest["reducer_residual"] == 0 and rest["round_mean"] > 0
+
+
+def test_by_rows_keeps_the_largest_rows_whole_at_two_bits():
+    x = torch.zeros(8, 4)
+    x[2] = torch.tensor([1.0, -0.5, 0.2, -1.0])
+    x[5] = torch.tensor([3.0, 3.0, -3.0, 0.9])
+    x[7] = 0.01
+    out = refresh_cadence.by_rows(x.reshape(-1), 4, share=0.25).reshape(8, 4)
+    assert torch.equal(torch.nonzero(out.abs().sum(1)).flatten(), torch.tensor([2, 5]))  # 2 of 8 rows, whole
+    assert torch.allclose(out[2], torch.tensor([1.0, -1 / 3, 1 / 3, -1.0]))  # each value on a level x its row's max
+    assert torch.allclose(out[5], torch.tensor([3.0, 3.0, -3.0, 1.0]))
+
+
+def test_rank_one_carries_a_rank_one_matrix_whole_and_a_random_one_in_part():
+    u, v = torch.randn(32), torch.randn(8)
+    flat = torch.outer(u, v).reshape(-1)
+    assert torch.allclose(refresh_cadence.rank_one(flat, 8), flat, atol=1e-5)
+    noise = torch.randn(32 * 8, generator=torch.Generator().manual_seed(0))
+    approx = refresh_cadence.rank_one(noise, 8)
+    assert 0 < float((noise - approx).norm()) < float(noise.norm())
+
+
+def test_structured_shared_weights_end_alike_with_the_head_near_its_rank_one_mean():
+    models = _trained_peers()
+    cfg = load_config(None, refresh_cadence.common(10))
+    vocab, width = cfg.model.vocab_size, cfg.model.d_model
+    direction = torch.randn(width, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():  # a head update that is rank one, as a softmax pushes every logit
+        for i, m in enumerate(models):
+            m.lm_head.weight.add_(torch.outer(torch.full((vocab,), 0.1 * (i + 1)), direction))
+    before = _shared(models[0]).clone()
+    average = refresh_cadence.SharedAverage(Codec("topk", result_fraction=1 / 16), models, structured=True)
+    mean_head = torch.stack([m.lm_head.weight.detach().clone() for m in models]).mean(0)
+    average(models)
+    after = [_shared(m) for m in models]
+    assert all(torch.equal(after[0], a) for a in after[1:]) and not torch.equal(after[0], before)
+    # the head's rank-one mean moved whole, what the small random parts left is top-k's
+    assert float((models[0].lm_head.weight - mean_head).norm()) < 0.1 * float(mean_head.norm())
+
+
+def test_the_projection_has_no_bytes_where_a_policy_does_not_apply_and_structured_costs_about_topk_dense():
+    projected = refresh_cadence.projection({"every": 1.0, "topk-5": 1.0}, peer_counts=(16,))["16"]
+    assert projected["topk-5"]["int8"] is None and projected["topk-5"]["sparse"] is None
+    lone, every = projected["topk-5"]["topk-dense"]["less"], projected["every"]["topk-dense"]["less"]
+    assert lone > 50 > every  # the lone share is what takes topk-dense past 50x at 16 peers
+    assert abs(projected["topk-5"]["structured"]["less"] / lone - 1) < 0.1
