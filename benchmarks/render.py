@@ -784,6 +784,56 @@ def refresh_policies_table() -> str:
     return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
 
 
+STALE_VARIANTS = ("p8-none", "p8-topk", "p8-topk-xemb", "p8-topk-xrest", "p8-struct")  # refresh_cadence's
+STALE_COPIES = {"every": "exact, every round", "every-16": "exact, every 16 rounds"}
+
+
+def stale_copies_table() -> str:
+    """The copies' cadence under each way of averaging the shared weights, every run against the run
+    with uncompressed shared weights and exact copies every round (same seed, data and validation)."""
+    rs = [load("refresh_cadence", v) for v in STALE_VARIANTS]
+    base = rs[0].payload["runs"]["every"]
+    header = (
+        "| shared weights | frozen copies | loss | vs uncompressed, exact copies every round "
+        "| topk-dense / structured at spes-1b, 4 / 16 peers: less than SPES fp32 |"
+    )
+    lines = [header, "|---|---|---:|---:|---:|"]
+    for r in rs:
+        p = r.payload
+        shared = p["shared"].replace("none", "uncompressed") + "".join(f", {k} uncompressed" for k in p["exact"])
+        column = "structured" if p["shared"] == "structured" else "topk-dense"
+        for policy, row in p["summary"].items():
+            copies = STALE_COPIES.get(policy, f"top-k {policy.removeprefix('topk-')} of 256 every round")
+            finals = {s: run["final"] for s, run in p["runs"][policy].items()}
+            gaps = paired(finals, {s: b["final"] for s, b in base.items()})
+            gap = (
+                "-"
+                if r is rs[0] and policy == "every"
+                else f"{statistics.fmean(gaps):+.2%}"
+                + (f" ({span(gaps, '+.2%')}, {len(gaps)} seeds)" if len(gaps) > 1 else " (one seed)")
+            )
+            cells = [p["spes_1b"][n][policy].get(column) for n in sorted(p["spes_1b"], key=int)]
+            ratio = (
+                "-"
+                if p["shared"] == "none" or p["exact"] or None in cells
+                else " / ".join(f"{c['less']:.1f}x" for c in cells)
+            )
+            lines.append(f"| {shared} | {copies} | {row['mean']:.4f} | {gap} | {ratio} |")
+    p = rs[0].payload
+    note = (
+        f"Validation loss after {p['rounds']} rounds of {p['sync']} steps: {p['peers']} peers of the micro model "
+        f"in one process trained with {p['optimizer']} as the convergence swarm is, each training its own "
+        "expert; the shared weights averaged uncompressed, through the swarm's topk-dense codec with its error "
+        "feedback (embeddings: the token embeddings and output head; rest: attention, norms, routers), or "
+        "structured (the token embeddings by whole rows at 2 bits, 1/8 of them per member and 1/4 per result; "
+        "the output head as rank one plus topk-dense; emulated here, not in the swarm); copies set to their "
+        "holder's weights or moved by a top-k update of what their holder leads them by; the run's model "
+        "scored as export assembles it, every run on the same data and validation tokens. Bytes: "
+        f"the round at spes-1b with those copies, projected: {cite(rs, False)}."
+    )
+    return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
+
+
 def head_refresh_cadence() -> str:
     p = load("refresh_cadence").payload
     parts = [
@@ -870,6 +920,7 @@ TARGETS: dict[str, dict[str, Callable[[], str]]] = {
         "performance": performance_table,
         "muon_iterations": muon_iterations_table,
         "refresh_policies": refresh_policies_table,
+        "stale_copies": stale_copies_table,
     },
 }
 
