@@ -25,7 +25,9 @@ holder's weights when the policy says so:
 * ``tokens-K``: a peer's copy of an expert once its router has sent that expert, since the copy was
   last refreshed, K rounds' worth of an even share of its (token, slot) pairs: copies a peer's tokens
   use more are refreshed sooner. The count starts again from zero at each refresh, so a copy whose
-  share fell just short waits a round more: ``tokens-K`` refreshes somewhat less than 1/K of the copies.
+  share fell just short waits a round more: ``tokens-K`` refreshes somewhat less than 1/K of the copies;
+* ``topk-K``: every round, every copy moved by a top-k update of K values a block of what its holder's
+  weights lead it by, the holder keeping the rest (the swarm's ``swarm.topk_lone_fraction`` K/256).
 
 This is a simulation (no swarm code or network), and refreshes are exact, so what is measured
 is staleness alone (no warm-up merge either). ``--shared topk-dense`` averages the shared weights through
