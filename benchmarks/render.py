@@ -634,14 +634,18 @@ def nat_table() -> str:
     )
 
 
+def _gaps(gaps: list[float]) -> str:
+    """Per-seed gaps as their mean, with their span and seed count (or 'one seed')."""
+    if len(gaps) == 1:
+        return f"{gaps[0]:+.2%} (one seed)"
+    return f"{statistics.fmean(gaps):+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds)"
+
+
 def _codec_gap(row: dict | None, absent: str = "not run") -> str:
     """A row's gap to its baseline over seeds (its own seed count said); ``absent`` where it has none."""
     if row is None or row["gap"] is None:
         return absent
-    gaps = list(row["gaps"].values())
-    if len(gaps) == 1:
-        return f"{gaps[0]:+.2%} (one seed)"
-    return f"{row['gap']['mean']:+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds)"
+    return _gaps(list(row["gaps"].values()))
 
 
 def codecs_table() -> str:
@@ -794,7 +798,7 @@ def stale_copies_table() -> str:
     rs = [load("refresh_cadence", v) for v in STALE_VARIANTS]
     base = rs[0].payload["runs"]["every"]
     header = (
-        "| shared weights | frozen copies | loss | vs uncompressed, exact copies every round "
+        "| shared weights | frozen copies | loss, mean of its seeds | vs uncompressed, exact copies every round, seed by seed "
         "| topk-dense / structured at spes-1b, 4 / 16 peers: less than SPES fp32 |"
     )
     lines = [header, "|---|---|---:|---:|---:|"]
@@ -806,12 +810,7 @@ def stale_copies_table() -> str:
             copies = STALE_COPIES.get(policy, f"top-k {policy.removeprefix('topk-')} of 256 every round")
             finals = {s: run["final"] for s, run in p["runs"][policy].items()}
             gaps = paired(finals, {s: b["final"] for s, b in base.items()})
-            gap = (
-                "-"
-                if r is rs[0] and policy == "every"
-                else f"{statistics.fmean(gaps):+.2%}"
-                + (f" ({span(gaps, '+.2%')}, {len(gaps)} seeds)" if len(gaps) > 1 else " (one seed)")
-            )
+            gap = "-" if r is rs[0] and policy == "every" else _gaps(gaps)
             cells = [p["spes_1b"][n][policy].get(column) for n in sorted(p["spes_1b"], key=int)]
             ratio = (
                 "-"
