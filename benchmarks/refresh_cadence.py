@@ -27,7 +27,9 @@ holder's weights when the policy says so:
   use more are refreshed sooner. The count starts again from zero at each refresh, so a copy whose
   share fell just short waits a round more: ``tokens-K`` refreshes somewhat less than 1/K of the copies;
 * ``topk-K``: every round, every copy moved by a top-k update of K values a block of what its holder's
-  weights lead it by, the holder keeping the rest (the swarm's ``swarm.topk_lone_fraction`` K/256).
+  weights lead it by, the holder training on from its own weights;
+* ``lone-K``: the same update as the swarm applies it (``swarm.topk_lone_fraction`` K/256): the holder
+  too is set to the value its copies take, and keeps what the update dropped in its error feedback.
 
 This is a simulation (no swarm code or network), and refreshes are exact, so what is measured
 is staleness alone (no warm-up merge either). ``--shared topk-dense`` averages the shared weights through
@@ -78,6 +80,7 @@ SHARED = ("none", "topk-dense", "structured")  # how the shared weights are aver
 ROWS_MEMBER, ROWS_RESULT = 1 / 8, 1 / 4
 LEVELS = (-1.0, -1 / 3, 1 / 3, 1.0)  # a kept row's values at 2 bits, times the row's largest magnitude
 KINDS = ("embeddings", "rest")  # the shared weights' kinds --exact can keep out of the codec
+RESULT = round(codec_rounds.DENSE * BLOCK)  # topk-dense's values a block in a group's averaged parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,23 +88,25 @@ class Policy:
     """When a frozen copy is brought to its holder's weights: every ``rounds`` rounds, or (``tokens``)
     once its peer's router sent it ``rounds`` rounds' worth of an even share of its (token, slot) pairs.
     With ``lone`` K (``topk-K``) a copy is not set to its holder's weights but moved every round by a top-k
-    update of K values a block of what they lead it by, the holder keeping the rest for later rounds
-    (the swarm's ``swarm.topk_lone_fraction`` K/256)."""
+    update of K values a block of what they lead it by, the holder keeping the rest for later rounds;
+    ``synced`` (``lone-K``, the swarm's ``swarm.topk_lone_fraction`` K/256) sets the holder to that value
+    too, what the update dropped kept in its error feedback."""
 
     rounds: int = 1
     tokens: bool = False
     lone: int = 0
+    synced: bool = False
 
     @classmethod
     def parse(cls, name: str) -> Policy:
         if name == "every":
             return cls()
         kind, _, count = name.partition("-")
-        if kind == "topk" and count.isdigit() and 1 <= int(count) <= BLOCK:
-            return cls(lone=int(count))
+        if kind in ("topk", "lone") and count.isdigit() and 1 <= int(count) <= BLOCK:
+            return cls(lone=int(count), synced=kind == "lone")
         if kind not in ("every", "tokens") or not count.isdigit() or int(count) < 1:
             raise ValueError(
-                f"policy {name!r}: every, every-K or tokens-K with K >= 1, or topk-K with 1 <= K <= {BLOCK}"
+                f"policy {name!r}: every, every-K or tokens-K with K >= 1, or topk-K or lone-K with 1 <= K <= {BLOCK}"
             )
         return cls(int(count), kind == "tokens")
 
@@ -258,7 +263,8 @@ class Refreshes:
         self.frozen = [[e for e, h in enumerate(self.owner) if h != i] for i in range(peers)]  # each peer's copies
         self.routed = torch.zeros(peers, experts)  # (token, slot) pairs sent to each expert since its refresh
         self.threshold = policy.rounds * even_share
-        self.public: dict[int, torch.Tensor] = {}  # under topk-K: each expert as its copies hold it
+        self.public: dict[int, torch.Tensor] = {}  # under topk-K / lone-K: each expert as its copies hold it
+        self.residual: dict[int, torch.Tensor] = {}  # under lone-K: what each holder's updates dropped
         self.rounds = self.done = self.copies = 0
 
     def due(self, peer: int) -> list[int]:
@@ -280,15 +286,22 @@ class Refreshes:
                 self.done += 1
 
     def follow(self, models: list[MoETransformer]) -> None:
-        """``topk-K``: every copy of expert e moved to ``public[e]`` plus the update of its holder's lead."""
-        codec = self.policy.codec
+        """``topk-K``: every copy of expert e moved to ``public[e]`` plus the update of its holder's lead.
+        ``lone-K``: the holder's update since the last round plus its residual, the holder moved too."""
+        codec, synced = self.policy.codec, self.policy.synced
         for e, holder in enumerate(self.owner):
             others = [i for i in range(len(models)) if i != holder]
             if e not in self.public:  # the copies were never written: the value every peer started from
                 self.public[e] = flatten(models[others[0]].expert_tensors(e))
+                self.residual[e] = torch.zeros_like(self.public[e])
             lead = flatten(models[holder].expert_tensors(e)) - self.public[e]
-            self.public[e] += codec.decode(codec.encode(lead), lead.numel())
-            for i in others:
+            if synced:
+                lead += self.residual[e]
+            update = codec.decode(codec.encode(lead), lead.numel())
+            self.public[e] += update
+            if synced:
+                self.residual[e] = lead - update
+            for i in [*others, holder] if synced else others:
                 targets = models[i].expert_tensors(e)
                 models[i].write_expert(e, split_like(self.public[e], targets))
             self.copies += len(others)
@@ -309,7 +322,7 @@ def run(policy_name: str, peers: int, seed: int, args: argparse.Namespace, data,
         tr = dataclasses.replace(cfg.train, optimizer="muon", muon_adamw_lr_scale=4.0)
     shared = average_shared
     if args.shared != "none":
-        codec = codec_rounds.codec_of("topk-dense")
+        codec = dense_codec(args.result)
         shared = SharedAverage(codec, models, tuple(args.exact), structured=args.shared == "structured")
     optimizers = [build_optimizer(m, tr) for m in models]
     batch = codec_rounds.TOKENS_BATCH // peers
@@ -354,15 +367,19 @@ def common(steps: int) -> list[str]:
     return [*convergence.CONFIG, codec_rounds.MUON_ITERATIONS, *convergence.schedule(steps)]
 
 
-def policy_codec(arm: str, policy: str) -> Codec | None:
-    """``arm``'s codec with ``policy``'s copies: under ``topk-K`` topk-dense's with the lone share K/256
-    (None for the other codecs, which have no such setting)."""
+def dense_codec(result: int = RESULT, lone: int | None = None) -> Codec:
+    """topk-dense with ``result`` values a block in a group's averaged parts (``--result``; the swarm's
+    ``swarm.topk_result_fraction`` result/256) and, given, ``lone`` in a lone holder's update."""
+    return Codec("topk", result_fraction=result / BLOCK, lone_fraction=None if lone is None else lone / BLOCK)
+
+
+def policy_codec(arm: str, policy: str, result: int = RESULT) -> Codec | None:
+    """``arm``'s codec with ``policy``'s copies: under ``topk-K`` and ``lone-K`` topk-dense's (at ``result``)
+    with the lone share K/256 (None for the other codecs, which have no such setting)."""
     lone = Policy.parse(policy).lone
-    if not lone:
-        return codec_rounds.codec_of(arm.replace("structured", "topk-dense"))
     if arm not in ("topk-dense", "structured"):
-        return None
-    return Codec("topk", result_fraction=codec_rounds.DENSE, lone_fraction=lone / BLOCK)
+        return None if lone else codec_rounds.codec_of(arm)
+    return dense_codec(result, lone or None)
 
 
 def structured_extra(codec: Codec, peers: int, rows: int, width: int) -> float:
@@ -381,16 +398,19 @@ def structured_extra(codec: Codec, peers: int, rows: int, width: int) -> float:
     return 2 * (peers - 1) / peers * (member + result)
 
 
-def projection(shares: dict[str, float], peer_counts: tuple[int, ...] = (4, 16)) -> dict[str, Any]:
+def projection(
+    shares: dict[str, float], peer_counts: tuple[int, ...] = (4, 16), result: int = RESULT
+) -> dict[str, Any]:
     """Each codec's bytes per peer per round at spes-1b under each policy's refreshed share, and their
     ratio to the SPES reference at fp32 (None where the policy does not apply to the codec). The
-    ``structured`` column is topk-dense with ``--shared structured``'s embeddings and head."""
+    ``structured`` column is topk-dense with ``--shared structured``'s embeddings and head; both keep
+    ``result`` values a block in a group's averaged parts."""
     shared, expert, experts = comms.parameter_split(name="spes-1b")
     cfg = load_config("spes-1b", [])
     vocab, width = cfg.model.vocab_size, cfg.model.d_model
 
     def per_peer(arm: str, policy: str, share: float, peers: int) -> float | None:
-        codec = policy_codec(arm, policy)
+        codec = policy_codec(arm, policy, result)
         if codec is None:
             return None
         if arm != "structured":
@@ -481,7 +501,8 @@ def finish(writer: results.Run, payload: dict[str, Any], merged: list[results.Re
     runs = payload["runs"]
     payload["seeds"] = sorted({int(s) for by_seed in runs.values() for s in by_seed})
     payload["summary"] = summary = summarise(runs)
-    payload["spes_1b"] = projection({p: row["refreshed_share"] for p, row in summary.items()})
+    shares_by_policy = {p: row["refreshed_share"] for p, row in summary.items()}
+    payload["spes_1b"] = projection(shares_by_policy, result=payload.get("result", RESULT))
     print_table(Console(width=200), payload)
     out = writer.write(payload, merged=merged)
     print(f"wrote {out}" + (" and its plot" if plot(payload, writer) else ""))
@@ -491,7 +512,7 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
     """One result from shares run as separate processes with the same setup, each policy against the
     ``every`` run of its own share (``benchmarks/lab/shares.py``)."""
     parts = [results.own("refresh_cadence", v) for v in variants]
-    keys = ("peers", "shared", "exact", "optimizer", "steps", "sync", "eval_rounds", "validation", "config")
+    keys = ("peers", "shared", "result", "exact", "optimizer", "steps", "sync", "eval_rounds", "validation", "config")
     if differ := shares.differing([r.payload for r in parts], keys):
         raise SystemExit(f"--merge: the variants differ in {differ}; only the same setup merges")
     try:
@@ -511,6 +532,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peers", type=int, default=4, choices=[2, 4, 8])
     parser.add_argument(
         "--shared", default="none", choices=SHARED, help="the shared weights' codec, with error feedback (default none)"
+    )
+    parser.add_argument(
+        "--result",
+        type=int,
+        default=RESULT,
+        help=f"with --shared: values a block of {BLOCK} a group's averaged parts keep (default {RESULT})",
     )
     parser.add_argument(
         "--exact", nargs="+", default=[], choices=KINDS, help="with --shared: these kinds averaged uncompressed"
@@ -535,6 +562,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"the policies are measured against {BASELINE}: include it")
     if args.exact and args.shared == "none":
         parser.error("--exact keeps kinds of the shared weights out of a codec: give --shared too")
+    if args.result != RESULT and args.shared == "none":
+        parser.error("--result sets the shared weights' codec: give --shared too")
+    members = round(dense_codec().topk_fraction * BLOCK)
+    if not members <= args.result <= BLOCK:
+        parser.error(f"--result {args.result}: between the members' {members} and {BLOCK} values a block")
+    for name in args.policies:
+        lone = Policy.parse(name).lone
+        if lone and not members <= lone <= args.result:
+            parser.error(f"policy {name}: K between the members' {members} and --result's {args.result}")
     args.steps = args.sync * args.rounds
     writer = results.start("refresh_cadence", args.variant, seeds=args.seeds, argv=argv)
     torch.set_num_threads(1)
@@ -544,6 +580,7 @@ def main(argv: list[str] | None = None) -> None:
     payload: dict[str, Any] = {
         "peers": args.peers,
         "shared": args.shared,
+        **({"result": args.result} if args.result != RESULT else {}),
         "exact": args.exact,
         "optimizer": args.optimizer,
         "steps": args.steps,
