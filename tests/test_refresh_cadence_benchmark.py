@@ -18,7 +18,8 @@ def test_policies_parse_and_a_bad_name_says_what_is_accepted():
     assert refresh_cadence.Policy.parse("every-4") == refresh_cadence.Policy(4, False)
     assert refresh_cadence.Policy.parse("tokens-2") == refresh_cadence.Policy(2, True)
     assert refresh_cadence.Policy.parse("topk-5") == refresh_cadence.Policy(lone=5)
-    for bad in ("every-0", "sometimes-2", "tokens", "every-x", "topk-0", "topk-257"):
+    assert refresh_cadence.Policy.parse("lone-8") == refresh_cadence.Policy(lone=8, synced=True)
+    for bad in ("every-0", "sometimes-2", "tokens", "every-x", "topk-0", "topk-257", "lone-0", "lone"):
         with pytest.raises(ValueError, match="every, every-K or tokens-K"):
             refresh_cadence.Policy.parse(bad)
 
@@ -39,6 +40,26 @@ def test_topk_k_moves_every_copy_every_round_by_a_top_k_update_and_the_holder_ke
     refreshes.apply(models)  # the holder did not move: the copy takes the next largest of what it lags
     assert int((models[1].weights[0] != 0).sum()) == 8
     assert refreshes.share == 1.0
+
+
+def test_lone_k_moves_the_holder_with_its_copies_and_keeps_what_the_update_dropped():
+    peers, experts = 2, 2
+    refreshes = refresh_cadence.Refreshes(refresh_cadence.Policy(lone=2, synced=True), experts, peers, 10.0)
+    models = [Copies(experts) for _ in range(peers)]
+    for m in models:
+        m.weights = [torch.zeros(512) for _ in range(experts)]
+    lead = torch.linspace(-1, 1, 512)
+    models[0].weights[0] = lead.clone()
+    refreshes.apply(models)
+    holder, copy = models[0].weights[0], models[1].weights[0]
+    assert torch.equal(holder, copy)  # the holder takes the value its copies take, as the swarm's does
+    assert set(torch.nonzero(copy).flatten().tolist()) == {0, 1, 510, 511}
+    assert torch.equal(refreshes.residual[0] + copy, lead)  # nothing lost: the rest waits in the residual
+    assert refreshes.share == 1.0 and models[1].written.count(0) == 1  # the holder is not counted a copy
+    refreshes.apply(models)  # the holder trained no further: the residual's next largest values arrive
+    assert torch.equal(models[0].weights[0], models[1].weights[0])
+    assert int((models[1].weights[0] != 0).sum()) == 8
+    assert torch.equal(refreshes.residual[0] + models[1].weights[0], lead)
 
 
 class Copies:
@@ -179,6 +200,17 @@ def test_exact_kinds_without_a_shared_codec_are_refused(capsys):
     assert "--shared" in capsys.readouterr().err
 
 
+def test_a_result_share_without_a_shared_codec_or_outside_the_members_is_refused(capsys):
+    for argv, says in (
+        (["--result", "8"], "--shared"),
+        (["--shared", "topk-dense", "--result", "2"], "between the members' 4 and 256"),
+        (["--shared", "topk-dense", "--result", "8", "--policies", "every", "lone-16"], "policy lone-16"),
+    ):
+        with pytest.raises(SystemExit):
+            refresh_cadence.main([*argv, "--rounds", "1"])
+        assert says in capsys.readouterr().err
+
+
 def test_the_backlog_each_kind_holds_is_reported_by_kind():
     models = _trained_peers()
     average = refresh_cadence.SharedAverage(Codec("topk", result_fraction=1 / 16), models, exact=("rest",))
@@ -233,3 +265,7 @@ def test_the_projection_has_no_bytes_where_a_policy_does_not_apply_and_structure
     lone, every = projected["topk-5"]["topk-dense"]["less"], projected["every"]["topk-dense"]["less"]
     assert lone > 50 > every  # the lone share is what takes topk-dense past 50x at 16 peers
     assert abs(projected["topk-5"]["structured"]["less"] / lone - 1) < 0.1
+    # a smaller result share: fewer bytes for the shared weights, and every's copies at that share too
+    fewer = refresh_cadence.projection({"every": 1.0, "lone-8": 1.0}, peer_counts=(16,), result=8)["16"]
+    assert fewer["every"]["topk-dense"]["less"] == fewer["lone-8"]["topk-dense"]["less"] > every
+    assert lone > fewer["lone-8"]["topk-dense"]["less"] > 50
