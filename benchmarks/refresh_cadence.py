@@ -27,9 +27,11 @@ holder's weights when the policy says so:
   use more are refreshed sooner. The count starts again from zero at each refresh, so a copy whose
   share fell just short waits a round more: ``tokens-K`` refreshes somewhat less than 1/K of the copies;
 * ``topk-K``: every round, every copy moved by a top-k update of K values a block of what its holder's
-  weights lead it by, the holder training on from its own weights;
-* ``lone-K``: the same update as the swarm applies it (``swarm.topk_lone_fraction`` K/256): the holder
-  too is set to the value its copies take, and keeps what the update dropped in its error feedback.
+  weights lead it by, the holder training on from its own weights (the swarm's lone holder under a
+  lossy codec, ``OuterOptimizer.keeps_own``, at ``swarm.topk_lone_fraction`` K/256);
+* ``lone-K``: the same update, but the holder too is set to the value its copies take and keeps what
+  the update dropped in its error feedback (as a group's member takes the group's result): what
+  keeping its own weights is worth.
 
 This is a simulation (no swarm code or network), and refreshes are exact, so what is measured
 is staleness alone (no warm-up merge either). ``--shared topk-dense`` averages the shared weights through
@@ -88,9 +90,9 @@ class Policy:
     """When a frozen copy is brought to its holder's weights: every ``rounds`` rounds, or (``tokens``)
     once its peer's router sent it ``rounds`` rounds' worth of an even share of its (token, slot) pairs.
     With ``lone`` K (``topk-K``) a copy is not set to its holder's weights but moved every round by a top-k
-    update of K values a block of what they lead it by, the holder keeping the rest for later rounds;
-    ``synced`` (``lone-K``, the swarm's ``swarm.topk_lone_fraction`` K/256) sets the holder to that value
-    too, what the update dropped kept in its error feedback."""
+    update of K values a block of what they lead it by, the holder keeping the rest for later rounds
+    (the swarm's ``swarm.topk_lone_fraction`` K/256); ``synced`` (``lone-K``) sets the holder to that
+    value too, what the update dropped kept in its error feedback."""
 
     rounds: int = 1
     tokens: bool = False
