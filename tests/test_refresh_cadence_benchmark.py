@@ -52,7 +52,7 @@ def test_lone_k_moves_the_holder_with_its_copies_and_keeps_what_the_update_dropp
     models[0].weights[0] = lead.clone()
     refreshes.apply(models)
     holder, copy = models[0].weights[0], models[1].weights[0]
-    assert torch.equal(holder, copy)  # the holder takes the value its copies take, as the swarm's does
+    assert torch.equal(holder, copy)  # the holder takes the value its copies take
     assert set(torch.nonzero(copy).flatten().tolist()) == {0, 1, 510, 511}
     assert torch.equal(refreshes.residual[0] + copy, lead)  # nothing lost: the rest waits in the residual
     assert refreshes.share == 1.0 and models[1].written.count(0) == 1  # the holder is not counted a copy
