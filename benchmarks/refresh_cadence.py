@@ -139,12 +139,13 @@ def build_peers(cfg: Config, peers: int, seed: int) -> list[MoETransformer]:
 
 
 @torch.no_grad()
-def assemble(cfg: Config, models: list[MoETransformer]) -> MoETransformer:
-    """The run's model: the (averaged) shared weights with each expert from its holder."""
+def assemble(cfg: Config, models: list[MoETransformer], copies: bool = False) -> MoETransformer:
+    """The run's model: the (averaged) shared weights with each expert from its holder, or (``copies``)
+    as the next peer's frozen copy holds it."""
     out = MoETransformer(cfg.model, cfg.moe, local_experts=list(range(cfg.moe.num_experts)))
     out.write_shared([p.detach() for _, p in models[0].shared_parameters()])
     for e, h in enumerate(holders(cfg.moe.num_experts, len(models))):
-        out.write_expert(e, models[h].expert_tensors(e))
+        out.write_expert(e, models[(h + 1) % len(models) if copies else h].expert_tensors(e))
     return out
 
 
@@ -337,6 +338,7 @@ def run(policy_name: str, peers: int, seed: int, args: argparse.Namespace, data,
     for model in models:  # each forward's (token, slot) pairs per expert, summed over layers
         model.register_forward_hook(lambda _m, _in, out: routed.append(sum(s.tokens_per_expert for s in out[1])))
     curve: dict[str, float] = {}
+    copies_curve: dict[str, float] = {}  # with --score-copies: the model with every expert as its copies hold it
     backlog: dict[str, dict[str, dict[str, float]]] = {}  # under a codec, at each scored round
     t0 = time.monotonic()
     for step in range(args.steps):
@@ -354,6 +356,8 @@ def run(policy_name: str, peers: int, seed: int, args: argparse.Namespace, data,
             refreshes.apply(models)
             if refreshes.rounds % args.eval_rounds == 0 or step + 1 == args.steps:
                 curve[str(refreshes.rounds)] = validation.loss(assemble(cfg, models))
+                if args.score_copies:
+                    copies_curve[str(refreshes.rounds)] = validation.loss(assemble(cfg, models, copies=True))
                 if isinstance(shared, SharedAverage):
                     backlog[str(refreshes.rounds)] = shared.backlog
     return {
@@ -362,6 +366,7 @@ def run(policy_name: str, peers: int, seed: int, args: argparse.Namespace, data,
         "refreshed_share": refreshes.share,
         "seconds": round(time.monotonic() - t0, 1),
         **({"backlog": backlog} if backlog else {}),
+        **({"copies_curve": copies_curve} if copies_curve else {}),
     }
 
 
@@ -550,6 +555,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=codec_rounds.OPTIMIZERS,
         help="muon: the trainer's default (AdamW at 4x on the rest); adamw: the convergence swarm's",
     )
+    parser.add_argument(
+        "--score-copies",
+        action="store_true",
+        help="also score the model with every expert as its frozen copies hold it (copies_curve)",
+    )
     shares.add_arguments(parser, sync=5, eval_rounds=30)
     results.add_variant(parser)
     args = parser.parse_args(argv)
@@ -585,6 +595,7 @@ def main(argv: list[str] | None = None) -> None:
         **({"result": args.result} if args.result != RESULT else {}),
         "exact": args.exact,
         "optimizer": args.optimizer,
+        **({"score_copies": True} if args.score_copies else {}),
         "steps": args.steps,
         "sync": args.sync,
         "rounds": args.rounds,

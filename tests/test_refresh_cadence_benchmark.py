@@ -129,6 +129,9 @@ def test_peers_start_alike_each_training_its_own_experts_and_the_run_model_takes
     run_model = refresh_cadence.assemble(cfg, models)
     assert torch.equal(run_model.expert_tensors(5)[0], models[1].expert_tensors(5)[0])
     assert not torch.equal(run_model.expert_tensors(5)[0], models[0].expert_tensors(5)[0])
+    as_copies = refresh_cadence.assemble(cfg, models, copies=True)  # expert 5 as peer 2's copy holds it
+    assert torch.equal(as_copies.expert_tensors(5)[0], models[2].expert_tensors(5)[0])
+    assert not torch.equal(as_copies.expert_tensors(5)[0], models[1].expert_tensors(5)[0])
 
 
 @pytest.mark.long  # three policies, two rounds each, twice: about a minute on 2 cores
