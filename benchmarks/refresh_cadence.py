@@ -528,6 +528,8 @@ def merge(variants: list[str], variant: str, argv: list[str] | None) -> None:
         raise SystemExit(f"--merge: {exc}") from None
     runs = {p: joined[p] for p in [*POLICIES, *sorted(set(joined) - set(POLICIES))] if p in joined}
     payload = {**parts[0].payload, "runs": runs}
+    if not all(r.payload.get("score_copies") for r in parts):  # some runs have no copies_curve
+        payload.pop("score_copies", None)
     payload["repeats"] = [r for part in parts for r in part.payload.get("repeats", [])] + again
     seeds = sorted({int(s) for by_seed in runs.values() for s in by_seed})
     finish(results.start("refresh_cadence", variant, seeds=seeds, argv=argv), payload, parts)
