@@ -38,7 +38,9 @@ is staleness alone (no warm-up merge either). ``--shared topk-dense`` averages t
 the project's codec as the swarm does (each peer's error feedback, the reducer's re-encoding with its own
 residual; ``SharedAverage``), where the swarm's probes found stale copies costly; ``--exact`` keeps kinds
 of the shared weights (the token embeddings and output head, or the rest) out of the codec, to find
-where that cost sits; ``--optimizer adamw`` trains as the convergence swarm does. Every policy
+where that cost sits; ``--result K`` keeps K values a block in a group's averaged parts (the swarm's
+``swarm.topk_result_fraction`` K/256, in the runs and the bytes); ``--score-copies`` also scores the
+model with every expert as its copies hold it; ``--optimizer adamw`` trains as the convergence swarm does. Every policy
 starts from the same initialisation, reads the same data and is scored on the same validation windows
 (``convergence.Validation``, ``--val-windows``) every ``--eval-rounds`` rounds: the run's model as export
 assembles it, the shared weights with each expert from its holder. The gap is per seed, to ``every``.
