@@ -833,6 +833,61 @@ def stale_copies_table() -> str:
     return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
 
 
+LONE_VARIANTS = ("p8-none-lone", "p8-r16-topk", "p8-r8-topk", "p8-r16-lone", "p8-r8-lone")  # refresh_cadence's
+DENSE_RESULT = 16  # refresh_cadence.RESULT: topk-dense's values a block in a result where a file names none
+
+
+def _lone_copies(policy: str) -> str:
+    if policy == "every":
+        return "exact, every round"
+    kind, _, k = policy.partition("-")
+    return f"top-k {k} of 256, the holder " + ("keeps its weights" if kind == "topk" else "takes it too")
+
+
+def lone_copies_table() -> str:
+    """Copies moved every round by a top-k update of their holder's lead, against exact copies under the
+    same shared codec (same run) and against uncompressed shared weights with exact copies (the first
+    variant's, run on the same machine)."""
+    rs = [load("refresh_cadence", v) for v in LONE_VARIANTS]
+    if len({r.provenance.get("machine", {}).get("platform") for r in rs}) > 1:
+        raise RenderError(f"lone copies: {', '.join(LONE_VARIANTS)} ran on different machines; run them on one")
+    uncompressed = {s: run["final"] for s, run in rs[0].payload["runs"]["every"].items()}
+    header = (
+        "| shared weights | frozen copies, every round | loss, mean of its seeds | vs exact copies, same shared "
+        "weights | vs uncompressed, exact copies | topk-dense at spes-1b, 4 / 16 peers: less than SPES fp32 |"
+    )
+    lines, shown = [header, "|---|---|---:|---:|---:|---:|"], {}
+    for r in rs:
+        p = r.payload
+        result = p.get("result", DENSE_RESULT)
+        shared = "uncompressed" if p["shared"] == "none" else f"topk-dense, {result} of 256 a result"
+        exact = {s: run["final"] for s, run in p["runs"]["every"].items()}
+        for policy, row in p["summary"].items():
+            before = shown.setdefault(shared, exact)
+            if policy == "every" and before is not exact and all(before.get(s) == v for s, v in exact.items()):
+                continue  # exact copies under these shared weights, the same finals: a row already shown
+            finals = {s: run["final"] for s, run in p["runs"][policy].items()}
+            own = "-" if policy == "every" else _gaps(paired(finals, exact))
+            vs = "-" if r is rs[0] and policy == "every" else _gaps(paired(finals, uncompressed))
+            cells = [p["spes_1b"][n][policy]["topk-dense"] for n in sorted(p["spes_1b"], key=int)]
+            ratio = (
+                "-" if p["shared"] == "none" or policy == "every" else " / ".join(f"{c['less']:.1f}x" for c in cells)
+            )
+            lines.append(f"| {shared} | {_lone_copies(policy)} | {row['mean']:.4f} | {own} | {vs} | {ratio} |")
+    p = rs[0].payload
+    note = (
+        f"Validation loss after {p['rounds']} rounds of {p['sync']} steps, {p['peers']} peers trained with "
+        f"{p['optimizer']}, one expert each, as in the table above, all runs on one machine. Copies moved every "
+        "round by a top-k update of what their holder's weights lead them by: the holder keeps training its own "
+        "weights (the swarm's lone holder under a lossy codec) or takes the update too and keeps what it dropped "
+        "in its error feedback (as a group's member takes the group's result). Exact copies are the "
+        "simulation's reference, not a swarm mode: the swarm's round under topk-dense sends copies top-k at the "
+        "result's share. Bytes: the round at spes-1b with those copies, projected: "
+        f"{cite(rs, False)}."
+    )
+    return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
+
+
 def head_refresh_cadence() -> str:
     p = load("refresh_cadence").payload
     parts = [
@@ -920,6 +975,7 @@ TARGETS: dict[str, dict[str, Callable[[], str]]] = {
         "muon_iterations": muon_iterations_table,
         "refresh_policies": refresh_policies_table,
         "stale_copies": stale_copies_table,
+        "lone_copies": lone_copies_table,
     },
 }
 

@@ -179,3 +179,14 @@ def test_a_target_file_without_its_markers_fails_the_check(tmp_path, capsys):
     shutil.copy(ROOT / "benchmarks" / "README.md", tmp_path / "benchmarks" / "README.md")
     assert render.main(["--check"], repo=tmp_path) == 2
     assert "README.md" in capsys.readouterr().err
+
+
+def test_the_lone_copies_table_refuses_rows_from_another_machine_than_its_baseline(tmp_path, monkeypatch):
+    base = _results_copy(tmp_path, monkeypatch)
+    render.lone_copies_table()  # the stored files: one machine
+    moved = base / "refresh_cadence" / "p8-r8-topk.json"
+    data = json.loads(moved.read_text())
+    data["provenance"]["machine"]["platform"] = "another machine"
+    moved.write_text(json.dumps(data))
+    with pytest.raises(render.RenderError, match="different machines"):
+        render.lone_copies_table()
