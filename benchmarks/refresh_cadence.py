@@ -569,24 +569,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.variant, argv)
+    members = round(dense_codec().topk_fraction * BLOCK)
+    if not members <= args.result <= BLOCK:
+        parser.error(f"--result {args.result}: between the members' {members} and {BLOCK} values a block")
     for name in args.policies:
         try:
-            Policy.parse(name)
+            lone = Policy.parse(name).lone
         except ValueError as exc:
             parser.error(str(exc))
+        if lone and not members <= lone <= args.result:
+            parser.error(f"policy {name}: K between the members' {members} and --result's {args.result}")
     if BASELINE not in args.policies:
         parser.error(f"the policies are measured against {BASELINE}: include it")
     if args.exact and args.shared == "none":
         parser.error("--exact keeps kinds of the shared weights out of a codec: give --shared too")
     if args.result != RESULT and args.shared == "none":
         parser.error("--result sets the shared weights' codec: give --shared too")
-    members = round(dense_codec().topk_fraction * BLOCK)
-    if not members <= args.result <= BLOCK:
-        parser.error(f"--result {args.result}: between the members' {members} and {BLOCK} values a block")
-    for name in args.policies:
-        lone = Policy.parse(name).lone
-        if lone and not members <= lone <= args.result:
-            parser.error(f"policy {name}: K between the members' {members} and --result's {args.result}")
     args.steps = args.sync * args.rounds
     writer = results.start("refresh_cadence", args.variant, seeds=args.seeds, argv=argv)
     torch.set_num_threads(1)

@@ -863,9 +863,9 @@ def lone_copies_table() -> str:
         shared = "uncompressed" if p["shared"] == "none" else f"topk-dense, {result} of 256 a result"
         exact = {s: run["final"] for s, run in p["runs"]["every"].items()}
         for policy, row in p["summary"].items():
-            before = shown.setdefault(shared, exact)
-            if policy == "every" and before is not exact and all(before.get(s) == v for s, v in exact.items()):
-                continue  # exact copies under these shared weights, the same finals: a row already shown
+            earlier = shown.setdefault(shared, exact)
+            if policy == "every" and earlier is not exact and exact.items() <= earlier.items():
+                continue  # exact copies under these shared weights with the same finals: a row already shown
             finals = {s: run["final"] for s, run in p["runs"][policy].items()}
             own = "-" if policy == "every" else _gaps(paired(finals, exact))
             vs = "-" if r is rs[0] and policy == "every" else _gaps(paired(finals, uncompressed))

@@ -181,6 +181,12 @@ def test_a_target_file_without_its_markers_fails_the_check(tmp_path, capsys):
     assert "README.md" in capsys.readouterr().err
 
 
+def test_the_lone_copies_table_reads_a_files_result_share_as_the_benchmark_writes_it():
+    from benchmarks import refresh_cadence  # a file names its result share only when it is not the default
+
+    assert render.DENSE_RESULT == refresh_cadence.RESULT
+
+
 def test_the_lone_copies_table_refuses_rows_from_another_machine_than_its_baseline(tmp_path, monkeypatch):
     base = _results_copy(tmp_path, monkeypatch)
     render.lone_copies_table()  # the stored files: one machine
