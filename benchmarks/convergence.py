@@ -26,6 +26,10 @@ P x b x seq_len tokens per step for ``--steps`` steps, with the same seeds):
 * ``spes-every4``, ``spes-topk-dense-every4`` (not run by default): ``spes`` and ``spes-topk-dense`` with
   ``swarm.expert_sync_rounds=4`` (experts averaged, and frozen copies refreshed, every 4th round and
   the last; the shared weights every round);
+* ``spes-topk-dense-lone5``: ``spes-topk-dense`` with ``swarm.topk_lone_fraction`` 5/256 (a lone holder's
+  update, what its frozen copies download, at 5 of each block's 256 values);
+* ``spes-topk-dense8-lone8`` (not run by default): ``spes-topk`` with the averaged parts at 8 of 256 and a
+  lone holder's update at 8 (the same bytes budget, more of it to the copies);
 * ``spes-no-merge`` (not run by default): ``spes`` without the warm-up merge.
 
 The partial-residency arm of earlier versions is gone: its peers' checkpoints hold only their own
@@ -159,6 +163,13 @@ ARMS: dict[str, list[str] | None] = {
         "swarm.topk_result_fraction=0.0625",
         "swarm.topk_lone_fraction=0.01953125",
     ],
+    # the averaged parts at 8 values a block and a lone holder's update at 8: more of the budget to the copies
+    "spes-topk-dense8-lone8": [
+        *SPES[:-1],
+        "swarm.compression=topk",
+        "swarm.topk_result_fraction=0.03125",
+        "swarm.topk_lone_fraction=0.03125",
+    ],
     # the lone holders' updates in a dense codec, the experts every K rounds ("-decay": residuals x 0.95)
     **{
         f"spes-topk-dense-{codec}-every{k}{'-decay' if decay else ''}": [
@@ -206,6 +217,7 @@ DEFAULT_ARMS = [
         "spes-topk-dense-int8-every32",
         "spes-topk-dense-none-every16",
         "spes-topk-dense-int4-every16-decay",
+        "spes-topk-dense8-lone8",
     )
 ]
 SUMMARY_KEYS = (
@@ -520,11 +532,19 @@ SETUP_DEFAULTS = {"threads": 1}  # what a result written before the key was reco
 BY_STEP = ("curve", "peer_mean_curve", "peers_scored", "distinct_weights", "peer_spread")
 
 
-def reusable(earlier: results.Result, setup: dict[str, Any], arms: list[str]) -> dict[tuple[str, int], dict[str, Any]]:
+def reusable(
+    earlier: results.Result, setup: dict[str, Any], arms: list[str], platform: str | None = None
+) -> dict[tuple[str, int], dict[str, Any]]:
     """The runs of an earlier result of this script that this one takes instead of running them again
     (``--reuse``: an interrupted run resumed, or a baseline whose runs are deterministic): each run of an
     arm of ``arms`` that the earlier file ran with the same overrides, by (arm, seed). Refused
-    (:class:`results.ResultError`) when the file measured another setup."""
+    (:class:`results.ResultError`) when the file measured another setup, or on another ``platform`` than
+    this one (given): runs repeat to the last digit only on the machine that ran them."""
+    if platform is not None and earlier.platform not in (None, platform):
+        raise results.ResultError(
+            f"{earlier.path} was measured on {earlier.platform}, this machine is {platform}: its runs would not "
+            "repeat here, so a comparison with them mixes machines; run without --reuse"
+        )
     setup = json.loads(json.dumps(setup))  # as the file holds it
     differs = [k for k in SETUP_KEYS if earlier.payload.get(k, SETUP_DEFAULTS.get(k)) != setup[k]]
     if differs:
@@ -547,11 +567,13 @@ def take_runs(
     earlier: list[results.Result], setup: dict[str, Any], arms: list[str], seeds: list[int]
 ) -> tuple[dict[tuple[str, int], dict[str, Any]], list[results.Result]]:
     """:func:`reusable` over several earlier results, the first that has a run winning, for the ``seeds``
-    this run asks for; with the results that gave a run (oldest first, as a provenance lists them)."""
+    this run asks for, all measured on this machine; with the results that gave a run (oldest first, as a
+    provenance lists them)."""
     taken: dict[tuple[str, int], dict[str, Any]] = {}
     given: dict[tuple[str, int], results.Result] = {}
+    here = results.machine()["platform"]
     for result in reversed(earlier):
-        for key, run in reusable(result, setup, arms).items():
+        for key, run in reusable(result, setup, arms, here).items():
             if key[1] in seeds:
                 taken[key], given[key] = run, result
     used = {id(r): r for r in given.values()}.values()

@@ -849,7 +849,7 @@ def lone_copies_table() -> str:
     same shared codec (same run) and against uncompressed shared weights with exact copies (the first
     variant's, run on the same machine)."""
     rs = [load("refresh_cadence", v) for v in LONE_VARIANTS]
-    if len({r.provenance.get("machine", {}).get("platform") for r in rs}) > 1:
+    if len({r.platform for r in rs}) > 1:
         raise RenderError(f"lone copies: {', '.join(LONE_VARIANTS)} ran on different machines; run them on one")
     uncompressed = {s: run["final"] for s, run in rs[0].payload["runs"]["every"].items()}
     header = (

@@ -63,3 +63,13 @@ def test_the_first_result_named_wins_a_run_keeps_where_it_was_measured_and_only_
 def test_a_result_of_another_setup_is_refused_naming_what_differs(key, value):
     with pytest.raises(results.ResultError, match=f"another setup \\({key} differ"):
         reusable(earlier(**{key: value}), SETUP, ["spes"])
+
+
+def test_runs_from_another_machine_are_refused_with_the_fix():
+    here = earlier()
+    here.provenance["machine"] = {"platform": "Linux-a"}
+    assert sorted(reusable(here, SETUP, ["spes"], "Linux-a")) == [("spes", 0), ("spes", 1)]
+    with pytest.raises(results.ResultError, match="measured on Linux-a, this machine is Linux-b.*without --reuse"):
+        reusable(here, SETUP, ["spes"], "Linux-b")
+    # a file that recorded no machine is taken, as before
+    assert sorted(reusable(earlier(), SETUP, ["spes"], "Linux-b")) == [("spes", 0), ("spes", 1)]

@@ -126,7 +126,9 @@ def tree_state(repo: Path = REPO) -> dict[str, Any]:
     }
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
+    """What this process runs on, as a provenance records it: results from another platform are not
+    bit-for-bit repeatable here (its CPU may take other kernels), so a reused run must come from this one."""
     try:
         torch = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
@@ -159,6 +161,11 @@ class Result:
     def missing(self) -> list[str]:
         """The keys a complete provenance block has and this one lacks (all of them for a legacy file)."""
         return [k for k in PROVENANCE_KEYS if k not in (self.provenance or {})]
+
+    @property
+    def platform(self) -> str | None:
+        """The platform the file was measured on (None: not recorded)."""
+        return (self.provenance or {}).get("machine", {}).get("platform")
 
     @property
     def command(self) -> str | None:
@@ -246,7 +253,7 @@ class Run:
             "started": self.started,
             "argv": self.argv,
             "seeds": list(self.seeds),
-            "machine": _machine(),
+            "machine": machine(),
         }
         if changed:
             block["changed_during_run"] = {"commit": now["commit"]}
