@@ -43,9 +43,14 @@ DEFAULTS = (
 )
 MUON_ITERATIONS = "muon-ns3"  # the quality benchmark's run of Muon with 5 and with 3 iterations, side by side
 # topk-dense in the swarm: (how the experts' updates go, comms variant, convergence arm, its convergence
-# variants at SWARM_PEERS); the setting each row names is read from the arm's overrides in those results
+# variants at SWARM_PEERS, None where not run); the settings each row names are those the arm's overrides
+# in those results set to other than topk-dense's values
 SWARM_PEERS = (4, 8)
-SWARM_SETTINGS = {"swarm.expert_sync_rounds": 1, "swarm.topk_lone_fraction": None}  # with their defaults
+SWARM_SETTINGS = {
+    "swarm.expert_sync_rounds": 1,
+    "swarm.topk_result_fraction": 0.0625,
+    "swarm.topk_lone_fraction": None,
+}
 SWARM_MODES = (
     ("every round, at the averaged parts' share", "main", "spes-topk-dense", ("every4-150r", "topk-dense-8peers-150r")),
     ("every K rounds", "every4", "spes-topk-dense-every4", ("every4-150r", "every4-8peers-150r")),
@@ -703,15 +708,16 @@ def swarm_codec() -> str:
     lengths = set()
     for label, comms_variant, arm, runs in SWARM_MODES:
         wire = load("comms", comms_variant)
-        settings = _swarm_mode_settings(load("convergence", runs[0]), arm)
+        settings = _swarm_mode_settings(load("convergence", next(v for v in runs if v)), arm)
         measured = {
             "swarm.expert_sync_rounds": wire.payload.get("expert_sync_rounds") or 1,
+            "swarm.topk_result_fraction": wire.payload.get("topk_result_fraction"),
             "swarm.topk_lone_fraction": wire.payload.get("topk_lone_fraction"),
         }
         for key, value in measured.items():
-            if settings.get(key, SWARM_SETTINGS[key]) != value:
-                raise RenderError(f"{wire.path} measured {key}={value}, the arm {arm} runs {settings.get(key)}")
-        label += "".join(f" (`{k}: {v:.10g}`)" for k, v in settings.items())
+            if settings[key] != value:
+                raise RenderError(f"{wire.path} measured {key}={value}, the arm {arm} runs {settings[key]}")
+        label += "".join(f" (`{k}: {v:.10g}`)" for k, v in settings.items() if v != SWARM_SETTINGS[k])
         projected = wire.payload["projections"]["spes-1b"]["peers"]
         less = " / ".join(
             f"{projected[n]['codecs']['topk-dense']['times_less_than_spes_reference_fp32']:.1f}x"
@@ -719,6 +725,9 @@ def swarm_codec() -> str:
         )
         cells = []
         for peers, variant in zip(SWARM_PEERS, runs):
+            if variant is None:
+                cells.append("not run")
+                continue
             conv = load("convergence", variant)
             c = conv.payload
             if c["peers"] != peers or arm not in c["summary"]:
@@ -743,11 +752,11 @@ def swarm_codec() -> str:
     return "\n".join([*lines, "", textwrap.fill(note, 100, break_on_hyphens=False, break_long_words=False)])
 
 
-def _swarm_mode_settings(conv: Result, arm: str) -> dict[str, float]:
-    """How ``arm`` of a convergence result sends the experts' updates: the :data:`SWARM_SETTINGS` its
-    overrides set (``swarm.key``: number)."""
+def _swarm_mode_settings(conv: Result, arm: str) -> dict[str, float | None]:
+    """How ``arm`` of a convergence result sends the experts' updates: each of :data:`SWARM_SETTINGS`
+    (``swarm.key``: number), as its overrides set it or else its default."""
     pairs = (o.split("=", 1) for o in conv.payload["arms"][arm])
-    return {k: float(v) for k, v in pairs if k in SWARM_SETTINGS}
+    return SWARM_SETTINGS | {k: float(v) for k, v in pairs if k in SWARM_SETTINGS}
 
 
 def head_codec_rounds() -> str:

@@ -196,3 +196,17 @@ def test_the_lone_copies_table_refuses_rows_from_another_machine_than_its_baseli
     moved.write_text(json.dumps(data))
     with pytest.raises(render.RenderError, match="different machines"):
         render.lone_copies_table()
+
+
+def test_a_swarm_mode_names_only_the_settings_it_changes_and_shows_a_peer_count_not_run(monkeypatch):
+    row = ("a share of their own", "lone5", "spes-topk-dense-lone5", (None, "lone5-8peers-150r"))
+    monkeypatch.setattr(render, "SWARM_MODES", (row,))
+    line = render.swarm_codec().splitlines()[2]
+    # the arm sets the result share to topk-dense's own value: only the lone share is named
+    assert line.startswith("| a share of their own (`swarm.topk_lone_fraction: 0.01953125`) | ")
+    assert "result_fraction" not in line
+    assert line.split(" | ")[2] == "not run" and "3 seeds" in line.split(" | ")[3]
+    # bytes measured with another lone share than the arm trained with are refused
+    monkeypatch.setattr(render, "SWARM_MODES", (("x", "main", *row[2:]),))
+    with pytest.raises(render.RenderError, match="topk_lone_fraction=None, the arm spes-topk-dense-lone5 runs"):
+        render.swarm_codec()
