@@ -564,14 +564,18 @@ def reusable(
 
 
 def take_runs(
-    earlier: list[results.Result], setup: dict[str, Any], arms: list[str], seeds: list[int]
+    earlier: list[results.Result],
+    setup: dict[str, Any],
+    arms: list[str],
+    seeds: list[int],
+    other_machine: bool = False,
 ) -> tuple[dict[tuple[str, int], dict[str, Any]], list[results.Result]]:
     """:func:`reusable` over several earlier results, the first that has a run winning, for the ``seeds``
-    this run asks for, all measured on this machine; with the results that gave a run (oldest first, as a
-    provenance lists them)."""
+    this run asks for, all measured on this machine unless ``other_machine``; with the results that gave a
+    run (oldest first, as a provenance lists them, each with its machine)."""
     taken: dict[tuple[str, int], dict[str, Any]] = {}
     given: dict[tuple[str, int], results.Result] = {}
-    here = results.machine()["platform"]
+    here = None if other_machine else results.machine()["platform"]
     for result in reversed(earlier):
         for key, run in reusable(result, setup, arms, here).items():
             if key[1] in seeds:
@@ -772,6 +776,13 @@ def main() -> None:
         "baseline; each run taken names its file's commit. The result holds only this command's arms and seeds, "
         "also when it writes the variant it reuses",
     )
+    parser.add_argument(
+        "--reuse-other-machine",
+        action="store_true",
+        help="let --reuse take runs measured on another platform (refused by default: floating point may differ "
+        "there); only after a run of the same arm and seed repeated here to the last digit. The file's "
+        "provenance names each reused file's machine",
+    )
     results.add_variant(parser, help="writes benchmarks/results/convergence/<variant>.json and .png (default main)")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="K=V")
     args = parser.parse_args()
@@ -828,7 +839,8 @@ def main() -> None:
         "validation": validation.describe,
         "threads": args.threads,
     }
-    taken, earlier = take_runs([results.own("convergence", v) for v in args.reuse], setup, args.arms, args.seeds)
+    earlier_results = [results.own("convergence", v) for v in args.reuse]
+    taken, earlier = take_runs(earlier_results, setup, args.arms, args.seeds, args.reuse_other_machine)
 
     def save(seeds_done: list[int]) -> tuple[Path, bool, dict[str, Any]]:
         """The result file with the seeds done so far: an hours-long run stopped early keeps them."""

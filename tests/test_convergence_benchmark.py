@@ -73,3 +73,12 @@ def test_runs_from_another_machine_are_refused_with_the_fix():
         reusable(here, SETUP, ["spes"], "Linux-b")
     # a file that recorded no machine is taken, as before
     assert sorted(reusable(earlier(), SETUP, ["spes"], "Linux-b")) == [("spes", 0), ("spes", 1)]
+
+
+def test_another_machines_runs_are_taken_only_when_asked():
+    there = earlier()
+    there.provenance["machine"] = {"platform": "another platform"}
+    with pytest.raises(results.ResultError, match="measured on another platform"):
+        take_runs([there], SETUP, ["spes"], [0])
+    taken, used = take_runs([there], SETUP, ["spes"], [0], other_machine=True)
+    assert list(taken) == [("spes", 0)] and used == [there]
