@@ -166,8 +166,9 @@ class SwarmConfig:
     clip_tau: float = setting(1.0, doc="centered_clip: clip radius, in units of the contributions' median spread")
     max_update_ratio: float = setting(
         20.0,
-        doc="Refuse a group result that moves our values more than this many times the recent median move "
-        "(0: off); a refused result is logged and counted, and the peer keeps its own values",
+        doc="Refuse a group result that moves our values more than this many times the larger of the recent "
+        "median move and our own training's move since the round's anchor (0: off); a refused result is logged "
+        "and counted, and the peer keeps its own values",
     )
     secret_file: str | None = setting(
         None,

@@ -74,3 +74,28 @@ def test_a_result_far_outside_the_recent_moves_or_not_finite_is_refused():
     for move in (0.01, 0.012, 0.009):
         off.implausible("shared", local, local * (1 + move))
     assert off.implausible("shared", local, local * 1000) is None
+
+
+def test_moves_that_grow_with_the_learning_rate_are_taken_when_our_own_training_moved_as_much():
+    """Over a warm-up the rounds' moves grow many times; judged against the accepted moves alone, a peer
+    refused every honest result once they outgrew 20x its first ones, and never took one again."""
+    torch.manual_seed(0)
+    anchor = torch.randn(1000)
+
+    def honest_round(step: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Our weights after training from the anchor, and the group's average (ours among 4 members)."""
+        deltas = [step * torch.randn(1000) for _ in range(4)]
+        return anchor - deltas[0], anchor - torch.stack(deltas).mean(0)
+
+    alone, guarded = UpdateGuard(max_update_ratio=20.0), UpdateGuard(max_update_ratio=20.0)
+    for step in (1e-5, 1.2e-5, 0.9e-5):  # the first rounds, at the warm-up's tiny learning rate
+        local, averaged = honest_round(step)
+        assert alone.implausible("shared", local, averaged) is None
+        assert guarded.implausible("shared", local, averaged, anchor) is None
+    for step in (1e-3, 1.1e-3, 0.9e-3, 1e-3):  # the learning rate at its peak: 100x the first moves
+        local, averaged = honest_round(step)
+        assert "recent median" in alone.implausible("shared", local, averaged)  # refused, round after round
+        assert guarded.implausible("shared", local, averaged, anchor) is None
+    local, _ = honest_round(1e-3)
+    reason = guarded.implausible("shared", local, local * 3, anchor)  # a poisoned result still is refused
+    assert reason and "our own training's move" in reason

@@ -85,7 +85,8 @@ class GroupApplier:
                 # group's deadline is the longest any member proposes, so one member's inflated estimate
                 # would become everyone's (a round without losses still counts a retry our own link needed)
                 self.deadlines.observe_transfer(res.bytes_sent + res.bytes_received, res.transfer_seconds)
-            reason = self.guard.implausible(uid.split(":")[0], local, self.outer.anchor[uid] - res.tensor)
+            anchor = self.outer.anchor[uid]
+            reason = self.guard.implausible(uid.split(":")[0], local, anchor - res.tensor, anchor)
             if reason:
                 log.warning("refused the %s result of this round: %s", uid, reason)
                 self.stats.updates_refused += 1

@@ -151,24 +151,37 @@ class OuterOptimizer:
 
 
 class UpdateGuard:
-    """Refuses group results that are not finite or move our values far more than recent results did."""
+    """Refuses group results that are not finite or move our values far more than recent results did,
+    or than our own training moved them since the round's anchor."""
 
     def __init__(self, max_update_ratio: float, history: int = 20) -> None:
         self.limit = max_update_ratio
         self._moves: dict[str, deque[float]] = {}  # recent relative moves of accepted results, per kind
         self._history = history
 
-    def implausible(self, kind: str, local: torch.Tensor, averaged: torch.Tensor) -> str | None:
+    def implausible(
+        self, kind: str, local: torch.Tensor, averaged: torch.Tensor, anchor: torch.Tensor | None = None
+    ) -> str | None:
         """Why a group result must not be applied, or None. The move is ``|averaged - local| / |local|``,
-        compared with the median of accepted moves of the same ``kind`` (shared / expert)."""
+        compared with the larger of the median of accepted moves of the same ``kind`` (shared / expert)
+        and, given the ``anchor`` the round started from, our own move ``|anchor - local| / |local|``.
+        Moves grow many times over a learning-rate warm-up: against the accepted ones alone, a peer whose
+        early moves were tiny would refuse every later honest result (it never accepts the larger moves
+        that would raise its median). An honest group moves us by about what its members trained, ours
+        included; a poisoned result moves us far more than that."""
         if not torch.isfinite(averaged).all():
             return "the result is not finite"
-        move = float((averaged - local).norm()) / max(float(local.norm()), 1e-12)
+        scale = max(float(local.norm()), 1e-12)
+        move = float((averaged - local).norm()) / scale
+        own = 0.0 if anchor is None else float((anchor - local).norm()) / scale
         history = self._moves.setdefault(kind, deque(maxlen=self._history))
         if self.limit and len(history) >= 3:
-            typical = statistics.median(history)
+            typical = max(statistics.median(history), own)
             if move > self.limit * max(typical, 1e-6):
                 times = move / max(typical, 1e-6)
-                return f"it moves our values by {move:.3g} of their norm, {times:.0f}x the recent median"
+                return (
+                    f"it moves our values by {move:.3g} of their norm, {times:.0f}x the larger of the recent "
+                    f"median and our own training's move"
+                )
         history.append(move)
         return None
