@@ -569,15 +569,18 @@ def take_runs(
     arms: list[str],
     seeds: list[int],
     other_machine: bool = False,
+    only: list[list[str] | None] | None = None,
 ) -> tuple[dict[tuple[str, int], dict[str, Any]], list[results.Result]]:
     """:func:`reusable` over several earlier results, the first that has a run winning, for the ``seeds``
-    this run asks for, all measured on this machine unless ``other_machine``; with the results that gave a
-    run (oldest first, as a provenance lists them, each with its machine)."""
+    this run asks for (and, where ``only`` names them for a result, from those of its arms), all measured
+    on this machine unless ``other_machine``; with the results that gave a run (oldest first, as a
+    provenance lists them, each with its machine)."""
     taken: dict[tuple[str, int], dict[str, Any]] = {}
     given: dict[tuple[str, int], results.Result] = {}
     here = None if other_machine else results.machine()["platform"]
-    for result in reversed(earlier):
-        for key, run in reusable(result, setup, arms, here).items():
+    for result, named in reversed(list(zip(earlier, only or [None] * len(earlier)))):
+        wanted = [a for a in arms if named is None or a in named]
+        for key, run in reusable(result, setup, wanted, here).items():
             if key[1] in seeds:
                 taken[key], given[key] = run, result
     used = {id(r): r for r in given.values()}.values()
@@ -770,11 +773,11 @@ def main() -> None:
         "--reuse",
         nargs="+",
         default=[],
-        metavar="VARIANT",
+        metavar="VARIANT[:ARM,...]",
         help="take the runs (arm and seed) that convergence/VARIANT.json measured with this same setup instead of "
-        "running them again (the first file that has one): resume a stopped run, or keep a deterministic "
-        "baseline; each run taken names its file's commit. The result holds only this command's arms and seeds, "
-        "also when it writes the variant it reuses",
+        "running them again (the first file that has one; with :ARM,... only those arms' runs): resume a stopped "
+        "run, or keep a deterministic baseline; each run taken names its file's commit. The result holds only "
+        "this command's arms and seeds, also when it writes the variant it reuses",
     )
     parser.add_argument(
         "--reuse-other-machine",
@@ -839,8 +842,18 @@ def main() -> None:
         "validation": validation.describe,
         "threads": args.threads,
     }
-    earlier_results = [results.own("convergence", v) for v in args.reuse]
-    taken, earlier = take_runs(earlier_results, setup, args.arms, args.seeds, args.reuse_other_machine)
+    specs = [spec.partition(":") for spec in args.reuse]
+    unknown = sorted({a for _, _, named in specs for a in named.split(",") if named and a not in ARMS})
+    if unknown:
+        parser.error(f"--reuse names arms that do not exist: {', '.join(unknown)}")
+    taken, earlier = take_runs(
+        [results.own("convergence", variant) for variant, _, _ in specs],
+        setup,
+        args.arms,
+        args.seeds,
+        args.reuse_other_machine,
+        [named.split(",") if named else None for _, _, named in specs],
+    )
 
     def save(seeds_done: list[int]) -> tuple[Path, bool, dict[str, Any]]:
         """The result file with the seeds done so far: an hours-long run stopped early keeps them."""

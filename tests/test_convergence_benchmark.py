@@ -82,3 +82,10 @@ def test_another_machines_runs_are_taken_only_when_asked():
         take_runs([there], SETUP, ["spes"], [0])
     taken, used = take_runs([there], SETUP, ["spes"], [0], other_machine=True)
     assert list(taken) == [("spes", 0)] and used == [there]
+
+
+def test_a_reuse_may_name_the_arms_it_takes_from_a_file():
+    taken, used = take_runs([earlier("a"), earlier("b", 5.0)], SETUP, ["spes"], [0], only=[["diloco"], None])
+    assert taken[("spes", 0)]["reused_from"]["variant"] == "b" and used == [earlier("b", 5.0)]
+    taken, used = take_runs([earlier("a")], SETUP, ["spes"], [0], only=[["diloco"]])
+    assert taken == {} and used == []
