@@ -28,8 +28,9 @@ P x b x seq_len tokens per step for ``--steps`` steps, with the same seeds):
   the last; the shared weights every round);
 * ``spes-topk-dense-lone5``: ``spes-topk-dense`` with ``swarm.topk_lone_fraction`` 5/256 (a lone holder's
   update, what its frozen copies download, at 5 of each block's 256 values);
-* ``spes-topk-dense8-lone8`` (not run by default): ``spes-topk`` with the averaged parts at 8 of 256 and a
-  lone holder's update at 8 (the same bytes budget, more of it to the copies);
+* ``spes-topk-dense8-lone8`` (not run by default): ``spes-topk`` with ``swarm.topk_result_fraction`` and
+  ``swarm.topk_lone_fraction`` both 8/256 (the groups' averaged parts and a lone holder's update at 8 of
+  each block's 256 values: about the bytes of ``spes-topk-dense-lone5``, more of them to the copies);
 * ``spes-no-merge`` (not run by default): ``spes`` without the warm-up merge.
 
 The partial-residency arm of earlier versions is gone: its peers' checkpoints hold only their own
