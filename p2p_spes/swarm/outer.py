@@ -173,9 +173,9 @@ class UpdateGuard:
             return "the result is not finite"
         scale = max(float(local.norm()), 1e-12)
         move = float((averaged - local).norm()) / scale
-        own = 0.0 if anchor is None else float((anchor - local).norm()) / scale
         history = self._moves.setdefault(kind, deque(maxlen=self._history))
         if self.limit and len(history) >= 3:
+            own = 0.0 if anchor is None else float((anchor - local).norm()) / scale
             typical = max(statistics.median(history), own)
             if move > self.limit * max(typical, 1e-6):
                 times = move / max(typical, 1e-6)
