@@ -32,9 +32,15 @@ from benchmarks.lab import results
 from benchmarks.lab.netlab import Lab
 from benchmarks.lab.wan_report import PeerReport, compare_final
 
-# each codec's overrides; topk-dense is topk with the groups' averaged parts at up to 16 of 256 values
+# each codec's overrides; topk-dense is topk with the groups' averaged parts at up to 16 of 256 values,
+# topk-dense8-lone8 topk with those parts and each lone holder's update to its copies at 8 of 256
 CODECS = {name: [f"swarm.compression={name}"] for name in ("none", "fp16", "int8", "int4", "topk", "sparse")}
 CODECS["topk-dense"] = [*CODECS["topk"], "swarm.topk_result_fraction=0.0625"]
+CODECS["topk-dense8-lone8"] = [
+    *CODECS["topk"],
+    "swarm.topk_result_fraction=0.03125",
+    "swarm.topk_lone_fraction=0.03125",
+]
 
 
 def summarize(run: dict) -> dict:
@@ -78,9 +84,14 @@ def summarize(run: dict) -> dict:
     }
 
 
+def compression(codec: str) -> str:
+    """The ``swarm.compression`` that ``codec``'s overrides set."""
+    return next(o.split("=", 1)[1] for o in CODECS[codec] if o.startswith("swarm.compression="))
+
+
 def reread(run: dict, codec: str, arm: str) -> dict:
     """A stored run with its peers compared again by the current ``compare_final``."""
-    peers = [PeerReport.from_dict(p, compression=codec.removesuffix("-dense")) for p in run["peers"]]
+    peers = [PeerReport.from_dict(p, compression=compression(codec)) for p in run["peers"]]
     last, differences = compare_final(peers)
     return {**run, "last_common_round": last, "identical": not differences, "differences": differences}
 

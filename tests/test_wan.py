@@ -23,6 +23,7 @@ from helpers import SMALL, group_alive, stop, wait_for
 
 from benchmarks.lab.netlab import CFS_PERIOD_US, Lab, LabError, LinkSpec, cpu_quota_us, measure_link, tbf_params
 from benchmarks.lab.wan_report import PeerReport, SwarmReport, outcome_of, read_swarm
+from p2p_spes.config import load_config
 from p2p_spes.local_swarm import LocalSwarm, PeerPlace
 from p2p_spes.metrics_log import read_metrics
 
@@ -196,6 +197,17 @@ def test_losses_may_differ_under_a_lossy_codec_but_digests_may_not(tmp_path, set
     # a stored report reads back the same (benchmarks/wan_codecs.py --only-table)
     again = [PeerReport.from_dict(json.loads(json.dumps(p.to_dict()))) for p in report.peers]
     assert again == report.peers
+
+
+def test_each_lab_codec_is_a_valid_config_and_names_its_compression():
+    # benchmarks/wan_codecs.py: every codec's overrides load, and a stored run is judged by its compression
+    from benchmarks import wan_codecs
+
+    for codec, overrides in wan_codecs.CODECS.items():
+        cfg = load_config(None, overrides)
+        assert wan_codecs.compression(codec) == cfg.swarm.compression
+    lone = load_config(None, wan_codecs.CODECS["topk-dense8-lone8"]).swarm
+    assert (lone.compression, lone.topk_result_fraction, lone.topk_lone_fraction) == ("topk", 1 / 32, 1 / 32)
 
 
 # The lab itself (root) -----------------------------------------------------------------------------
