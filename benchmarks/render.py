@@ -736,6 +736,8 @@ def swarm_codec() -> str:
             if not c.get("complete", True):  # stopped: the seeds it has, and of how many
                 count = f"seed {', '.join(map(str, c['seeds']))} of {len(conv.provenance['seeds'])}, stopped"
                 cells.append(f"{statistics.fmean(gaps):+.2%} ({count})")
+            elif len(gaps) == 1:
+                cells.append(f"{gaps[0]:+.2%} (seed {c['seeds'][0]} only)")
             else:
                 cells.append(f"{statistics.fmean(gaps):+.2%} ({span(gaps, '+.2%')}, {len(gaps)} seeds)")
             lengths.add(f"{c['steps'] // c['sync_steps']} rounds of {c['sync_steps']} steps")

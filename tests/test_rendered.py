@@ -210,3 +210,13 @@ def test_a_swarm_mode_names_only_the_settings_it_changes_and_shows_a_peer_count_
     monkeypatch.setattr(render, "SWARM_MODES", (("x", "main", *row[2:]),))
     with pytest.raises(render.RenderError, match="topk_lone_fraction=None, the arm spes-topk-dense-lone5 runs"):
         render.swarm_codec()
+
+
+def test_a_swarm_mode_run_at_one_seed_says_so(monkeypatch):
+    variant, arm = "dense8-lone8-guarded-8peers-150r", "spes-topk-dense8-lone8"
+    monkeypatch.setattr(render, "SWARM_MODES", (("at 8", "dense8-lone8", arm, (None, variant)),))
+    cell = render.swarm_codec().splitlines()[2].split(" | ")[3]
+    summary = render.load("convergence", variant).payload["summary"]
+    [seed] = summary[arm]["finals"]
+    gap = summary[arm]["finals"][seed] / summary["spes"]["finals"][seed] - 1
+    assert cell == f"{gap:+.2%} (seed {seed} only) |"
