@@ -139,7 +139,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import convergence
-from benchmarks.lab import results
+from benchmarks.lab import feedback, results
 from benchmarks.lab.spread import spread
 from p2p_spes.averaging.compression import BLOCK, Codec
 from p2p_spes.config import Config, SwarmConfig, load_config
@@ -147,7 +147,7 @@ from p2p_spes.corpus import prepare_embedded_data
 from p2p_spes.data import BatchLoader, TokenDataset
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import build_optimizer, is_hidden_matrix, lr_at, parameter_groups, set_lr, trainable_parameters
-from p2p_spes.swarm.outer import OuterOptimizer, flatten, split_like
+from p2p_spes.swarm.outer import OuterOptimizer, flatten
 
 PEERS = 4  # replicas of the averaged arms; centralized trains one replica of PEERS x the batch
 
@@ -506,30 +506,28 @@ class CompressedAverage:
 
     @torch.no_grad()
     def average(self, models: list[MoETransformer]) -> None:
-        decoded, messages, n = [], [], self.anchor.numel()
-        for i, model in enumerate(models):
-            sent = self.anchor - flatten(p for _, p in trainable_parameters(model))
-            sent += self.decay * self.residuals[i]
-            if self.codec.forwards:
-                messages.append(self.codec.encode(sent))
-                decoded.append(self.codec.decode(messages[-1], n))
-            else:
-                decoded.append(self.through(self.codec, sent))
-            self.residuals[i] = sent - decoded[-1]
+        messages, n = [], self.anchor.numel()
+
+        def through(x: torch.Tensor) -> torch.Tensor:
+            if not self.codec.forwards:
+                return self.through(self.codec, x)
+            messages.append(self.codec.encode(x))
+            return self.codec.decode(messages[-1], n)
+
+        deltas = [self.anchor - flatten(p for _, p in trainable_parameters(m)) for m in models]
+        decoded = feedback.send(deltas, self.residuals, through, self.decay)
         if self.codec.forwards:
-            bundle = self.codec.result.bundle(messages, [1.0] * len(messages), n)
-            mean = self.codec.result.decode(bundle, n)
+            mean = self.codec.result.decode(self.codec.result.bundle(messages, [1.0] * len(messages), n), n)
         else:
             mean = torch.stack(decoded).mean(0)
         if not self.codec.forwards and self.probe.restage:
-            compensated = mean + self.reducer_residual
-            mean = self.through(self.codec.result_for(len(models)), compensated)
-            self.reducer_residual = compensated - mean
+            result = self.codec.result_for(len(models))
+            mean, self.reducer_residual = feedback.restage(
+                mean, self.reducer_residual, lambda x: self.through(result, x)
+            )
         self.anchor = self.anchor - mean
         for model in models:
-            params = [p for _, p in trainable_parameters(model)]
-            for p, v in zip(params, split_like(self.anchor, params)):
-                p.copy_(v)
+            feedback.write(self.anchor, [p for _, p in trainable_parameters(model)])
 
 
 class RandomK(CompressedAverage):

@@ -67,7 +67,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import codec_rounds, comms, convergence
-from benchmarks.lab import results, shares
+from benchmarks.lab import feedback, results, shares
 from p2p_spes.averaging.compression import BLOCK, Codec
 from p2p_spes.config import Config, load_config
 from p2p_spes.corpus import prepare_embedded_data
@@ -232,14 +232,10 @@ class SharedAverage:
     @torch.no_grad()
     def __call__(self, models: list[MoETransformer]) -> None:
         pseudo = [self.anchor - flatten(p for _, p in m.shared_parameters()) for m in models]
-        decoded = []
-        for i, delta in enumerate(pseudo):
-            sent = delta + self.residuals[i]
-            decoded.append(self.through(self.codec, sent))
-            self.residuals[i] = sent - decoded[-1]
-        compensated = torch.stack(decoded).mean(0) + self.reducer_residual
-        mean = self.through(self.result, compensated, ROWS_RESULT)
-        self.reducer_residual = compensated - mean
+        decoded = feedback.send(pseudo, self.residuals, lambda x: self.through(self.codec, x))
+        mean, self.reducer_residual = feedback.restage(
+            torch.stack(decoded).mean(0), self.reducer_residual, lambda x: self.through(self.result, x, ROWS_RESULT)
+        )
         exact = torch.stack(pseudo).mean(0)
         mean = torch.where(self.exact, exact, mean)
         for kept in (*self.residuals, self.reducer_residual):
@@ -255,9 +251,7 @@ class SharedAverage:
         }
         self.anchor = self.anchor - mean
         for m in models:
-            params = [p for _, p in m.shared_parameters()]
-            for p, v in zip(params, split_like(self.anchor, params)):
-                p.copy_(v)
+            feedback.write(self.anchor, [p for _, p in m.shared_parameters()])
 
 
 class Refreshes:

@@ -14,7 +14,7 @@ from p2p_spes.averaging.compression import BLOCK, Codec
 from p2p_spes.config import load_config
 from p2p_spes.model import MoETransformer
 from p2p_spes.optim import trainable_parameters
-from p2p_spes.swarm.outer import flatten
+from p2p_spes.swarm.outer import flatten, split_like
 
 TINY = [
     "model.d_model=32",
@@ -196,7 +196,7 @@ def test_spread_is_the_replicas_distance_from_their_mean_over_the_means_step():
         for m, sign in zip(models, (1.0, -1.0)):
             params = [p for _, p in trainable_parameters(m)]
             target = last + 3 * direction + sign * apart
-            for p, v in zip(params, local_steps.split_like(target, params)):
+            for p, v in zip(params, split_like(target, params)):
                 p.copy_(v)
     distance, ratio = local_steps.replica_spread(models, last)
     assert abs(distance - 1) < 1e-4 and abs(ratio - 1 / 3) < 1e-4
