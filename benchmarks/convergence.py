@@ -31,6 +31,7 @@ P x b x seq_len tokens per step for ``--steps`` steps, with the same seeds):
 * ``spes-topk-dense8-lone8`` (not run by default): ``spes-topk`` with ``swarm.topk_result_fraction`` and
   ``swarm.topk_lone_fraction`` both 8/256 (the groups' averaged parts and a lone holder's update at 8 of
   each block's 256 values: about the bytes of ``spes-topk-dense-lone5``, more of them to the copies);
+* ``spes-topk-dense12-lone7`` (not run by default): the same at 12/256 and 7/256;
 * ``spes-no-merge`` (not run by default): ``spes`` without the warm-up merge.
 
 The partial-residency arm of earlier versions is gone: its peers' checkpoints hold only their own
@@ -171,6 +172,13 @@ ARMS: dict[str, list[str] | None] = {
         "swarm.topk_result_fraction=0.03125",
         "swarm.topk_lone_fraction=0.03125",
     ],
+    # between the two: the averaged parts at 12 values a block and a lone holder's update at 7
+    "spes-topk-dense12-lone7": [
+        *SPES[:-1],
+        "swarm.compression=topk",
+        "swarm.topk_result_fraction=0.046875",
+        "swarm.topk_lone_fraction=0.02734375",
+    ],
     # the lone holders' updates in a dense codec, the experts every K rounds ("-decay": residuals x 0.95)
     **{
         f"spes-topk-dense-{codec}-every{k}{'-decay' if decay else ''}": [
@@ -219,6 +227,7 @@ DEFAULT_ARMS = [
         "spes-topk-dense-none-every16",
         "spes-topk-dense-int4-every16-decay",
         "spes-topk-dense8-lone8",
+        "spes-topk-dense12-lone7",
     )
 ]
 SUMMARY_KEYS = (

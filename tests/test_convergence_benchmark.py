@@ -89,3 +89,15 @@ def test_a_reuse_may_name_the_arms_it_takes_from_a_file():
     assert taken[("spes", 0)]["reused_from"]["variant"] == "b" and used == [earlier("b", 5.0)]
     taken, used = take_runs([earlier("a")], SETUP, ["spes"], [0], only=[["diloco"]])
     assert taken == {} and used == []
+
+
+def test_every_arm_is_a_valid_config_and_the_shares_it_names_are_what_it_runs():
+    from p2p_spes.config import load_config
+
+    def config(arm: str):  # a bad key or value raises, naming it (None: centralized)
+        return load_config(None, [o.format(merge=60, experts=2) for o in ARMS[arm] or []])
+
+    for arm in ARMS:
+        config(arm)
+    swarm = config("spes-topk-dense12-lone7").swarm
+    assert (swarm.topk_result_fraction * 256, swarm.topk_lone_fraction * 256) == (12, 7)
