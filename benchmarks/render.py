@@ -55,6 +55,12 @@ SWARM_MODES = (
     ("every round, at the averaged parts' share", "main", "spes-topk-dense", ("every4-150r", "topk-dense-8peers-150r")),
     ("every K rounds", "every4", "spes-topk-dense-every4", ("every4-150r", "every4-8peers-150r")),
     ("every round, at a share of their own", "lone5", "spes-topk-dense-lone5", ("lone5-150r", "lone5-8peers-150r")),
+    (
+        "every round, at a share of their own",
+        "dense8-lone8",
+        "spes-topk-dense8-lone8",
+        ("dense8-lone8-150r", "dense8-lone8-guarded-8peers-150r"),
+    ),
 )
 
 
@@ -717,7 +723,8 @@ def swarm_codec() -> str:
         for key, value in measured.items():
             if settings[key] != value:
                 raise RenderError(f"{wire.path} measured {key}={value}, the arm {arm} runs {settings[key]}")
-        label += "".join(f" (`{k}: {v:.10g}`)" for k, v in settings.items() if v != SWARM_SETTINGS[k])
+        changed = [f"`{k}: {v:.10g}`" for k, v in settings.items() if v != SWARM_SETTINGS[k]]
+        label += f" ({', '.join(changed)})" if changed else ""
         projected = wire.payload["projections"]["spes-1b"]["peers"]
         less = " / ".join(
             f"{projected[n]['codecs']['topk-dense']['times_less_than_spes_reference_fp32']:.1f}x"
