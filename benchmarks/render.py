@@ -59,7 +59,7 @@ SWARM_MODES = (
         "every round, at a share of their own",
         "dense8-lone8",
         "spes-topk-dense8-lone8",
-        ("dense8-lone8-150r", "dense8-lone8-guarded-8peers-150r"),
+        ("dense8-lone8-150r", "dense8-lone8-8peers-3seeds-150r"),
     ),
 )
 
